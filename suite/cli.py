@@ -1,0 +1,89 @@
+"""The `suite` command line.
+
+One dispatch table maps each subcommand to a module in `suite.commands` (or `suite.bench` for benchmarks).
+Each module defines `add_arguments(parser)` and `run(args) -> int`; modules are imported only when their
+subcommand runs, so `suite --help` stays fast. Bad input raises `UsageError`: one line on stderr, exit 2.
+A traceback is shown only with `--debug`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from suite.errors import EXIT_USAGE, UsageError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# subcommand -> (module, one-line help). Nested groups ("diffusion finetune") are modules with SUBCOMMANDS.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("suite.commands.env", "print versions, devices, distributed backends and kernel backends"),
+    "demo": ("suite.commands.demo", "run the main jobs on built-in defaults (tiny models, bundled data)"),
+    "bench": ("suite.bench", "run a benchmark against the baseline a user would otherwise use"),
+    "diffusion": ("suite.commands.diffusion", "Stable Diffusion fine-tuning (full, LoRA, DreamBooth)"),
+    "fold": ("suite.commands.fold", "predict protein structures from FASTA (AlphaFold2, FastFold flavour)"),
+    "checkpoint": ("suite.commands.checkpoint", "sharded checkpoint tools (consolidate)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag or subcommand in one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only the subcommand named in `argv` (if any) gets its flags added."""
+    parser = _Parser(prog="suite", description="Train and run large models on limited hardware.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    wanted = _requested_command(argv)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:
+                    raise
+                parser.error(f"'{name}' is not available in this build ({module} is missing)")
+    return parser
+
+
+def _requested_command(argv: Sequence[str] | None) -> str | None:
+    for token in argv or ():
+        if token in COMMANDS:
+            return token
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `suite` console script. Returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except UsageError as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"suite {args.command}: error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write(f"suite {args.command}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from suite.cli import COMMANDS, main
+
+
+def _run(*argv):
+    return subprocess.run([sys.executable, "-m", "suite", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_subcommands():
+    out = _run("--help")
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["nosuch"], ["env", "--no-such-flag"], ["--bogus"]])
+def test_bad_input_is_one_line_exit_2(argv):
+    out = _run(*argv)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "error" in lines[0]
+
+
+def test_env_json(capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["packages"]["torch"] != "not installed"
+    assert info["distributed"]["gloo"] is True
+    assert set(info["kernel_backends"])  # one entry per kernel (or the reason there is none)
+
+
+def test_env_text(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for word in ("torch", "triton", "diffusers", "lightning", "ray", "openmm", "gloo", "kernel backends"):
+        assert word in out
