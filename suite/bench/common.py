@@ -22,7 +22,9 @@ __all__ = [
 ]
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3, sync: Callable[[], None] | None = None) -> float:
+def time_fn(
+    fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3, sync: Callable[[], None] | None = None
+) -> float:
     """Median wall time of `fn()` in seconds over `repeat` runs after `warmup` runs."""
     for _ in range(warmup):
         fn()
