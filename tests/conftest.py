@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without CUDA, Triton kernels run in the interpreter on CPU tensors. Triton reads this when a kernel is
+# decorated, so it is set before any test module imports `kernels`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
