@@ -1,0 +1,1 @@
+"""Shared protein constants and geometry: residue constants, rigid transforms, atom construction."""
