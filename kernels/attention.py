@@ -1,0 +1,452 @@
+"""Attention with an additive (differentiable, broadcast) bias and a keep-mask: Triton, chunked PyTorch, reference.
+
+`attention(q, k, v, bias, mask, scale)` = `softmax(q @ k^T * scale + bias, masked) @ v` over the last dim.
+
+- Triton: a flash-attention forward (online softmax over key blocks, the row log-sum-exp saved) and a
+  backward in two kernels, one per key block for dk/dv and one per query block for dq, recomputing the
+  probabilities from the saved log-sum-exp (FlashAttention-2, Dao 2023; the Triton tutorial
+  `06-fused-attention.py`). The bias gradient is accumulated by the dq kernel with fp32 atomics into a
+  buffer of the bias's own (broadcast) shape, so no `[*, H, Q, K]` tensor ever exists.
+- PyTorch path (any device, the default on CPU): `F.scaled_dot_product_attention` when there is neither bias
+  nor mask; otherwise an autograd Function that walks query blocks, holding scores for `block_q` rows at a
+  time (memory grows with block_q x K), saves only the output and the row log-sum-exp, and recomputes each
+  block in the backward.
+- `attention_reference`: the plain formula, materialising everything.
+
+Fully masked query rows give zeros (and zero gradients), never NaN: their log-sum-exp is stored as +inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
+from kernels.backend import select_path
+from kernels.softmax import softmax_reference
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - Triton missing or broken: the PyTorch paths still work
+    triton = None
+
+__all__ = ["MAX_HEAD_DIM", "attention", "attention_reference"]
+
+MAX_HEAD_DIM = 128
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# scores held per block by the chunked path; 32 MiB keeps Q = K = 4096, H = 8 at 1/16 of the full matrix
+_CHUNK_BYTES = 32 * 2**20
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch attention in the dtype of q (materialises the [*, H, Q, K] scores).
+
+    q: [*, H, Q, D]; k, v: [*, H, K, D]; bias: float, broadcastable to [*, H, Q, K]; mask: bool, likewise,
+    True = keep. Returns [*, H, Q, D].
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2))
+    return torch.matmul(softmax_reference(s, mask, bias, scale), v)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch path: query blocks, online bookkeeping of the row log-sum-exp, recomputation in the backward.
+
+
+def _align(t: torch.Tensor | None, nd: int) -> torch.Tensor | None:
+    """View `t` with leading size-1 dims so it has `nd` dims (no copy)."""
+    if t is None or t.dim() == nd:
+        return t
+    return t.reshape((1,) * (nd - t.dim()) + tuple(t.shape))
+
+
+def _rows(t: torch.Tensor | None, qs: int, qe: int) -> torch.Tensor | None:
+    """Query rows qs:qe of a bias/mask (unchanged when it broadcasts over the query dim)."""
+    if t is None or t.shape[-2] == 1:
+        return t
+    return t[..., qs:qe, :]
+
+
+def _block_scores(qc, kt, bias, mask, qs, qe, scale):
+    """Scores of query rows qs:qe, [*, H, qc, K], in place: matmul, scale, + bias, masked to -inf."""
+    s = torch.matmul(qc, kt).mul_(scale)
+    b = _rows(bias, qs, qe)
+    if b is not None:
+        s.add_(b)
+    m = _rows(mask, qs, qe)
+    if m is not None:
+        s.masked_fill_(~m, float("-inf"))
+    return s
+
+
+def _block_q(q: torch.Tensor, n_k: int, block_q: int | None) -> int:
+    if block_q is not None:
+        return max(1, block_q)
+    per_row = max(1, q[..., 0, 0].numel() * n_k * 4)
+    return int(min(q.shape[-2], max(16, _CHUNK_BYTES // per_row)))
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale, block):
+        compute = torch.promote_types(q.dtype, torch.float32)
+        qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
+        kt = kf.transpose(-1, -2)
+        n_q = q.shape[-2]
+        out = torch.empty(*torch.broadcast_shapes(q.shape[:-1], v.shape[:-2] + (1,)), v.shape[-1], dtype=compute,
+                          device=q.device)
+        lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)
+        for qs in range(0, n_q, block):
+            qe = min(qs + block, n_q)
+            s = _block_scores(qf[..., qs:qe, :], kt, bias, mask, qs, qe, scale)
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m).exp_()
+            total = p.sum(-1, keepdim=True)
+            out[..., qs:qe, :] = torch.matmul(p, vf).div_(total.clamp_min(torch.finfo(compute).tiny))
+            # +inf for an empty row makes exp(s - lse) = 0 there in the backward
+            lse[..., qs:qe] = torch.where(total > 0, m + total.log(), math.inf).squeeze(-1)
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+        ctx.scale, ctx.block = scale, block
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        scale, block = ctx.scale, ctx.block
+        compute = out.dtype
+        qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
+        do = dout.to(compute)
+        delta = (do * out).sum(-1)
+        dq = torch.empty_like(qf)
+        dk_full = dv_full = None
+        want_bias = bias is not None and ctx.needs_input_grad[3]
+        dbias = torch.zeros(bias.shape, dtype=compute, device=q.device) if want_bias else None
+        kt = kf.transpose(-1, -2)
+        for qs in range(0, q.shape[-2], block):
+            qe = min(qs + block, q.shape[-2])
+            qc, doc = qf[..., qs:qe, :], do[..., qs:qe, :]
+            p = _block_scores(qc, kt, bias, mask, qs, qe, scale).sub_(lse[..., qs:qe, None]).exp_()
+            dv_c = torch.matmul(p.transpose(-1, -2), doc)
+            ds = torch.matmul(doc, vf.transpose(-1, -2)).sub_(delta[..., qs:qe, None]).mul_(p)
+            del p
+            dq[..., qs:qe, :] = torch.matmul(ds, kf).mul_(scale)
+            dk_c = torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
+            dk_full = dk_c if dk_full is None else dk_full.add_(dk_c)
+            dv_full = dv_c if dv_full is None else dv_full.add_(dv_c)
+            if want_bias:
+                if bias.shape[-2] == 1:
+                    dbias += reduce_to(ds, bias.shape)
+                else:
+                    dbias[..., qs:qe, :] = reduce_to(ds, bias.shape[:-2] + (qe - qs, bias.shape[-1]))
+        dk = reduce_to(dk_full, k.shape).to(k.dtype)
+        dv = reduce_to(dv_full, v.shape).to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
+
+
+def _attention_torch_path(q, k, v, bias, mask, scale, block_q):
+    if bias is None and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    nd = q.dim()
+    bias_a, mask_a = _align(bias, nd), _align(mask, nd)
+    out = _ChunkedAttention.apply(q, k, v, bias_a, mask_a, scale, _block_q(q, k.shape[-2], block_q))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton path.
+
+if triton is not None:
+
+    @triton.jit
+    def _lead_offset(z, L1, L2, L3, s0, s1, s2, s3):
+        # flat batch-head index -> four leading indices -> offset through (possibly zero) strides
+        i3 = z % L3
+        t = z // L3
+        i2 = t % L2
+        t = t // L2
+        i1 = t % L1
+        i0 = t // L1
+        return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+
+    @triton.jit
+    def _biased_scores(
+        q, k, rows, cols, b_base, m_base, NQ, NK, scale,
+        sbq, sbk, smq, smk,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # [BLOCK_M, BLOCK_N] fp32 scores q k^T * scale + bias, -inf where masked or past the key length
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        inside = (rows < NQ)[:, None] & (cols < NK)[None, :]
+        keep = inside
+        if HAS_BIAS:
+            s += tl.load(b_base + rows[:, None] * sbq + cols[None, :] * sbk, mask=inside, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            keep = keep & (tl.load(m_base + rows[:, None] * smq + cols[None, :] * smk, mask=inside, other=0) != 0)
+        return tl.where(keep, s, float("-inf"))
+
+    @triton.jit
+    def _attn_fwd_kernel(
+        Q, K, V, Bias, Mask, Out, Lse,  # q/k/v/out contiguous [Z, N*, D]; Lse fp32 [Z, NQ]
+        L1, L2, L3, NQ, NK, D, scale,
+        sb0, sb1, sb2, sb3, sbq, sbk,  # bias strides, zero where it broadcasts
+        sm0, sm1, sm2, sm3, smq, smk,  # mask strides (uint8 view of the bool mask)
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        z = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = (dims < D)[None, :]
+        # the query block stays in registers for the whole sweep over keys
+        q = tl.load(Q + z * NQ * D + rows[:, None] * D + dims[None, :], mask=(rows < NQ)[:, None] & dim_ok, other=0.0)
+        b_base = Bias + _lead_offset(z, L1, L2, L3, sb0, sb1, sb2, sb3)
+        m_base = Mask + _lead_offset(z, L1, L2, L3, sm0, sm1, sm2, sm3)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, NK, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            kv_ok = (cols < NK)[:, None] & dim_ok
+            k = tl.load(K + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+            s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
+                               HAS_BIAS, HAS_MASK, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows with nothing kept so far subtract 0: exp(-inf) = 0 instead of exp(nan)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(Out + z * NQ * D + rows[:, None] * D + dims[None, :], out.to(Out.dtype.element_ty),
+                 mask=(rows < NQ)[:, None] & dim_ok)
+        tl.store(Lse + z * NQ + rows, lse, mask=rows < NQ)
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(
+        Q, K, V, Bias, Mask, DO, Lse, Delta, DK, DV,
+        L1, L2, L3, NQ, NK, D, scale,
+        sb0, sb1, sb2, sb3, sbq, sbk,
+        sm0, sm1, sm2, sm3, smq, smk,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        z = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = (dims < D)[None, :]
+        kv_ok = (cols < NK)[:, None] & dim_ok
+        k = tl.load(K + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(V + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+        b_base = Bias + _lead_offset(z, L1, L2, L3, sb0, sb1, sb2, sb3)
+        m_base = Mask + _lead_offset(z, L1, L2, L3, sm0, sm1, sm2, sm3)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for start in range(0, NQ, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q_ok = (rows < NQ)[:, None] & dim_ok
+            q = tl.load(Q + z * NQ * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
+            do = tl.load(DO + z * NQ * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
+            lse = tl.load(Lse + z * NQ + rows, mask=rows < NQ, other=float("inf"))
+            delta = tl.load(Delta + z * NQ + rows, mask=rows < NQ, other=0.0)
+            s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
+                               HAS_BIAS, HAS_MASK, PRECISION)
+            p = tl.exp(s - lse[:, None])  # 0 where masked (s = -inf) or the row is empty (lse = +inf)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        tl.store(DK + z * NK * D + cols[:, None] * D + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+        tl.store(DV + z * NK * D + cols[:, None] * D + dims[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(
+        Q, K, V, Bias, Mask, DO, Lse, Delta, DQ, DBias,
+        L1, L2, L3, NQ, NK, D, scale,
+        sb0, sb1, sb2, sb3, sbq, sbk,
+        sm0, sm1, sm2, sm3, smq, smk,
+        sg0, sg1, sg2, sg3, sgq, sgk,  # strides of the fp32 bias-gradient buffer, zero where bias broadcasts
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+        BIAS_Q1: tl.constexpr, BIAS_K1: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        z = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = (dims < D)[None, :]
+        q_ok = (rows < NQ)[:, None] & dim_ok
+        q = tl.load(Q + z * NQ * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
+        do = tl.load(DO + z * NQ * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
+        lse = tl.load(Lse + z * NQ + rows, mask=rows < NQ, other=float("inf"))
+        delta = tl.load(Delta + z * NQ + rows, mask=rows < NQ, other=0.0)
+        b_base = Bias + _lead_offset(z, L1, L2, L3, sb0, sb1, sb2, sb3)
+        m_base = Mask + _lead_offset(z, L1, L2, L3, sm0, sm1, sm2, sm3)
+        g_base = DBias + _lead_offset(z, L1, L2, L3, sg0, sg1, sg2, sg3)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, NK, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            kv_ok = (cols < NK)[:, None] & dim_ok
+            k = tl.load(K + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
+            s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
+                               HAS_BIAS, HAS_MASK, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            if BIAS_GRAD:
+                # reduce over the dims the bias broadcasts along inside the tile; atomics do the rest
+                if BIAS_Q1 and BIAS_K1:
+                    tl.atomic_add(g_base, tl.sum(tl.sum(ds, axis=1), axis=0))
+                elif BIAS_Q1:
+                    tl.atomic_add(g_base + cols * sgk, tl.sum(ds, axis=0), mask=cols < NK)
+                elif BIAS_K1:
+                    tl.atomic_add(g_base + rows * sgq, tl.sum(ds, axis=1), mask=rows < NQ)
+                else:
+                    inside = (rows < NQ)[:, None] & (cols < NK)[None, :]
+                    tl.atomic_add(g_base + rows[:, None] * sgq + cols[None, :] * sgk, ds, mask=inside)
+        tl.store(DQ + z * NQ * D + rows[:, None] * D + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
+
+
+def _launch_config(q: torch.Tensor, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps); tl.dot needs every block dim >= 16."""
+    block_d = max(16, triton.next_power_of_2(d))
+    if not q.is_cuda:
+        return 32, 32, block_d, 4  # the interpreter: larger tiles mean fewer (slow) Python-level steps
+    if block_d >= 128:
+        return 64, 32, block_d, 4
+    return 64, 64, block_d, 4
+
+
+def _common_args(ctx_like, q, bias, mask):
+    """Leading sizes and the bias/mask strides shared by the three kernels."""
+    lead = tuple(q.shape[:-2])
+    n_q, n_k = q.shape[-2], ctx_like.n_k
+    full = lead + (n_q, n_k)
+    _, l1, l2, l3 = lead_sizes(lead)
+    return (l1, l2, l3, n_q, n_k, q.shape[-1], float(ctx_like.scale),
+            *lead_strides(bias, full, len(lead)), *lead_strides(mask, full, len(lead)))
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ctx.n_k, ctx.scale = k.shape[-2], scale
+        mask_u8 = None if mask is None else mask.view(torch.uint8)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+        bm, bn, bd, warps = _launch_config(q, q.shape[-1])
+        z = q[..., 0, 0].numel()
+        flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, PRECISION=_precision(q))
+        if z > 0 and q.shape[-2] > 0:
+            _attn_fwd_kernel[(z, triton.cdiv(q.shape[-2], bm))](
+                q, k, v, _or(bias, q), _or(mask_u8, q), out, lse, *_common_args(ctx, q, bias, mask),
+                **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
+            )
+        ctx.save_for_backward(q, k, v, bias, mask_u8, out, lse)
+        ctx.bias_shape = None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, bias, mask_u8, out, lse = ctx.saved_tensors
+        do = dout.contiguous()
+        delta = (do.float() * out.float()).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        want_bias = bias is not None and ctx.needs_input_grad[3]
+        dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if want_bias else None
+        bm, bn, bd, warps = _launch_config(q, q.shape[-1])
+        z = q[..., 0, 0].numel()
+        common = _common_args(ctx, q, bias, mask_u8)
+        flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_u8 is not None, PRECISION=_precision(q))
+        tensors = (q, k, v, _or(bias, q), _or(mask_u8, q), do, lse, delta)
+        if z > 0 and q.shape[-2] > 0 and ctx.n_k > 0:
+            _attn_bwd_dkdv_kernel[(z, triton.cdiv(ctx.n_k, bn))](
+                *tensors, dk, dv, *common, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+            full = tuple(q.shape[:-1]) + (ctx.n_k,)
+            g_strides = lead_strides(dbias, full, q.dim() - 2)
+            _attn_bwd_dq_kernel[(z, triton.cdiv(q.shape[-2], bm))](
+                *tensors, dq, _or(dbias, lse), *common, *g_strides, **flags, BIAS_GRAD=want_bias,
+                BIAS_Q1=want_bias and bias.shape[-2] == 1, BIAS_K1=want_bias and bias.shape[-1] == 1,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None
+
+
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    # Triton wants a pointer even for an argument a constexpr flag switches off
+    return placeholder if t is None else t
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 inputs must not silently drop to tf32 in tl.dot; half inputs ignore the setting
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _triton_unsupported(q, k, v, bias, mask) -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if q.dtype not in _TRITON_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} are not supported by the Triton kernel"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (v: {v.shape[-1]}) is not supported by the Triton kernel (max {MAX_HEAD_DIM})"
+    if k.shape[:-2] != q.shape[:-2] or v.shape[:-1] != k.shape[:-1]:
+        return "q, k and v with different leading dims are not supported by the Triton kernel"
+    if q.dim() - 2 > LEAD_DIMS:
+        return f"more than {LEAD_DIMS} leading dims are not supported by the Triton kernel"
+    return None
+
+
+def _check_shapes(q, k, v, bias, mask) -> None:
+    scores = tuple(q.shape[:-1]) + (k.shape[-2],)
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    for name, t in (("bias", bias), ("mask", mask)):
+        if t is not None and torch.broadcast_shapes(scores, t.shape) != scores:
+            raise ValueError(f"attention: {name} {tuple(t.shape)} does not broadcast to the scores {scores}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"attention: mask must be a bool tensor (True = keep), got {mask.dtype}")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    block_q: int | None = None,
+) -> torch.Tensor:
+    """softmax(q @ k^T * scale + bias, keeping only `mask`) @ v, without holding the whole score matrix.
+
+    q: [*, H, Q, D]; k, v: [*, H, K, D]; bias: float, broadcastable to [*, H, Q, K] (size-1 dims allowed,
+    differentiable); mask: bool, broadcastable to [*, H, Q, K], True = keep. scale defaults to D ** -0.5.
+    Returns [*, H, Q, D] in q's dtype; a query row with every key masked gives zeros.
+    block_q: query rows per block on the PyTorch path (default: about 32 MiB of scores per block).
+    """
+    _check_shapes(q, k, v, bias, mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    path = select_path("attention", q.device, _triton_unsupported(q, k, v, bias, mask))
+    if path == "torch":
+        return attention_reference(q, k, v, bias, mask, scale)
+    if path == "triton":
+        return _TritonAttention.apply(q, k, v, _align(bias, q.dim()), _align(mask, q.dim()), scale)
+    return _attention_torch_path(q, k, v, bias, mask, scale, block_q)

@@ -1,0 +1,111 @@
+"""Backend choice for the kernels: `auto`, `triton` or `torch`.
+
+The choice comes from `kernels.use_backend(name)` (a context manager, innermost wins) or else from the
+environment variable `SUITE_KERNEL_BACKEND`; the default is `auto`.
+
+- `auto`: the Triton kernels for CUDA tensors when Triton works and the dtype/shape is supported, otherwise
+  the fast PyTorch path (`"cpu"` below: chunked attention, fused torch ops; it runs on any device).
+- `triton`: the Triton kernels. On CPU tensors they run only under `TRITON_INTERPRET=1` (set before
+  `kernels` is imported, because Triton reads it when a kernel is defined); that is how the tests run them.
+- `torch`: the plain PyTorch reference (`*_reference` in each kernel module).
+
+Every fallback is logged once (per op and reason), never silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["BACKENDS", "ENV_VAR", "Path", "current_backend", "select_path", "triton_unavailable_reason",
+           "use_backend"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+ENV_VAR = "SUITE_KERNEL_BACKEND"
+#: The implementation an op call ends up in: the Triton kernel, the fast PyTorch path, or the reference.
+Path = str
+
+# Triton decides at decoration time whether a kernel is interpreted, so the flag is read once at import.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("suite_kernel_backend", default=None)
+_logged: set[str] = set()
+
+
+def _check(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend requested now: the innermost `use_backend`, else `$SUITE_KERNEL_BACKEND`, else `auto`."""
+    name = _override.get()
+    if name is not None:
+        return name
+    return _check(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the enclosed kernel calls with backend `name` (`auto`, `triton` or `torch`)."""
+    token = _override.set(_check(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no Triton"
+        return f"triton failed to import: {exc}"
+    return None
+
+
+def triton_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why the Triton kernels cannot run on `device`, or None when they can."""
+    device = torch.device(device)
+    reason = _triton_import_error()
+    if reason:
+        return reason
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    if device.type == "cpu":
+        return None if _INTERPRETED else "CPU tensors need TRITON_INTERPRET=1 set before kernels is imported"
+    return f"no Triton kernels for device type {device.type!r}"
+
+
+def log_once(message: str) -> None:
+    """Log a fallback warning the first time it happens in this process."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
+def select_path(op: str, device: torch.device, unsupported: str | None) -> Path:
+    """Pick `"triton"`, `"cpu"` (the fast PyTorch path) or `"torch"` (the reference) for one call of `op`.
+
+    `unsupported` is the op's reason why the Triton kernel cannot take these inputs (dtype, size), or None.
+    """
+    requested = current_backend()
+    if requested == "torch":
+        return "torch"
+    reason = triton_unavailable_reason(device) or unsupported
+    if requested == "triton":
+        if reason is None:
+            return "triton"
+        log_once(f"kernels.{op}: backend 'triton' requested but {reason}; using the PyTorch path")
+        return "cpu"
+    if device.type == "cuda":
+        if reason is None:
+            return "triton"
+        log_once(f"kernels.{op}: Triton not used on CUDA ({reason}); using the PyTorch path")
+    return "cpu"

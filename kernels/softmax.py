@@ -1,0 +1,227 @@
+"""Softmax over the last dim of `x * scale + bias` with a keep-mask: Triton kernels, reference, entry point.
+
+Built like the Triton fused-softmax tutorial (`02-fused-softmax.py`): one program per row, the whole row in
+one block, fp32 arithmetic. Bias and mask are read through their broadcast strides (stride 0 where they
+broadcast), so an Evoformer bias `[B, 1, H, Q, K]` or mask `[B, S, 1, 1, K]` is never expanded in memory.
+A fully masked row gives zeros (its maximum is -inf; the kernel subtracts 0 instead and divides by 1).
+
+The backward kernel writes `ds = p * (dp - sum(p * dp))` once in fp32; `dx = scale * ds` and the bias
+gradient is `ds` summed over the bias's broadcast dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
+from kernels.backend import select_path
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - Triton missing or broken: the PyTorch paths still work
+    triton = None
+
+__all__ = ["MAX_TRITON_K", "softmax", "softmax_reference"]
+
+MAX_TRITON_K = 16384
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _safe_softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where a row of all -inf gives zeros instead of NaN."""
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    e = torch.exp(s - m)
+    return e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
+
+
+def softmax_reference(
+    x: torch.Tensor, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """Plain PyTorch masked, biased softmax over the last dim, in the dtype of `x`.
+
+    x: [*, K]; bias: broadcastable to x (float); mask: broadcastable to x (bool, True = keep).
+    Returns the broadcast shape (that of x when bias and mask broadcast to it).
+    """
+    s = x * scale
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return _safe_softmax(s)
+
+
+def _fits(s: torch.Tensor, other: torch.Tensor) -> bool:
+    return torch.broadcast_shapes(s.shape, other.shape) == s.shape
+
+
+def _ds(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    return p * (dp - (p * dp).sum(-1, keepdim=True))
+
+
+class _TorchSoftmax(torch.autograd.Function):
+    """The PyTorch path: in-place fp32 scores, fused `torch.softmax`, only the output kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, mask, bias, scale):
+        compute = torch.promote_types(x.dtype, torch.float32)
+        s = torch.mul(x.to(compute), scale)
+        # in place where the other operand broadcasts into the scores, out of place where it widens them
+        if bias is not None:
+            s = s.add_(bias) if _fits(s, bias) else s + bias
+        if mask is not None:
+            s = s.masked_fill_(~mask, float("-inf")) if _fits(s, mask) else s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        del s
+        if mask is not None:
+            p.masked_fill_(~mask.any(-1, keepdim=True), 0.0)
+        ctx.save_for_backward(p)
+        ctx.meta = _meta(x, bias, scale)
+        return p.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (p,) = ctx.saved_tensors
+        return _grads(ctx, _ds(p, dy.to(p.dtype)))
+
+
+def _meta(x: torch.Tensor, bias: torch.Tensor | None, scale: float) -> tuple:
+    return x.shape, x.dtype, None if bias is None else bias.shape, None if bias is None else bias.dtype, scale
+
+
+def _grads(ctx, ds: torch.Tensor) -> tuple:
+    """Gradients for (x, mask, bias, scale) from ds = d loss / d (x * scale + bias), fp32, full shape."""
+    x_shape, x_dtype, bias_shape, bias_dtype, scale = ctx.meta
+    dx = dbias = None
+    if ctx.needs_input_grad[0]:
+        dx = reduce_to(ds * scale, x_shape).to(x_dtype)
+    if bias_shape is not None and ctx.needs_input_grad[2]:
+        dbias = reduce_to(ds, bias_shape).to(bias_dtype)
+    return dx, None, dbias, None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_offset(row, L1, L2, L3, s0, s1, s2, s3):
+        # flat row index -> four leading indices -> element offset through (possibly zero) strides
+        i3 = row % L3
+        t = row // L3
+        i2 = t % L2
+        t = t // L2
+        i1 = t % L1
+        i0 = t // L1
+        return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+
+    @triton.jit
+    def _softmax_fwd_kernel(
+        X, Bias, Mask, Y,  # Y is contiguous [rows, K]; the others are read through their strides
+        L1, L2, L3, K, scale,
+        sx0, sx1, sx2, sx3, sxk,
+        sb0, sb1, sb2, sb3, sbk,
+        sm0, sm1, sm2, sm3, smk,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        keep = cols < K
+        x = tl.load(X + _row_offset(row, L1, L2, L3, sx0, sx1, sx2, sx3) + cols * sxk, mask=keep, other=0.0)
+        s = x.to(tl.float32) * scale
+        if HAS_BIAS:
+            b_ptr = Bias + _row_offset(row, L1, L2, L3, sb0, sb1, sb2, sb3) + cols * sbk
+            s += tl.load(b_ptr, mask=keep, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            m_ptr = Mask + _row_offset(row, L1, L2, L3, sm0, sm1, sm2, sm3) + cols * smk
+            keep = keep & (tl.load(m_ptr, mask=keep, other=0) != 0)
+        s = tl.where(keep, s, float("-inf"))
+        m = tl.max(s, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # fully masked row: exp(-inf - 0) = 0 everywhere
+        e = tl.exp(s - m)
+        total = tl.sum(e, axis=0)
+        y = e / tl.where(total == 0.0, 1.0, total)
+        tl.store(Y + row * K + cols, y.to(Y.dtype.element_ty), mask=cols < K)
+
+    @triton.jit
+    def _softmax_bwd_kernel(P, DY, DS, K, BLOCK_K: tl.constexpr):
+        # all three contiguous [rows, K]; DS is fp32
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        valid = cols < K
+        p = tl.load(P + row * K + cols, mask=valid, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * K + cols, mask=valid, other=0.0).to(tl.float32)
+        ds = p * (dy - tl.sum(p * dy, axis=0))
+        tl.store(DS + row * K + cols, ds, mask=valid)
+
+
+def _softmax_warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+class _TritonSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, bias, scale):
+        shapes = [x.shape] + [t.shape for t in (mask, bias) if t is not None]
+        full = tuple(torch.broadcast_shapes(*shapes))
+        n_lead = len(full) - 1
+        k = full[-1]
+        y = torch.empty(full, device=x.device, dtype=x.dtype)
+        rows = y.numel() // max(k, 1)
+        mask_u8 = None if mask is None else mask.view(torch.uint8)
+        block = triton.next_power_of_2(k)
+        _, l1, l2, l3 = lead_sizes(full[:-1])
+        if rows > 0 and k > 0:
+            _softmax_fwd_kernel[(rows,)](
+                x, bias if bias is not None else x, mask_u8 if mask_u8 is not None else x, y,
+                l1, l2, l3, k, float(scale),
+                *lead_strides(x, full, n_lead), *lead_strides(bias, full, n_lead), *lead_strides(mask, full, n_lead),
+                HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_K=block, num_warps=_softmax_warps(block),
+            )
+        ctx.save_for_backward(y)
+        ctx.meta = _meta(x, bias, scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        k = y.shape[-1]
+        ds = torch.empty(y.shape, device=y.device, dtype=torch.float32)
+        rows = y.numel() // max(k, 1)
+        if rows > 0 and k > 0:
+            block = triton.next_power_of_2(k)
+            _softmax_bwd_kernel[(rows,)](y, dy.contiguous(), ds, k, BLOCK_K=block, num_warps=_softmax_warps(block))
+        return _grads(ctx, ds)
+
+
+def _triton_unsupported(x: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None) -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if x.dtype not in _TRITON_DTYPES:
+        return f"dtype {x.dtype} is not supported by the Triton kernel"
+    full = torch.broadcast_shapes(*[t.shape for t in (x, mask, bias) if t is not None])
+    if full[-1] > MAX_TRITON_K:
+        return f"rows longer than {MAX_TRITON_K} are not supported by the Triton kernel"
+    if len(full) - 1 > LEAD_DIMS:
+        return f"more than {LEAD_DIMS} leading dims are not supported by the Triton kernel"
+    return None
+
+
+def softmax(
+    x: torch.Tensor, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """Softmax over the last dim of `x * scale + bias`, positions where `mask` is False excluded.
+
+    x: [*, K] (e.g. [B, S, H, Q, K]); bias: float, broadcastable to x (e.g. [B, 1, H, Q, K]);
+    mask: bool, broadcastable to x (e.g. [B, S, 1, 1, K]), True = keep. Returns x's shape (the broadcast
+    shape) in x's dtype; a fully masked row is all zeros. Differentiable in x and bias.
+    """
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"softmax: mask must be a bool tensor (True = keep), got {mask.dtype}")
+    if bias is not None:
+        bias = bias.to(x.dtype) if not bias.is_floating_point() else bias
+    path = select_path("softmax", x.device, _triton_unsupported(x, mask, bias))
+    if path == "triton":
+        return _TritonSoftmax.apply(x, mask, bias, scale)
+    if path == "torch":
+        return softmax_reference(x, mask, bias, scale)
+    return _TorchSoftmax.apply(x, mask, bias, scale)
