@@ -1,0 +1,1 @@
+"""Input side of `suite fold`: parsers, tool runners, MSA and template features, the processed batch."""

@@ -1,0 +1,123 @@
+"""Template features from HHsearch hits and a folder of PDB mmCIF files (AlphaFold2 suppl. 1.2.3).
+
+A hit `1ABC_A` names PDB entry `1abc`, author chain `A`. A hit is skipped (with a warning) when its mmCIF
+file is missing, it was released after the cut-off date, its chain is absent, or the hit's residues
+cannot be placed on the chain's SEQRES. The hit's alignment maps query residues to template residues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fastfold.common import residue_constants as rc
+from fastfold.data.features import empty_template_features
+from fastfold.data.mmcif import MmcifFile, parse_mmcif
+from fastfold.data.parsers import InputError, TemplateHit
+
+__all__ = ["TemplateConfig", "TemplateFeaturizer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TemplateConfig:
+    """Where templates come from and which hits are allowed."""
+
+    mmcif_dir: str
+    """Folder of `<pdb id>.cif` files (lower-case ids, as the PDB mirror names them)."""
+    max_template_date: str
+    """Latest release date allowed, `YYYY-MM-DD`."""
+    max_hits: int = 4
+    """Templates kept per target, best `sum_probs` first."""
+
+    def __post_init__(self) -> None:
+        try:
+            datetime.date.fromisoformat(self.max_template_date)
+        except ValueError:
+            msg = f"TemplateConfig.max_template_date must be YYYY-MM-DD, got {self.max_template_date!r}"
+            raise ValueError(msg) from None
+        if self.max_hits < 0:
+            raise ValueError(f"TemplateConfig.max_hits must be >= 0, got {self.max_hits}")
+
+
+class TemplateFeaturizer:
+    """Builds `template_*` raw features `[T, N, ...]` for a query from its hits."""
+
+    def __init__(self, config: TemplateConfig) -> None:
+        self.config = config
+        self._cache: dict[str, MmcifFile | None] = {}
+
+    def _load(self, pdb_id: str) -> MmcifFile | None:
+        if pdb_id not in self._cache:
+            path = Path(self.config.mmcif_dir) / f"{pdb_id}.cif"
+            if not path.exists():
+                self._cache[pdb_id] = None
+            else:
+                self._cache[pdb_id] = parse_mmcif(path.read_text(), str(path))
+        return self._cache[pdb_id]
+
+    def _one(self, query: str, hit: TemplateHit) -> dict[str, np.ndarray] | None:
+        pdb_id, _, chain_id = hit.name.partition("_")
+        try:
+            mmcif = self._load(pdb_id.lower())
+        except InputError as exc:
+            logger.warning("template %s skipped: %s", hit.name, exc)
+            return None
+        if mmcif is None:
+            logger.warning("template %s skipped: no %s.cif in %s", hit.name, pdb_id.lower(), self.config.mmcif_dir)
+            return None
+        if not mmcif.release_date or mmcif.release_date > self.config.max_template_date:
+            logger.info("template %s skipped: released %s, after the cut-off", hit.name, mmcif.release_date or "?")
+            return None
+        chain = mmcif.chains.get(chain_id)
+        if chain is None:
+            logger.warning("template %s skipped: chain %s not in the mmCIF file", hit.name, chain_id)
+            return None
+        return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask)
+
+    def get(self, query: str, hits: Sequence[TemplateHit]) -> dict[str, np.ndarray]:
+        """Template features for `query` from `hits` (best first); T = 0 when none is usable."""
+        feats = []
+        for hit in sorted(hits, key=lambda h: -h.sum_probs):
+            if len(feats) >= self.config.max_hits:
+                break
+            one = self._one(query, hit)
+            if one is not None:
+                feats.append(one)
+        if not feats:
+            return empty_template_features(len(query))
+        return {k: np.stack([f[k] for f in feats]) for k in feats[0]}
+
+
+def _features_from_hit(
+    query: str, hit: TemplateHit, seqres: str, positions: np.ndarray, mask: np.ndarray
+) -> dict[str, np.ndarray] | None:
+    """Map the hit's aligned template residues onto the query. `positions` `[L, 37, 3]`."""
+    hit_residues = hit.hit_sequence.replace("-", "")
+    offset = seqres.find(hit_residues)
+    if offset < 0:
+        logger.warning("template %s skipped: hit sequence not found in the chain's SEQRES", hit.name)
+        return None
+    first_hit = min(i for i in hit.indices_hit if i >= 0)
+    n = len(query)
+    out_pos = np.zeros((n, rc.atom_type_num, 3), np.float32)
+    out_mask = np.zeros((n, rc.atom_type_num), np.float32)
+    aatype = np.full(n, 21, np.int64)  # gap where the template has no residue
+    for qi, ti in zip(hit.indices_query, hit.indices_hit):
+        if qi < 0 or ti < 0 or qi >= n:
+            continue
+        row = ti - first_hit + offset
+        out_pos[qi], out_mask[qi] = positions[row], mask[row]
+        aatype[qi] = rc.restype_order.get(seqres[row], rc.unk_restype_index)
+    return {
+        "template_aatype": aatype,
+        "template_all_atom_positions": out_pos,
+        "template_all_atom_mask": out_mask,
+        "template_sum_probs": np.array([hit.sum_probs], np.float32),
+    }
