@@ -1,0 +1,70 @@
+"""Confidence outputs: the JSON of pLDDT / pTM / PAE and the PNG plots of pLDDT and PAE."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core_parallel.fileio import atomic_write
+
+__all__ = ["confidence_dict", "plot_pae", "plot_plddt", "write_confidence_json"]
+
+
+def confidence_dict(plddt: np.ndarray, ptm: float | None = None, pae: np.ndarray | None = None) -> dict[str, Any]:
+    """`plddt` `[N]` in 0..100, optional `ptm` and `pae` `[N, N]` (Angstrom) as JSON-ready values."""
+    plddt = np.asarray(plddt, dtype=np.float64)
+    out: dict[str, Any] = {"plddt": [round(float(x), 2) for x in plddt], "mean_plddt": round(float(plddt.mean()), 2)}
+    if ptm is not None:
+        out["ptm"] = round(float(ptm), 4)
+    if pae is not None:
+        pae = np.asarray(pae, dtype=np.float64)
+        out["pae"] = [[round(float(x), 2) for x in row] for row in pae]
+        out["max_pae"] = round(float(pae.max()), 2)
+    return out
+
+
+def write_confidence_json(path: str | Path, confidence: dict[str, Any]) -> None:
+    with atomic_write(path) as f:
+        json.dump(confidence, f)
+
+
+def _save(fig, path: str | Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    with atomic_write(path, "wb") as f:
+        f.write(buf.getvalue())
+
+
+def plot_plddt(path: str | Path, plddt: np.ndarray, title: str) -> None:
+    """Per-residue pLDDT line plot with AlphaFold's confidence bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    for lo, hi, colour in ((0, 50, "#ff7d45"), (50, 70, "#ffdb13"), (70, 90, "#65cbf3"), (90, 100, "#0053d6")):
+        ax.axhspan(lo, hi, color=colour, alpha=0.15, lw=0)
+    ax.plot(np.arange(1, len(plddt) + 1), plddt, color="black", lw=1)
+    ax.set(xlabel="residue", ylabel="pLDDT", ylim=(0, 100), xlim=(1, max(len(plddt), 2)), title=title)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_pae(path: str | Path, pae: np.ndarray, title: str) -> None:
+    """Predicted aligned error heat map (scored residue vs aligned residue)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4.2))
+    im = ax.imshow(pae, cmap="Greens_r", vmin=0, vmax=max(float(np.max(pae)), 1e-6))
+    fig.colorbar(im, ax=ax, label="expected position error (Å)")
+    ax.set(xlabel="scored residue", ylabel="aligned residue", title=title)
+    _save(fig, path)
+    plt.close(fig)
