@@ -31,19 +31,20 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def layer_norm_reference(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:
-    """Plain PyTorch LayerNorm over the last dim, in the dtype of `x`.
+    """Plain PyTorch LayerNorm over the last dim; fp16/bf16 are computed in fp32 as `F.layer_norm` does.
 
-    x: [*, N]; weight, bias: [N] or None. Returns [*, N].
+    x: [*, N]; weight, bias: [N] or None. Returns [*, N] in the dtype of `x`.
     """
-    mean = x.mean(-1, keepdim=True)
-    xc = x - mean
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    mean = xf.mean(-1, keepdim=True)
+    xc = xf - mean
     var = (xc * xc).mean(-1, keepdim=True)
     y = xc * torch.rsqrt(var + eps)
     if weight is not None:
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y
+    return y.to(x.dtype)
 
 
 if triton is not None:
@@ -202,6 +203,10 @@ def layer_norm(
         return _TritonLayerNorm.apply(x, weight, bias, eps)
     if path == "torch":
         return layer_norm_reference(x, weight, bias, eps)
+    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):
+        # CPU F.layer_norm accumulates half-precision weight/bias gradients in half; fp32 keeps them exact
+        up = [None if t is None else t.float() for t in (weight, bias)]
+        return F.layer_norm(x.float(), (n,), up[0], up[1], eps).to(x.dtype)
     return F.layer_norm(x, (n,), weight, bias, eps)
 
 
