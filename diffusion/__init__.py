@@ -1,1 +1,30 @@
-"""diffusion."""
+"""diffusion: Stable Diffusion fine-tuning on diffusers, as plain PyTorch (no Lightning, no torch.distributed).
+
+- `diffusion.tiny`: a tiny pipeline built offline from configs (tokenizer included).
+- `diffusion.models`: load a pipeline folder / single file, assemble a `StableDiffusionPipeline`.
+- `diffusion.data`: folder scanning with validation, preprocessing, the resumable sampler.
+- `diffusion.training`: the training-step math (loss, min-SNR, noise offset, prior preservation), EMA.
+- `diffusion.lora`, `diffusion.attention`, `diffusion.export`, `diffusion.sample_data`, `diffusion.config`.
+
+The Lightning recipe is `recipes.StableDiffusionFineTune`; the command is `suite diffusion finetune`.
+"""
+
+from __future__ import annotations
+
+from core_parallel._lazy import lazy_getattr
+
+_LAZY = {
+    "FineTuneConfig": "diffusion.config",
+    "TinyPipelineConfig": "diffusion.tiny",
+    "build_tiny_components": "diffusion.tiny",
+    "load_components": "diffusion.models",
+    "make_pipeline": "diffusion.models",
+    "DataConfig": "diffusion.data",
+    "LossConfig": "diffusion.training",
+    "EMA": "diffusion.training",
+    "diffusion_loss": "diffusion.training",
+    "KernelsAttnProcessor": "diffusion.attention",
+    "InputError": "diffusion.errors",
+}
+__getattr__ = lazy_getattr(__name__, _LAZY)
+__all__ = list(_LAZY)

@@ -1,0 +1,316 @@
+"""Captioned image data: scanning and validating local folders, image preprocessing, a resumable sampler.
+
+Folder formats (the ones diffusers' training scripts read):
+- an imagefolder with `metadata.jsonl`: one JSON object per line with `file_name` and a caption column;
+- images with same-name `.txt` captions (`cat.png` + `cat.txt`);
+- DreamBooth: every image of `--instance_data_dir` gets `--instance_prompt` (and the class images
+  `--class_prompt`).
+
+Every image is opened and decoded once while scanning, so a bad file stops the run before training with
+one line naming it (or is skipped with a warning when `skip_bad_images` is set). Grayscale, palette, RGBA,
+CMYK and 16-bit images are converted to 8-bit RGB (transparency over white); images smaller than the
+resolution are upscaled, as diffusers' resize does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffusion.errors import InputError
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "CaptionedImages",
+    "DataConfig",
+    "ImageRecord",
+    "StepBatchSampler",
+    "load_rgb",
+    "preprocess",
+    "scan_image_folder",
+    "scan_instance_folder",
+    "validate_records",
+]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """How images become training tensors."""
+
+    resolution: int = 32
+    """Side of the square training images in pixels (a multiple of 8)."""
+    center_crop: bool = False
+    """Crop the centre after resizing; otherwise a random crop."""
+    random_flip: bool = False
+    """Flip each image horizontally with probability 1/2."""
+    image_column: str = "image"
+    """metadata.jsonl key holding the image path when it is not `file_name`."""
+    caption_column: str = "text"
+    """metadata.jsonl key holding the caption."""
+    skip_bad_images: bool = False
+    """Skip unreadable images with a warning instead of stopping."""
+    max_length: int = 77
+    """Token length every caption is padded or truncated to."""
+
+    def __post_init__(self) -> None:
+        if self.resolution < 8 or self.resolution % 8:
+            raise ValueError(f"resolution must be a positive multiple of 8, got {self.resolution}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        for name in ("image_column", "caption_column"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One training image and its caption; `source` says where the pair was declared (for messages)."""
+
+    path: Path
+    caption: str
+    source: str
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def _check_folder(folder: Path, flag: str) -> None:
+    if not folder.exists():
+        raise InputError(f"{folder}: no such folder ({flag})")
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder ({flag})")
+
+
+def _metadata_record(folder: Path, meta: Path, lineno: int, line: str, cfg: DataConfig) -> ImageRecord:
+    where = f"{meta}:{lineno}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    name = row.get("file_name", row.get(cfg.image_column))
+    if not isinstance(name, str) or not name:
+        raise InputError(f"{where}: missing 'file_name'")
+    if cfg.caption_column not in row:
+        raise InputError(f"{where}: missing caption column '{cfg.caption_column}' (keys: {', '.join(row)})")
+    caption = row[cfg.caption_column]
+    if not isinstance(caption, str):
+        raise InputError(f"{where}: caption '{cfg.caption_column}' must be a string, got {type(caption).__name__}")
+    path = folder / name
+    if not path.is_file():
+        raise InputError(f"{where}: image file '{name}' does not exist in {folder}")
+    return ImageRecord(path=path, caption=caption, source=where)
+
+
+def scan_image_folder(folder: str | Path, cfg: DataConfig) -> list[ImageRecord]:
+    """Records of a `--train_data_dir` (metadata.jsonl, or `.txt` captions beside the images)."""
+    folder = Path(folder)
+    _check_folder(folder, "--train_data_dir")
+    meta = folder / "metadata.jsonl"
+    if meta.is_file():
+        lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
+        records = [_metadata_record(folder, meta, i, ln, cfg) for i, ln in enumerate(lines, 1) if ln.strip()]
+        if not records:
+            raise InputError(f"{meta}: no records (the file is empty)")
+        return records
+    images = _images_in(folder)
+    if not images:
+        raise InputError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) and no metadata.jsonl")
+    records = []
+    for image in images:
+        txt = image.with_suffix(".txt")
+        if not txt.is_file():
+            raise InputError(f"{image}: missing caption (no {txt.name} and no metadata.jsonl in {folder})")
+        records.append(ImageRecord(path=image, caption=txt.read_text(encoding="utf-8").strip(), source=str(txt)))
+    return records
+
+
+def scan_instance_folder(folder: str | Path, prompt: str, flag: str) -> list[ImageRecord]:
+    """Records of a DreamBooth instance or class folder: every image with the same prompt."""
+    folder = Path(folder)
+    _check_folder(folder, flag)
+    images = _images_in(folder)
+    if not images:
+        raise InputError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) ({flag})")
+    return [ImageRecord(path=p, caption=prompt, source=str(p)) for p in images]
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit and 32-bit single-channel images scaled to 8-bit grayscale."""
+    arr = np.asarray(img, dtype=np.float64)
+    arr = arr / 257.0 if img.mode.startswith("I") else arr
+    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
+
+
+def load_rgb(path: str | Path) -> Image.Image:
+    """Decode `path` fully and return an 8-bit RGB image (raises OSError/ValueError for bad files)."""
+    with Image.open(path) as img:
+        img.load()
+        if img.mode.startswith("I") or img.mode == "F":
+            img = _to_8bit(img)
+        if img.mode == "P" and "transparency" in img.info:
+            img = img.convert("RGBA")
+        if img.mode in ("RGBA", "LA", "PA"):
+            rgba = img.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        return img.convert("RGB")
+
+
+def validate_records(records: Sequence[ImageRecord], cfg: DataConfig, what: str) -> list[ImageRecord]:
+    """Decode every image once; stop on the first bad one, or skip bad ones when `cfg.skip_bad_images`."""
+    good, bad, small = [], [], 0
+    for record in records:
+        try:
+            with Image.open(record.path) as img:
+                img.load()
+                size = img.size
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types for broken files
+            if not cfg.skip_bad_images:
+                raise InputError(
+                    f"{record.path}: unreadable or truncated image ({type(exc).__name__}: {exc}); "
+                    "pass --skip_bad_images to skip such files"
+                ) from exc
+            logger.warning("skipping unreadable image %s (%s)", record.path, exc)
+            bad.append(record)
+            continue
+        small += min(size) < cfg.resolution
+        good.append(record)
+    if bad:
+        logger.warning("%s: skipped %d unreadable image(s) of %d", what, len(bad), len(records))
+    if small:
+        logger.warning("%s: %d image(s) smaller than %d px will be upscaled", what, small, cfg.resolution)
+    if not good:
+        raise InputError(f"{what}: no readable images left")
+    return good
+
+
+def preprocess(img: Image.Image, cfg: DataConfig, generator: torch.Generator) -> torch.Tensor:
+    """Resize the short side to `cfg.resolution`, crop, maybe flip; returns `[3, R, R]` in [-1, 1].
+
+    The random crop offset and the flip are drawn from `generator` (so a sample is reproducible).
+    """
+    r = cfg.resolution
+    w, h = img.size
+    scale = r / min(w, h)
+    nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
+    img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+    draws = torch.rand(3, generator=generator).tolist()
+    if cfg.center_crop:
+        left, top = (nw - r) // 2, (nh - r) // 2
+    else:
+        left, top = int(draws[0] * (nw - r + 1)), int(draws[1] * (nh - r + 1))
+    img = img.crop((left, top, left + r, top + r))
+    if cfg.random_flip and draws[2] < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    arr = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1)
+    return arr / 127.5 - 1.0
+
+
+class CaptionedImages(torch.utils.data.Dataset):
+    """Images and token ids; with class records (DreamBooth prior preservation) each item holds both.
+
+    Items are addressed by `(index, seed)` keys from `StepBatchSampler`, the seed fixing crop and flip.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[ImageRecord],
+        tokenizer: Any,
+        cfg: DataConfig,
+        class_records: Sequence[ImageRecord] | None = None,
+    ) -> None:
+        self.records = list(records)
+        self.class_records = list(class_records or [])
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+
+    def __len__(self) -> int:
+        return max(len(self.records), len(self.class_records))
+
+    def tokenize(self, text: str) -> torch.Tensor:
+        """Token ids `[max_length]` of `text`, padded and truncated."""
+        ids = self.tokenizer(text, padding="max_length", truncation=True, max_length=self.cfg.max_length,
+                             return_tensors="pt").input_ids
+        return ids[0]
+
+    def _one(self, record: ImageRecord, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            img = load_rgb(record.path)
+        except Exception as exc:  # noqa: BLE001 - the file changed after the scan
+            raise InputError(f"{record.path}: unreadable image ({type(exc).__name__}: {exc})") from exc
+        return preprocess(img, self.cfg, generator), self.tokenize(record.caption)
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
+        index, seed = key if isinstance(key, tuple) else (key, key)
+        generator = torch.Generator().manual_seed(seed)
+        pixels, ids = self._one(self.records[index % len(self.records)], generator)
+        item = {"pixel_values": pixels, "input_ids": ids}
+        if self.class_records:
+            cp, cids = self._one(self.class_records[index % len(self.class_records)], generator)
+            item.update(class_pixel_values=cp, class_input_ids=cids)
+        return item
+
+
+class StepBatchSampler(torch.utils.data.Sampler):
+    """Per-rank batches of `(index, seed)` keys for a fixed number of global batches, resumable.
+
+    The sample stream is the concatenation of per-epoch permutations (each seeded by `seed` and the epoch).
+    Global batch `b` takes stream positions `[b*B*W, (b+1)*B*W)`, rank `r` the `r`-th slice of `B`.
+    Iteration starts at batch `start`, so a resumed run sees exactly the batches the interrupted one would
+    have; `len()` stays `num_batches` (Lightning counts the restored batches itself).
+    """
+
+    def __init__(
+        self, dataset_len: int, batch_size: int, num_batches: int, *, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if dataset_len < 1 or batch_size < 1 or num_batches < 0:
+            raise ValueError("dataset_len and batch_size must be >= 1, num_batches >= 0")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.n, self.batch_size, self.num_batches = dataset_len, batch_size, num_batches
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.start = 0
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+        return self._perms[epoch]
+
+    def batch(self, b: int) -> list[tuple[int, int]]:
+        """The keys of this rank's part of global batch `b`."""
+        first = (b * self.world_size + self.rank) * self.batch_size
+        keys = []
+        for pos in range(first, first + self.batch_size):
+            epoch, i = divmod(pos, self.n)
+            keys.append((self._perm(epoch)[i], (self.seed * 7_919 + pos) % (2**63 - 1)))
+        return keys
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for b in range(self.start, self.num_batches):
+            yield self.batch(b)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    @staticmethod
+    def batches_per_epoch(dataset_len: int, batch_size: int, world_size: int) -> int:
+        """Global batches that cover the data set once."""
+        return max(1, math.ceil(dataset_len / (batch_size * world_size)))

@@ -1,0 +1,88 @@
+"""Writing results: the diffusers pipeline folder, validation image grids, class images.
+
+`save_pipeline` writes every component into a temporary folder beside the target first and then moves
+each entry into place with one rename (the old entry is removed only after the new one is in), with
+`model_index.json` last; a failure or kill never leaves a half-written component in `--output_dir`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from core_parallel.fileio import atomic_write, fsync_dir
+
+__all__ = ["generate_images", "image_grid", "save_grid", "save_pipeline", "move_into"]
+
+logger = logging.getLogger(__name__)
+
+
+def move_into(src: Path, dest_dir: Path, names: Sequence[str]) -> None:
+    """Move `src/<name>` to `dest_dir/<name>` for each name, replacing old entries one rename at a time."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        new, target = src / name, dest_dir / name
+        old = None
+        if target.is_dir() and not target.is_symlink():
+            old = dest_dir / f".{name}.old-{os.getpid()}"
+            os.replace(target, old)
+        os.replace(new, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(dest_dir)
+
+
+def save_pipeline(pipeline: Any, folder: str | Path) -> Path:
+    """`pipeline.save_pretrained` into `folder` without ever leaving a half-written component there."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".export-", suffix=".tmp"))
+    try:
+        pipeline.save_pretrained(tmp, safe_serialization=True)
+        entries = sorted(p.name for p in tmp.iterdir() if p.name != "model_index.json")
+        move_into(tmp, folder, [*entries, "model_index.json"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def image_grid(images: Sequence[Image.Image]) -> Image.Image:
+    """Paste images (same size) into a near-square grid."""
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    grid = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, img in enumerate(images):
+        grid.paste(img, ((i % cols) * w, (i // cols) * h))
+    return grid
+
+
+def save_grid(images: Sequence[Image.Image], path: str | Path) -> Path:
+    """Write the grid of `images` as a PNG atomically."""
+    path = Path(path)
+    with atomic_write(path, "wb") as f:
+        image_grid(images).save(f, format="PNG")
+    return path
+
+
+@torch.no_grad()
+def generate_images(pipeline: Any, prompt: str, num_images: int, *, seed: int, steps: int,
+                    resolution: int) -> list[Image.Image]:
+    """`num_images` PIL images of `prompt`, reproducible from `seed` (one generator per image)."""
+    pipeline.set_progress_bar_config(disable=True)
+    images = []
+    for i in range(num_images):
+        g = torch.Generator(device="cpu").manual_seed(seed + i)
+        out = pipeline(prompt, num_inference_steps=steps, generator=g, height=resolution, width=resolution,
+                       output_type="pil")
+        images.extend(out.images)
+    return images

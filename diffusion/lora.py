@@ -1,0 +1,65 @@
+"""LoRA adapters through peft, saved in the diffusers layout `pipe.load_lora_weights` reads.
+
+The adapter follows diffusers' LoRA scripts: rank r, alpha r, gaussian init, on the attention projections
+(`to_q`, `to_k`, `to_v`, `to_out.0` in the UNet; `q_proj`, `k_proj`, `v_proj`, `out_proj` in CLIP).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core_parallel.fileio import fsync_dir
+
+__all__ = ["LORA_WEIGHT_NAME", "add_lora", "lora_state_dicts", "save_lora_weights"]
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+UNET_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+def add_lora(model: Any, rank: int, *, text_encoder: bool = False) -> list[torch.nn.Parameter]:
+    """Add a rank-`rank` adapter to `model` (a UNet, or a CLIP text encoder) and return its fp32 parameters."""
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                        target_modules=TEXT_TARGETS if text_encoder else UNET_TARGETS)
+    model.requires_grad_(False)
+    model.add_adapter(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+def lora_state_dicts(unet: Any, text_encoder: Any | None = None,
+                     unet_state: dict | None = None, text_state: dict | None = None) -> dict[str, dict]:
+    """The diffusers-format LoRA layers of `unet` (and `text_encoder`), from the modules or given state dicts."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    out = {"unet_lora_layers": convert_state_dict_to_diffusers(get_peft_model_state_dict(unet, unet_state))}
+    if text_encoder is not None:
+        out["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(
+            get_peft_model_state_dict(text_encoder, text_state))
+    return out
+
+
+def save_lora_weights(folder: str | Path, layers: dict[str, dict]) -> Path:
+    """Write `pytorch_lora_weights.safetensors` into `folder` atomically (a kill leaves the old file)."""
+    from diffusers import StableDiffusionPipeline
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
+        layers = {k: {n: t.detach().float().cpu().contiguous() for n, t in v.items()} for k, v in layers.items()}
+        StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
+        os.replace(Path(tmp) / LORA_WEIGHT_NAME, folder / LORA_WEIGHT_NAME)
+    fsync_dir(folder)
+    return folder / LORA_WEIGHT_NAME

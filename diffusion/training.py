@@ -1,0 +1,202 @@
+"""The training-step math of diffusers' text-to-image, LoRA and DreamBooth scripts, as plain functions.
+
+One step (Ho et al. 2020, "Denoising Diffusion Probabilistic Models", Alg. 1, latent form of Rombach et al.
+2022): encode images to latents `z0 = vae(x).sample * scaling_factor`, draw noise `eps` and timesteps `t`,
+form `z_t = sqrt(acp_t) z0 + sqrt(1 - acp_t) eps`, predict with the UNet conditioned on the text encoder's
+hidden states, and regress onto `eps` (epsilon) or `v = sqrt(acp_t) eps - sqrt(1 - acp_t) z0` (v-prediction).
+Min-SNR weighting follows Hang et al. 2023 ("Efficient Diffusion Training via Min-SNR Weighting Strategy")
+as diffusers implements it; DreamBooth's prior preservation adds `prior_loss_weight` times the same loss on
+class images (Ruiz et al. 2023).
+
+All randomness of a step comes from `step_generator(seed, step, micro_batch, rank)`, so a resumed run draws
+exactly what the uninterrupted run drew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "EMA",
+    "LossConfig",
+    "StepNoise",
+    "compute_snr",
+    "diffusion_loss",
+    "draw_step_noise",
+    "encode_latents",
+    "snr_weights",
+    "step_generator",
+]
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The loss of one training step."""
+
+    prediction_type: str = "epsilon"
+    """What the UNet predicts: `epsilon` (the noise) or `v_prediction` (the velocity)."""
+    snr_gamma: float | None = None
+    """Min-SNR gamma (5.0 is the paper's choice); None for the plain MSE."""
+    noise_offset: float = 0.0
+    """Scale of the per-channel constant added to the noise (0 disables)."""
+    prior_loss_weight: float = 1.0
+    """Weight of the class-image loss under prior preservation."""
+    with_prior_preservation: bool = False
+    """The second half of each batch holds class images (DreamBooth prior preservation)."""
+
+    def __post_init__(self) -> None:
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {self.prediction_type!r}")
+        if self.snr_gamma is not None and self.snr_gamma <= 0:
+            raise ValueError(f"snr_gamma must be > 0, got {self.snr_gamma}")
+        if self.noise_offset < 0:
+            raise ValueError(f"noise_offset must be >= 0, got {self.noise_offset}")
+        if self.prior_loss_weight < 0:
+            raise ValueError(f"prior_loss_weight must be >= 0, got {self.prior_loss_weight}")
+
+
+@dataclass
+class StepNoise:
+    """The random draws of one step: VAE sample noise, diffusion noise and timesteps.
+
+    `latent_eps: [B, C, h, w]`, `noise: [B, C, h, w]`, `timesteps: [B]` (int64).
+    """
+
+    latent_eps: torch.Tensor
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+
+
+def step_generator(seed: int, step: int, micro_batch: int = 0, rank: int = 0) -> torch.Generator:
+    """A CPU generator whose state depends only on its arguments."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{micro_batch}/{rank}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def draw_step_noise(
+    shape: tuple[int, ...], num_timesteps: int, generator: torch.Generator, noise_offset: float = 0.0
+) -> StepNoise:
+    """Draw the noise of one step for latents of `shape` `[B, C, h, w]` (on CPU, float32)."""
+    latent_eps = torch.randn(shape, generator=generator)
+    noise = torch.randn(shape, generator=generator)
+    if noise_offset:
+        noise = noise + noise_offset * torch.randn(shape[0], shape[1], 1, 1, generator=generator)
+    timesteps = torch.randint(0, num_timesteps, (shape[0],), generator=generator, dtype=torch.long)
+    return StepNoise(latent_eps=latent_eps, noise=noise, timesteps=timesteps)
+
+
+def encode_latents(vae: Any, pixel_values: torch.Tensor, latent_eps: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled VAE latents `[B, 4, h, w]` of `pixel_values: [B, 3, H, W]` in [-1, 1].
+
+    `latent_eps` is the standard normal draw of the posterior sample (`mean + std * eps`); None gives the mean.
+    """
+    dist = vae.encode(pixel_values.to(vae.dtype)).latent_dist
+    z = dist.mean if latent_eps is None else dist.mean + dist.std * latent_eps.to(dist.mean)
+    return z * vae.config.scaling_factor
+
+
+def latent_shape(vae: Any, pixel_values: torch.Tensor) -> tuple[int, int, int, int]:
+    """The shape of `encode_latents(vae, pixel_values)` without running the VAE."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    b, _, h, w = pixel_values.shape
+    return (b, vae.config.latent_channels, h // factor, w // factor)
+
+
+def compute_snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio `acp_t / (1 - acp_t)` per timestep; `timesteps: [B]` -> `[B]` float32."""
+    acp = alphas_cumprod.to(device=timesteps.device, dtype=torch.float32)[timesteps]
+    return acp / (1.0 - acp)
+
+
+def snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Min-SNR loss weights `[B]`: min(snr, gamma)/snr (epsilon) or min(snr, gamma)/(snr + 1) (v)."""
+    clipped = torch.clamp(snr, max=gamma)
+    return clipped / (snr + 1.0) if prediction_type == "v_prediction" else clipped / snr
+
+
+def _per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+
+
+def diffusion_loss(
+    unet: Any,
+    scheduler: Any,
+    latents: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    noise: torch.Tensor,
+    timesteps: torch.Tensor,
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """The scalar training loss of one batch.
+
+    `latents: [B, C, h, w]`, `encoder_hidden_states: [B, L, D]`, `noise` like latents, `timesteps: [B]`.
+    Under prior preservation the second half of the batch holds the class images.
+    """
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    if cfg.prediction_type == "epsilon":
+        target = noise
+    else:
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
+    per_sample = _per_sample_mse(pred, target)
+    if cfg.snr_gamma is not None:
+        snr = compute_snr(scheduler.alphas_cumprod, timesteps)
+        per_sample = per_sample * snr_weights(snr, cfg.snr_gamma, cfg.prediction_type)
+    if not cfg.with_prior_preservation:
+        return per_sample.mean()
+    instance, prior = per_sample.chunk(2)
+    return instance.mean() + cfg.prior_loss_weight * prior.mean()
+
+
+class EMA:
+    """Exponential moving average of parameters, with diffusers' `EMAModel` warm-up-free decay schedule.
+
+    After optimizer step `n` (counting from 1): `d = min(decay, (1 + n) / (10 + n))` and
+    `shadow = d * shadow + (1 - d) * param`. The shadow copies are float32 on the parameters' device.
+    """
+
+    def __init__(self, params: Any, decay: float = 0.9999) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay}")
+        self.params = [p for p in params]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.decay = decay
+        self.optimization_step = 0
+
+    def current_decay(self) -> float:
+        """The decay applied by the next `update()`."""
+        step = self.optimization_step + 1
+        return min(self.decay, (1 + step) / (10 + step))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the shadows towards the current parameters."""
+        d = self.current_decay()
+        self.optimization_step += 1
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().float().to(s.device), 1.0 - d)
+
+    @torch.no_grad()
+    def copy_to(self, params: Any) -> None:
+        """Write the shadows into `params` (same order as the tracked ones)."""
+        for s, p in zip(self.shadow, params):
+            p.copy_(s.to(p.dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shadows, the step count and the decay."""
+        return {"shadow": [s.clone() for s in self.shadow], "optimization_step": self.optimization_step,
+                "decay": self.decay}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; the parameter list must match."""
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError(f"EMA state has {len(state['shadow'])} tensors, expected {len(self.shadow)}")
+        for s, v in zip(self.shadow, state["shadow"]):
+            s.copy_(v)
+        self.optimization_step = int(state["optimization_step"])
+        self.decay = float(state["decay"])
