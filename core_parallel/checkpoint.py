@@ -1,0 +1,506 @@
+"""Sharded, world-size-independent checkpoints shared by ZeRO and Gemini.
+
+On-disk format (version 1): one folder
+```
+PATH/
+  index.json                              written last, by rank 0
+  shard-00000-of-00002.safetensors        one per saving rank, written in parallel
+  shard-00001-of-00002.safetensors
+  model.safetensors                       rank 0: model tensors the optimizer does not manage (buffers,
+                                          frozen parameters), full size; absent when there are none
+```
+Each shard holds, for every parameter the rank owns a non-empty piece of, 1-D tensors named
+`"{key}/{param_name}"`: `key` is `master` (the fp32 master values) or an optimizer-state name (`exp_avg`,
+`exp_avg_sq`, `momentum_buffer`, ...). Each is the flat range `[start, end)` of the parameter (row-major
+flattening of its global shape) recorded in the index. `index.json`:
+```
+{"format": "core_parallel.sharded", "version": 1, "world_size": N,
+ "params": {name: {"shape": [...], "dtype": "float16", "group": 0, "state_keys": ["master", "exp_avg", ...],
+                   "scalars": {"step": {"tensor": 5.0, "dtype": "float32"}, "other": {"value": 1}}}},
+ "shards": {"shard-00000-of-00002.safetensors": {name: [start, end], ...}, ...},
+ "model_file": "model.safetensors" | null, "model_keys": [...],
+ "aliases": {"tied.name": "canonical.name"},        tied parameters, stored once
+ "param_groups": [{"lr": 0.001, ..., "params": [names]}],
+ "loss_scaler": {...}, "info": {"kind": "zero", "stage": 2, ...}, "extra": {...user JSON...}}
+```
+The ranges of one parameter across shards are disjoint and cover `[0, numel)`. Any number of ranks can load:
+each reads only the slices that overlap its own ranges (`CheckpointReader.read`).
+
+Saving is atomic: rank 0 creates a temporary folder beside PATH and broadcasts its name, every rank writes
+its shard there, the ranks agree that all succeeded, rank 0 writes `index.json` and renames the folder
+into place (`core_parallel.fileio.atomic_dir`), then all ranks pass a barrier. A crash at any point leaves
+the previous checkpoint at PATH intact. All ranks must see the same file system.
+
+Protocol a sharded optimizer implements (ZeRO here, Gemini in `core_parallel.gemini`):
+- `process_group` attribute (None: the default group, or one process).
+- `sharded_state() -> ShardedState`: this rank's pieces (`ParamShard` per parameter name, names as in
+  `model.named_parameters()`), the param groups' hyperparameters with their parameter names, the loss
+  scaler's `state_dict()`, and a small JSON `info` dict.
+- `load_sharded_state(reader: CheckpointReader)`: read its own ranges, restore the hyperparameters
+  (`restore_param_groups`) and loss scaler, and bring the model's parameters up to date.
+Parameters not in `ShardedState.params` are saved from `model.state_dict()` by rank 0, so the model's
+state_dict must return real values for them.
+
+`consolidate_checkpoint(path, out)` writes one plain safetensors file that `model.load_state_dict` accepts.
+`save_checkpoint(path, model)` without an optimizer writes the same folder with the whole model in
+`model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from core_parallel import flat
+from core_parallel.fileio import atomic_dir, atomic_write
+
+__all__ = [
+    "FORMAT",
+    "INDEX",
+    "VERSION",
+    "CheckpointReader",
+    "ParamShard",
+    "ShardedState",
+    "consolidate_checkpoint",
+    "load_checkpoint",
+    "restore_param_groups",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "core_parallel.sharded"
+VERSION = 1
+INDEX = "index.json"
+MODEL_FILE = "model.safetensors"
+
+
+@dataclass(kw_only=True)
+class ParamShard:
+    """The piece of one parameter a rank holds."""
+
+    shape: tuple[int, ...]
+    """Global shape of the parameter."""
+    dtype: torch.dtype
+    """Working (model) dtype; consolidation casts the master values to it."""
+    start: int
+    """First flat element held (row-major flattening of `shape`)."""
+    end: int
+    """One past the last flat element held; `start == end` for none."""
+    tensors: dict[str, torch.Tensor]
+    """`master` and per-element optimizer state, each 1-D with `end - start` elements."""
+    scalars: dict[str, Any] = field(default_factory=dict)
+    """Per-parameter scalar optimizer state (0-dim tensors or Python numbers), e.g. Adam's `step`."""
+    group: int = 0
+    """Index of the param group holding the parameter."""
+
+
+@dataclass(kw_only=True)
+class ShardedState:
+    """What one rank contributes to a checkpoint."""
+
+    params: dict[str, ParamShard]
+    """Managed parameters by name (as in `model.named_parameters()`)."""
+    param_groups: list[dict[str, Any]]
+    """Hyperparameters of each group, with "params": the list of parameter names in the group."""
+    loss_scaler: dict[str, Any]
+    """The loss scaler's `state_dict()`."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Small JSON description: kind, stage, precision, optimizer class."""
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _group_of(optimizer: Any) -> dist.ProcessGroup | None:
+    return getattr(optimizer, "process_group", None) if optimizer is not None else None
+
+
+def _world_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _src(group: dist.ProcessGroup | None) -> int:
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint index")
+    return dtype
+
+
+def _encode_scalar(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"optimizer state tensor of shape {tuple(value.shape)} is not per-element or scalar")
+        return {"tensor": value.item(), "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ValueError(f"optimizer state value of type {type(value).__name__} cannot be checkpointed")
+
+
+def _decode_scalar(entry: dict[str, Any]) -> Any:
+    if "tensor" in entry:
+        return torch.tensor(entry["tensor"], dtype=_dtype_from(entry["dtype"])).reshape(entry.get("shape", []))
+    return entry["value"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Tied parameters/buffers: duplicate state_dict name -> first name of the same tensor."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.data_ptr(), t.numel(), t.dtype, tuple(t.shape), t.device) if t.numel() else (id(t),)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+# ---------------------------------------------------------------------------------------------- save
+def _write_shard(folder: Path, state: ShardedState | None, rank: int, world: int) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    fname = f"shard-{rank:05d}-of-{world:05d}.safetensors"
+    meta: dict[str, Any] = {"file": fname, "ranges": {}, "params": {}}
+    if state is None:
+        return meta
+    tensors = {}
+    for name, ps in state.params.items():
+        meta["params"][name] = {
+            "shape": list(ps.shape),
+            "dtype": _dtype_name(ps.dtype),
+            "group": ps.group,
+            "state_keys": sorted(ps.tensors),
+            "scalars": {k: _encode_scalar(v) for k, v in ps.scalars.items()},
+        }
+        if ps.end <= ps.start:
+            continue
+        for key, t in ps.tensors.items():
+            if t.numel() != ps.end - ps.start:
+                raise ValueError(f"{key}/{name}: {t.numel()} elements for range [{ps.start}, {ps.end})")
+            tensors[f"{key}/{name}"] = t.detach().reshape(-1).cpu().contiguous()
+        meta["ranges"][name] = [ps.start, ps.end]
+    if tensors:
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+    else:
+        meta["file"] = None
+    return meta
+
+
+def _write_model_file(folder: Path, model: torch.nn.Module, managed: set[str], aliases: dict[str, str]) -> list[str]:
+    from safetensors.torch import save_file
+
+    tensors = {
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if k not in managed and k not in aliases
+    }
+    if tensors:
+        save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    return sorted(tensors)
+
+
+def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list[str], aliases: dict[str, str],
+                 extra: dict | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    shards: dict[str, dict] = {}
+    for meta in metas:
+        for name, pmeta in meta["params"].items():
+            params.setdefault(name, pmeta)
+        if meta["file"] is not None:
+            shards[meta["file"]] = meta["ranges"]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": len(metas),
+        "params": params,
+        "shards": shards,
+        "model_file": MODEL_FILE if model_keys else None,
+        "model_keys": model_keys,
+        "aliases": aliases,
+        "param_groups": _jsonable(state.param_groups) if state else [],
+        "loss_scaler": _jsonable(state.loss_scaler) if state else {},
+        "info": _jsonable(state.info) if state else {"kind": "model"},
+        "extra": _jsonable(extra or {}),
+    }
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save `model` (and a sharded `optimizer`, see the module docstring) into folder `path`, atomically.
+
+    Collective: every rank of the optimizer's group (or of the default group) must call it. `extra` is a
+    small JSON-able dict stored in the index (step counters, scheduler state, ...). Returns the path.
+    """
+    path = Path(path)
+    group = _group_of(optimizer)
+    world, rank = _world_rank(group)
+    state = optimizer.sharded_state() if optimizer is not None else None
+    managed = set(state.params) if state else set()
+    if rank != 0:
+        _save_on_other_rank(path, state, rank, world, group)
+        return path
+    aliases = _aliases(model)
+    with atomic_dir(path) as tmp:
+        if world > 1:
+            dist.broadcast_object_list([str(tmp)], src=_src(group), group=group)
+        ok, error, meta, model_keys = True, "", None, []
+        try:
+            meta = _write_shard(tmp, state, rank, world)
+            model_keys = _write_model_file(tmp, model, managed, aliases)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            ok, error = False, f"rank 0: {exc!r}"
+        results = _gather((ok, error, meta), group, world)
+        failures = [r[1] for r in results if not r[0]]
+        if failures:
+            raise RuntimeError(f"saving checkpoint {path} failed: {'; '.join(failures)}")
+        index = _build_index([r[2] for r in results], state, model_keys, aliases, extra)
+        with atomic_write(tmp / INDEX) as f:
+            json.dump(index, f, indent=1)
+    if world > 1:
+        dist.barrier(group=group)
+    logger.info("saved checkpoint %s (%d shards)", path, world)
+    return path
+
+
+def _save_on_other_rank(path: Path, state: ShardedState | None, rank: int, world: int, group) -> None:
+    holder: list[Any] = [None]
+    dist.broadcast_object_list(holder, src=_src(group), group=group)
+    ok, error, meta = True, "", None
+    try:
+        meta = _write_shard(Path(holder[0]), state, rank, world)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        ok, error = False, f"rank {rank}: {exc!r}"
+    results = _gather((ok, error, meta), group, world)
+    failures = [r[1] for r in results if not r[0]]
+    if failures:
+        raise RuntimeError(f"saving checkpoint {path} failed: {'; '.join(failures)}")
+    dist.barrier(group=group)
+
+
+def _gather(obj: Any, group, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- load
+class CheckpointReader:
+    """Reads a checkpoint folder: the index, and any flat range of any saved tensor."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        index_file = self.path / INDEX
+        if not index_file.is_file():
+            raise FileNotFoundError(f"{self.path}: not a checkpoint folder (no {INDEX})")
+        try:
+            self.index: dict[str, Any] = json.loads(index_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{index_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{index_file}: field 'format' is {self.index.get('format')!r}, expected {FORMAT!r}")
+        if self.index.get("version") != VERSION:
+            raise ValueError(f"{index_file}: field 'version' is {self.index.get('version')!r}, expected {VERSION}")
+        self._ranges: dict[str, list[tuple[str, int, int]]] = {}
+        for fname, ranges in self.index["shards"].items():
+            for name, (start, end) in ranges.items():
+                self._ranges.setdefault(name, []).append((fname, start, end))
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Saved hyperparameters per group, with "params": names."""
+        return self.index["param_groups"]
+
+    @property
+    def loss_scaler(self) -> dict[str, Any]:
+        """Saved loss scaler state (empty when none)."""
+        return self.index["loss_scaler"]
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The `extra` dict given to `save_checkpoint`."""
+        return self.index.get("extra", {})
+
+    def param_names(self) -> list[str]:
+        """Names of the sharded (optimizer-managed) parameters."""
+        return list(self.index["params"])
+
+    def check_param(self, name: str, shape: tuple[int, ...]) -> None:
+        """Raise ValueError unless the checkpoint holds parameter `name` with this shape."""
+        meta = self.index["params"].get(name)
+        if meta is None:
+            raise ValueError(f"{self.path}: checkpoint has no parameter {name!r}")
+        if tuple(meta["shape"]) != tuple(shape):
+            raise ValueError(f"{self.path}: parameter {name!r} has shape {tuple(meta['shape'])}, model has {shape}")
+
+    def tensor_keys(self, name: str) -> list[str]:
+        """Saved per-element keys of parameter `name` ("master", optimizer state names)."""
+        return list(self.index["params"][name]["state_keys"])
+
+    def scalars(self, name: str) -> dict[str, Any]:
+        """Saved scalar optimizer state of parameter `name` (0-dim tensors restored as tensors)."""
+        return {k: _decode_scalar(v) for k, v in self.index["params"][name].get("scalars", {}).items()}
+
+    def _handle(self, fname: str):
+        from safetensors import safe_open
+
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
+        return self._handles[fname]
+
+    def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        """Flat elements `[start, end)` of `key` of parameter `name`, from the shards that overlap: [end - start]."""
+        numel = 1
+        for d in self.index["params"][name]["shape"]:
+            numel *= d
+        if not 0 <= start <= end <= numel:
+            raise ValueError(f"range [{start}, {end}) outside parameter {name!r} of {numel} elements")
+        out, covered = None, 0
+        for fname, s, e in self._ranges.get(name, []):
+            hit = flat.intersect((s, e), (start, end))
+            if hit is None:
+                continue
+            piece = self._handle(fname).get_slice(f"{key}/{name}")[hit[0] - s : hit[1] - s]
+            if out is None:
+                out = torch.empty(end - start, dtype=piece.dtype)
+            out[hit[0] - start : hit[1] - start] = piece
+            covered += hit[1] - hit[0]
+        if covered != end - start:
+            raise ValueError(f"{self.path}: shards cover {covered} of {end - start} elements of {key}/{name}")
+        return out if out is not None else torch.empty(0)
+
+    def full(self, name: str, key: str = "master") -> torch.Tensor:
+        """The whole tensor `key` of parameter `name`, in its global shape."""
+        shape = tuple(self.index["params"][name]["shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.read(name, key, 0, numel).view(shape)
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """The full-size tensors rank 0 saved from `model.state_dict()` (buffers, unmanaged parameters)."""
+        if not self.index.get("model_file"):
+            return {}
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / self.index["model_file"]))
+
+    def state_dict(self, dtype: str = "working") -> dict[str, torch.Tensor]:
+        """A plain model state_dict: masters cast to the working dtype (or float32), model tensors, aliases."""
+        if dtype not in ("working", "float32"):
+            raise ValueError(f"dtype must be 'working' or 'float32', got {dtype!r}")
+        sd = self.model_tensors()
+        for name, meta in self.index["params"].items():
+            target = _dtype_from(meta["dtype"]) if dtype == "working" else torch.float32
+            sd[name] = self.full(name).to(target)
+        for alias, canonical in self.index.get("aliases", {}).items():
+            if canonical in sd:
+                sd[alias] = sd[canonical]
+        return sd
+
+
+def restore_param_groups(groups: list[dict], saved: list[dict], names: list[list[str]]) -> None:
+    """Copy saved hyperparameters into `groups` (in place), after checking each group holds the same names."""
+    if not saved:
+        return
+    if len(saved) != len(groups):
+        raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}")
+    for gi, (group, old) in enumerate(zip(groups, saved)):
+        if list(old.get("params", [])) != list(names[gi]):
+            raise ValueError(f"param group {gi} holds different parameters than in the checkpoint")
+        for key, value in old.items():
+            if key == "params" or key not in group:
+                continue
+            current = group[key]
+            if isinstance(current, tuple):
+                value = tuple(value)
+            elif isinstance(current, torch.Tensor):
+                value = torch.tensor(value, dtype=current.dtype, device=current.device)
+            group[key] = value
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint saved on any number of ranks into `model` (and a sharded `optimizer`).
+
+    Collective when `optimizer` communicates (ZeRO all-gathers the parameters). Without an optimizer the
+    full model is loaded on every rank. Returns the `extra` dict given at save time.
+    """
+    reader = CheckpointReader(path)
+    if optimizer is None:
+        model.load_state_dict(reader.state_dict(), strict=strict)
+        return reader.extra
+    tensors = reader.model_tensors()
+    expected = set(model.state_dict())
+    unexpected = sorted(set(tensors) - expected)
+    if strict and unexpected:
+        raise ValueError(f"{path}: model has no tensors named {unexpected[:5]}")
+    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+    covered = set(tensors) | set(reader.param_names()) | set(reader.index.get("aliases", {}))
+    missing = sorted(expected - covered)
+    if strict and missing:
+        raise ValueError(f"{path}: checkpoint lacks model tensors {missing[:5]}")
+    optimizer.load_sharded_state(reader)
+    return reader.extra
+
+
+def consolidate_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "working") -> Path:
+    """Write the checkpoint in `path` as one plain safetensors state_dict file `out` (atomically).
+
+    `dtype="working"` casts the fp32 masters to the model's dtype; `"float32"` keeps them in fp32.
+    `model.load_state_dict(safetensors.torch.load_file(out))` then works without this library.
+    """
+    from safetensors.torch import save
+
+    sd = CheckpointReader(path).state_dict(dtype)
+    seen: dict[int, str] = {}
+    for k, v in list(sd.items()):
+        if v.data_ptr() in seen and v.numel():
+            sd[k] = v.clone()
+        seen[v.data_ptr()] = k
+        sd[k] = sd[k].contiguous()
+    out = Path(out)
+    with atomic_write(out, "wb") as f:
+        f.write(save(sd, metadata={"format": "pt"}))
+    logger.info("consolidated %s into %s (%d tensors)", path, out, len(sd))
+    return out

@@ -1,0 +1,115 @@
+"""Flattening, padding and shard ranges: the pure arithmetic under ZeRO (no process groups here).
+
+Every parameter is sharded on its own: its flat view (`numel` elements) is padded with zeros to
+`padded_numel(numel, world) = world * shard_size(numel, world)` elements and split into `world` equal
+pieces; rank `r` owns flat elements `[r * shard, (r + 1) * shard)`, of which `shard_range(numel, world, r)`
+are real (the rest is padding). So any shape shards evenly, and the range a rank owns depends only on the
+parameter's size and the world size, which is what makes checkpoints world-size independent.
+
+Buckets group consecutive parameters (same dtype and device) up to a byte budget; a bucket's gradients are
+packed as `[world, sum(shards)]` so one reduce-scatter hands every rank its shard of every parameter
+(`pack_for_reduce_scatter`), and one all-gather brings the updated shards back (`unpack_gathered`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+__all__ = [
+    "intersect",
+    "pack_for_reduce_scatter",
+    "pad_flat",
+    "padded_numel",
+    "plan_buckets",
+    "shard_range",
+    "shard_size",
+    "unpack_gathered",
+]
+
+
+def shard_size(numel: int, world: int) -> int:
+    """Elements each rank holds of a tensor with `numel` elements: ceil(numel / world)."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    return -(-numel // world)
+
+
+def padded_numel(numel: int, world: int) -> int:
+    """Length of the flat tensor after zero padding: a multiple of `world`, at least `numel`."""
+    return shard_size(numel, world) * world
+
+
+def shard_range(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """The real (unpadded) flat range `[start, end)` that `rank` owns; empty when it owns only padding."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    shard = shard_size(numel, world)
+    return min(rank * shard, numel), min((rank + 1) * shard, numel)
+
+
+def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """Overlap of two half-open ranges, or None when they do not overlap."""
+    start, end = max(a[0], b[0]), min(a[1], b[1])
+    return (start, end) if start < end else None
+
+
+def pad_flat(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """`tensor` flattened and zero padded to `padded_numel`: shape [world * shard]. A view when no padding."""
+    flat = tensor.reshape(-1)
+    pad = padded_numel(flat.numel(), world) - flat.numel()
+    if pad == 0:
+        return flat
+    return torch.cat([flat, flat.new_zeros(pad)])
+
+
+def plan_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int) -> list[list[int]]:
+    """Split items `0..n-1` (in the given order) into consecutive buckets of one key, at most `cap_bytes` each.
+
+    An item larger than the cap gets a bucket of its own. Returns lists of item indices.
+    """
+    if len(nbytes) != len(keys):
+        raise ValueError(f"nbytes and keys differ in length: {len(nbytes)} != {len(keys)}")
+    if cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be >= 1, got {cap_bytes}")
+    buckets: list[list[int]] = []
+    size = 0
+    for i, (n, key) in enumerate(zip(nbytes, keys)):
+        if buckets and keys[buckets[-1][0]] == key and size + n <= cap_bytes:
+            buckets[-1].append(i)
+            size += n
+        else:
+            buckets.append([i])
+            size = n
+    return buckets
+
+
+def pack_for_reduce_scatter(flats: Sequence[torch.Tensor], world: int) -> torch.Tensor:
+    """Pack 1-D tensors so that rank r's shard of each one is contiguous in slot r.
+
+    flats: 1-D tensors of any lengths (one dtype). Returns a new tensor [world * S], S = sum of their shard
+    sizes, laid out as [world, S]: row r is the concatenation of shard r of every input, in order.
+    """
+    rows = [pad_flat(f, world).view(world, -1) for f in flats]
+    return torch.cat(rows, dim=1).reshape(-1)
+
+
+def unpack_gathered(gathered: torch.Tensor, numels: Sequence[int], world: int) -> list[torch.Tensor]:
+    """Inverse of `pack_for_reduce_scatter`: split an all-gathered [world * S] buffer into flat tensors.
+
+    gathered: [world * S] as produced by all-gathering each rank's concatenated shards.
+    Returns one 1-D tensor of `numels[i]` elements per item (copies, padding dropped).
+    """
+    shards = [shard_size(n, world) for n in numels]
+    total = sum(shards)
+    if gathered.numel() != world * total:
+        raise ValueError(f"gathered buffer has {gathered.numel()} elements, expected {world * total}")
+    grid = gathered.view(world, total)
+    out, offset = [], 0
+    for n, s in zip(numels, shards):
+        out.append(grid[:, offset : offset + s].reshape(-1)[:n])
+        offset += s
+    return out

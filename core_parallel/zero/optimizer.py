@@ -1,0 +1,373 @@
+"""`ZeroOptimizer`: wraps any per-parameter `torch.optim` optimizer with ZeRO stage 1 or 2 sharding.
+
+Training loop (the same on 1 or N ranks; `group=None` is the default group, or one process without one)::
+
+    model, opt = core_parallel.setup(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2))
+    for i, batch in enumerate(batches):
+        ctx = opt.no_sync() if (i + 1) % accum else contextlib.nullcontext()
+        with ctx:
+            opt.backward(model(batch).mean() / accum)     # scales the loss under fp16
+        if (i + 1) % accum == 0:
+            opt.clip_grad_norm(1.0)                        # optional; global norm across shards
+            opt.step()                                     # skipped on every rank after an fp16 overflow
+            opt.zero_grad()
+
+What happens:
+- Each rank keeps an fp32 master shard of every optimized parameter (`core_parallel.flat` ranges) and the
+  inner optimizer's state for that shard only; the inner optimizer's `param_groups` hold the shards, and
+  this wrapper shares the same `param_groups` list, so LR schedulers (and Lightning) see the real groups.
+- The model keeps full parameters in the compute dtype (`precision`); fp16/bf16 casts the model at setup
+  and a forward pre-hook casts floating inputs.
+- Gradients are averaged over the group (each rank's loss is a mean over its part of the global batch).
+  Stage 1 all-reduces them (full gradients stay in `param.grad` until `step`); stage 2 reduce-scatters
+  them in buckets while backward runs and frees `param.grad`. `no_sync()` skips all communication.
+- `step()` consumes the gradients: after it, `param.grad` and the master gradients are cleared, and the
+  updated shards are all-gathered into the model's parameters.
+- Parameters with no gradient on any rank in a step (frozen, unused) are skipped by the inner optimizer,
+  as on one process; a parameter with a gradient on some ranks only gets the average with zeros elsewhere.
+
+Checkpoints: this class implements the protocol of `core_parallel.checkpoint` (`sharded_state`,
+`load_sharded_state`); use `core_parallel.save_checkpoint` / `load_checkpoint`. `state_dict()` is this
+rank's own shard (for same-layout resumes only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from core_parallel import flat
+from core_parallel.loss_scaler import DynamicLossScaler
+from core_parallel.zero.config import ZeroConfig
+from core_parallel.zero.reducer import GradReducer, Slot
+
+if TYPE_CHECKING:
+    from core_parallel.checkpoint import CheckpointReader, ShardedState
+
+__all__ = ["ZeroOptimizer", "group_info"]
+
+logger = logging.getLogger(__name__)
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(world, rank) of `group`; (1, 0) when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _cast_inputs_hook(dtype: torch.dtype) -> Callable:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(dtype)
+        if isinstance(x, (list, tuple)):
+            return type(x)(cast(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast(args), cast(kwargs)
+
+    return hook
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO-1/2 wrapper around `optimizer` for `model` over `group` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+        if isinstance(optimizer, ZeroOptimizer):
+            raise ValueError("optimizer is already a ZeroOptimizer")
+        if len(optimizer.state) > 0:
+            raise ValueError("optimizer already has state: call core_parallel.setup before the first step")
+        self.inner = optimizer
+        self.config = config
+        self.process_group = group
+        self.world, self.rank = group_info(group)
+        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self.model = model
+        self._slots = self._build_slots(model, optimizer)
+        self._cast_model(model)
+        self._reducer = GradReducer(
+            self._slots,
+            self._plan_buckets(model),
+            stage=config.stage,
+            group=group,
+            world=self.world,
+            rank=self.rank,
+            overlap=config.overlap,
+        )
+        self._prepared: bool | None = None  # None: grads not prepared; else the overflow flag
+        self._init_optimizer_base()
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _init_optimizer_base(self) -> None:
+        self.defaults = self.inner.defaults
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    def _build_slots(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Slot]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        master_device = torch.device("cpu") if self.config.offload == "cpu" else None
+        slots: list[Slot] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            masters = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(f"optimizer param group {gi} holds a tensor that is not a parameter of the model")
+                start, end = flat.shard_range(p.numel(), self.world, self.rank)
+                shard = flat.shard_size(p.numel(), self.world)
+                with torch.no_grad():
+                    master = flat.pad_flat(p.detach(), self.world)[self.rank * shard : (self.rank + 1) * shard]
+                    master = master.to(master_device or p.device, torch.float32, copy=True)
+                slots.append(Slot(names[id(p)], p, gi, master, start, end))
+                masters.append(master)
+            group["params"] = masters
+        if not slots:
+            raise ValueError("the optimizer has no parameters")
+        return slots
+
+    def _cast_model(self, model: torch.nn.Module) -> None:
+        dtype = self.config.dtype
+        if dtype == torch.float32:
+            return
+        model.to(dtype)
+        model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
+
+    def _plan_buckets(self, model: torch.nn.Module) -> list[list[int]]:
+        order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        ranked = sorted(range(len(self._slots)), key=lambda i: -order[self._slots[i].name])
+        nbytes = [self._slots[i].param.numel() * self._slots[i].param.element_size() for i in ranked]
+        keys = [(self._slots[i].param.dtype, self._slots[i].param.device) for i in ranked]
+        return [[ranked[j] for j in b] for b in flat.plan_buckets(nbytes, keys, self.config.bucket_bytes)]
+
+    # -------------------------------------------------------------------------------------- training
+    @property
+    def stage(self) -> int:
+        """ZeRO stage (1 or 2)."""
+        return self.config.stage
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` with the loss scaled under fp16, then (outside no_sync) gradient reduction."""
+        self._prepared = None
+        self._reducer.in_optimizer_backward = True
+        try:
+            (loss * self.loss_scaler.scale if self.loss_scaler.enabled else loss).backward()
+        finally:
+            self._reducer.in_optimizer_backward = False
+        if self._reducer.sync:
+            self._reducer.flush()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication, both stages) inside this block."""
+        previous = self._reducer.sync
+        self._reducer.sync = False
+        try:
+            yield
+        finally:
+            self._reducer.sync = previous
+
+    def _prepare_grads(self) -> bool:
+        """Reduce pending gradients, fill master grads, unscale, agree on overflow. Returns the overflow flag."""
+        if self._prepared is not None:
+            return self._prepared
+        if not self._reducer.flushed or self._reducer.local_pending:
+            self._reducer.flush()
+        if self.stage == 1:
+            self._master_grads_from_params()
+        flags = torch.tensor([float(s.had_grad) for s in self._slots] + [float(self._local_overflow())])
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        overflow = bool(flags[-1] > 0)
+        inv_scale = 1.0 / self.loss_scaler.scale
+        for s, used in zip(self._slots, flags[:-1].tolist()):
+            if not used:
+                s.master.grad = None
+            elif s.master.grad is not None and inv_scale != 1.0 and not overflow:
+                s.master.grad.mul_(inv_scale)
+        self._prepared = overflow
+        return overflow
+
+    def _master_grads_from_params(self) -> None:
+        for s in self._slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            shard = s.shard
+            piece = flat.pad_flat(g.detach(), self.world)[self.rank * shard : (self.rank + 1) * shard]
+            s.master.grad = piece.to(s.master.device, torch.float32, copy=True)
+            s.param.grad = None
+
+    def _local_overflow(self) -> bool:
+        if not self.loss_scaler.enabled:
+            return False
+        return any(s.master.grad is not None and not bool(torch.isfinite(s.master.grad).all()) for s in self._slots)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm before clipping.
+
+        Same result as `torch.nn.utils.clip_grad_norm_` on one process with the whole batch. Reduces
+        pending gradients first. After an fp16 overflow returns inf and changes nothing.
+        """
+        if self._prepare_grads():
+            return torch.tensor(float("inf"))
+        total = self.grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in self._slots:
+            if s.master.grad is not None:
+                s.master.grad.mul_(coef.to(s.master.grad.device))
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (reduced, unscaled) gradients across all shards, as a float32 scalar."""
+        self._prepare_grads()
+        sq = torch.zeros((), dtype=torch.float64)
+        for s in self._slots:
+            if s.master.grad is not None:
+                sq += s.master.grad.double().pow(2).sum().cpu()
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.process_group)
+        return sq.sqrt().float()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce, unscale, clip (`max_grad_norm`), update the shards and all-gather the parameters.
+
+        On an fp16 overflow on any rank, the update is skipped on all ranks and the loss scale backs off.
+        The gradients are consumed (cleared) either way.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        overflow = self._prepare_grads()
+        self.loss_scaler.update(overflow)
+        if not overflow:
+            if self.config.max_grad_norm is not None:
+                self.clip_grad_norm(self.config.max_grad_norm)
+            self.inner.step()
+            self._reducer.gather_params()
+        self._clear_grads()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (model and master). Gradients are always dropped, never zero-filled."""
+        self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        for s in self._slots:
+            s.param.grad = None
+            s.master.grad = None
+        self._reducer.reset()
+        self._prepared = None
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def sharded_state(self) -> ShardedState:
+        """This rank's part of the state, in the `core_parallel.checkpoint` protocol."""
+        from core_parallel.checkpoint import ParamShard, ShardedState
+
+        params = {}
+        for s in self._slots:
+            valid = s.end - s.start
+            tensors = {"master": s.master[:valid]}
+            scalars = {}
+            for key, value in self.inner.state.get(s.master, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == s.master.shape:
+                    tensors[key] = value[:valid]
+                else:
+                    scalars[key] = value
+            params[s.name] = ParamShard(
+                shape=s.shape, dtype=s.param.dtype, start=s.start, end=s.end, tensors=tensors, scalars=scalars,
+                group=s.group,
+            )
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            hyper["params"] = [s.name for s in self._slots if s.group == gi]
+            groups.append(hyper)
+        info = {
+            "kind": "zero", "stage": self.stage, "precision": self.config.precision, "optimizer": _qualname(self.inner)
+        }
+        return ShardedState(params=params, param_groups=groups, loss_scaler=self.loss_scaler.state_dict(), info=info)
+
+    def load_sharded_state(self, reader: CheckpointReader) -> None:
+        """Read this rank's ranges from a checkpoint, then refresh the model's parameters."""
+        from core_parallel.checkpoint import restore_param_groups
+
+        names = [[s.name for s in self._slots if s.group == gi] for gi in range(len(self.param_groups))]
+        restore_param_groups(self.param_groups, reader.param_groups, names)
+        with torch.no_grad():
+            for s in self._slots:
+                reader.check_param(s.name, s.shape)
+                s.master.zero_()
+                s.master[: s.end - s.start] = reader.read(s.name, "master", s.start, s.end)
+                state: dict[str, Any] = {}
+                for key in reader.tensor_keys(s.name):
+                    if key != "master":
+                        t = torch.zeros_like(s.master)
+                        t[: s.end - s.start] = reader.read(s.name, key, s.start, s.end)
+                        state[key] = t
+                state.update(reader.scalars(s.name))
+                if state:
+                    self.inner.state[s.master] = state
+                else:
+                    self.inner.state.pop(s.master, None)
+        self.loss_scaler.load_state_dict(reader.loss_scaler)
+        self._clear_grads()
+        self._reducer.gather_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state and the loss scaler (same world size to reload)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "world": self.world,
+            "rank": self.rank,
+            "masters": [s.master.clone() for s in self._slots],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Reload `state_dict()` output saved by the same rank of a group of the same size."""
+        if state_dict.get("world") != self.world or state_dict.get("rank") != self.rank:
+            raise ValueError(
+                f"state_dict was saved on rank {state_dict.get('rank')} of {state_dict.get('world')}, this is rank "
+                f"{self.rank} of {self.world}: use core_parallel.load_checkpoint to change the world size"
+            )
+        self.inner.load_state_dict(state_dict["inner"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        with torch.no_grad():
+            for s, m in zip(self._slots, state_dict["masters"]):
+                s.master.copy_(m)
+        self._reducer.gather_params()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after setup: build the optimizer with all its groups before `core_parallel.setup`."""
+        if hasattr(self, "_slots"):
+            raise NotImplementedError("add_param_group after core_parallel.setup is not supported")
+        super().add_param_group(param_group)
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
