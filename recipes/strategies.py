@@ -1,0 +1,435 @@
+"""Lightning strategies for ZeRO (stages 1, 2) and Gemini (chunked ZeRO-3), registered by name.
+
+```python
+import recipes                       # registers the names below with Lightning's StrategyRegistry
+trainer = Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed",
+                  accumulate_grad_batches=4, gradient_clip_val=1.0)
+trainer = Trainer(strategy=recipes.GeminiStrategy(placement="auto", device_memory_budget="20GB"))
+```
+
+| name | strategy |
+|---|---|
+| `zero1` | `ZeroStrategy(stage=1)`: optimizer state and fp32 master weights sharded |
+| `zero2` | `ZeroStrategy(stage=2)`: gradients sharded too |
+| `zero2_offload` | `ZeroStrategy(stage=2, offload="cpu")`: master weights and optimizer state in CPU memory |
+| `gemini` | `GeminiStrategy()`: ZeRO-3 chunks, everything on the device |
+| `gemini_offload` | `GeminiStrategy(offload="cpu")`: optimizer state and master weights in CPU memory |
+| `gemini_nvme` | `GeminiStrategy(offload="nvme")`: those on NVMe, in `$SUITE_OFFLOAD_DIR` or a temporary folder |
+| `gemini_auto` | `GeminiStrategy(placement="auto")`: placement traced in the first step, within a budget |
+
+Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parallel.setup(model,
+optimizer, config, group)`, the group being the default process group that Lightning's cluster
+environment created. The optimizer wrapper then carries the training step: backward (loss scaling under
+fp16), `no_sync()` while Lightning accumulates gradients, the global-norm clip for `gradient_clip_val`,
+and the step. Checkpoints are folders: `core_parallel`'s sharded format (index JSON + safetensors
+shards, loadable on any number of ranks, `suite checkpoint consolidate`) plus `lightning_state.pt` with
+the loop, callback and scheduler state. The folder replaces the old one in one rename once every rank
+has written its part, so a crash mid-save leaves the previous checkpoint intact.
+
+A rank that dies or stops answering turns into an error on the others after at most
+`collective_timeout_s` (a peer that exits is usually noticed at once); the error names the last
+complete checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from core_parallel.fileio import atomic_write, fsync_dir
+from recipes.precision import ShardedPrecision
+
+__all__ = [
+    "LIGHTNING_STATE",
+    "OFFLOAD_DIR_ENV",
+    "GeminiStrategy",
+    "PeerFailureError",
+    "ZeroStrategy",
+    "register_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+LIGHTNING_STATE = "lightning_state.pt"
+"""File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
+OFFLOAD_DIR_ENV = "SUITE_OFFLOAD_DIR"
+"""Environment variable naming the NVMe folder of `gemini_nvme` when no `offload_dir` is given."""
+
+# Messages by which gloo, NCCL and the TCP store report a peer that died or stopped answering.
+_PEER_FAILURE = re.compile(
+    r"connection (closed|reset|refused)|closed by peer|broken pipe|timed? ?out|timeout|"
+    r"ECONNRESET|EPIPE|socket|NCCL communicator was aborted|store.*(closed|failed)|recv|send",
+    re.IGNORECASE,
+)
+
+
+class PeerFailureError(RuntimeError):
+    """Another rank died or stopped answering; training stopped on this rank."""
+
+
+class _ShardedStrategy(DDPStrategy):
+    """What ZeRO and Gemini share: setup through `core_parallel`, the training hooks, checkpoints, faults."""
+
+    def __init__(
+        self,
+        *,
+        collective_timeout_s: float = 1800.0,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=collective_timeout_s),
+            **kwargs,
+        )
+        self.collective_timeout_s = float(collective_timeout_s)
+        self._core_optimizer: Any = None
+        self._last_checkpoint: str | None = None
+
+    # -- subclasses ----------------------------------------------------------------------------------
+    def core_config(self, precision: str) -> Any:
+        """The `core_parallel` config (`ZeroConfig` / `GeminiConfig`) for this run's precision."""
+        raise NotImplementedError
+
+    # -- precision -------------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> ShardedPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ShardedPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The Trainer builds a generic plugin from `precision=` and assigns it here when the strategy is
+        # chosen by name; keep its precision, use ours.
+        if plugin is not None and not isinstance(plugin, ShardedPrecision):
+            plugin = ShardedPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    # -- setup -----------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group `core_parallel` shards over: the default group Lightning initialised, if any."""
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _check_clipping(trainer)
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"{type(self).__name__} supports exactly one optimizer (it may hold several param groups); "
+                    f"configure_optimizers returned {len(self.optimizers)}"
+                )
+            self._setup_core(trainer)
+        else:
+            self.precision_plugin.convert_module(self.model)
+        self.setup_precision_plugin()
+
+    def _setup_core(self, trainer: Any) -> None:
+        import core_parallel
+
+        plugin = self.precision_plugin
+        config = self.core_config(plugin.core_precision)
+        user_optimizer = self.optimizers[0]
+        logger.info("%s: core_parallel.setup with %s", type(self).__name__, config)
+        model, optimizer = core_parallel.setup(self.model, user_optimizer, config, group=self.process_group)
+        self.model = model
+        self._core_optimizer = optimizer
+        self.optimizers = [optimizer]
+        plugin.bind(optimizer, self.root_device.type)
+        for sched in self.lr_scheduler_configs:
+            if sched.scheduler.optimizer is not user_optimizer and sched.scheduler.optimizer is not optimizer:
+                raise ValueError("an LR scheduler is attached to an optimizer that configure_optimizers did not return")
+
+    @property
+    def core_optimizer(self) -> Any:
+        """The `core_parallel` optimizer wrapper (None before `setup` while fitting)."""
+        return self._core_optimizer
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._core_optimizer is None:
+            yield
+            return
+        with self._core_optimizer.no_sync():
+            yield
+
+    def teardown(self) -> None:
+        self.precision_plugin.bind(None, self.precision_plugin.device_type)
+        super().teardown()
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The weights go to the sharded files in `save_checkpoint`; nothing is gathered here.
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write the sharded folder `filepath` on all ranks; it appears complete or not at all."""
+        import core_parallel
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        path = Path(self.broadcast(os.fspath(filepath)))
+        staging = Path(self.broadcast(os.fspath(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")))
+        optimizer = self._core_optimizer if "optimizer_states" in checkpoint else None
+        core_parallel.save_checkpoint(staging, self.model, optimizer)
+        if self.is_global_zero:
+            state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            with atomic_write(staging / LIGHTNING_STATE, "wb") as f:
+                torch.save(state, f)
+        self.barrier("sharded_checkpoint_written")
+        if self.is_global_zero:
+            _replace_dir(staging, path)
+        self.barrier("sharded_checkpoint_renamed")
+        self._last_checkpoint = os.fspath(path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the sharded folder into the set-up model and optimizer; return Lightning's own state."""
+        import core_parallel
+
+        path = Path(checkpoint_path)
+        if not (path / LIGHTNING_STATE).is_file():
+            raise FileNotFoundError(
+                f"{path} is not a checkpoint folder written by {type(self).__name__} (no {LIGHTNING_STATE})"
+            )
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        core_parallel.load_checkpoint(path, self.model, self._core_optimizer if fitting else None)
+        state = _load_lightning_state(path / LIGHTNING_STATE)
+        state["state_dict"] = {}
+        state.setdefault("optimizer_states", [])
+        return state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Done by core_parallel.load_checkpoint in load_checkpoint().
+        pass
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    # -- faults ----------------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if not _looks_like_peer_failure(exception):
+            return
+        where = self._last_checkpoint or "none saved in this run"
+        message = (
+            f"rank {self.global_rank}: lost contact with another rank (it died or did not answer within the "
+            f"collective timeout of {self.collective_timeout_s:g}s); training stopped. Last complete checkpoint: "
+            f"{where}; resume with trainer.fit(..., ckpt_path=...). Cause: {exception}"
+        )
+        logger.error(message)
+        exception.args = (message,)
+
+
+class ZeroStrategy(_ShardedStrategy):
+    """ZeRO stage 1 or 2 (`core_parallel.ZeroConfig`) as a Lightning strategy.
+
+    Keyword arguments other than the ones below go to `ZeroConfig` unchanged (`bucket_mb`, `overlap`,
+    loss-scaler settings, ...); `precision` comes from `Trainer(precision=...)`.
+
+    Args:
+        stage: 1 shards optimizer state and fp32 master weights; 2 shards gradients too.
+        offload: "none", or "cpu" for master weights and optimizer state in CPU memory.
+        collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
+    """
+
+    def __init__(self, *, stage: int = 2, offload: str = "none", collective_timeout_s: float = 1800.0, **kwargs: Any):
+        config, strategy_kwargs = _split_config_kwargs(kwargs, "ZeroConfig")
+        super().__init__(collective_timeout_s=collective_timeout_s, **strategy_kwargs)
+        self._config_kwargs = {"stage": stage, "offload": offload, **config}
+        self.core_config("fp32")  # validate now, not after the processes started
+
+    def core_config(self, precision: str) -> Any:
+        from core_parallel import ZeroConfig
+
+        return ZeroConfig(precision=precision, **self._config_kwargs)
+
+
+class GeminiStrategy(_ShardedStrategy):
+    """Gemini, chunk-based ZeRO-3 (`core_parallel.GeminiConfig`), as a Lightning strategy.
+
+    Keyword arguments other than the ones below go to `GeminiConfig` unchanged (`device_memory_budget`,
+    `chunk_mb`, `prefetch`, ...); `precision` comes from `Trainer(precision=...)`.
+
+    Args:
+        placement: "static" or "auto" (traced in the first step, kept within the device budget).
+        offload: shorthand for the static tiers: "none" (all on the device), "cpu" (optimizer state and
+            master weights in CPU memory) or "nvme" (those in `offload_dir`).
+        offload_dir: folder of the NVMe tier; with offload="nvme" and no folder, `$SUITE_OFFLOAD_DIR` or a
+            temporary folder.
+        collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
+    """
+
+    def __init__(
+        self,
+        *,
+        placement: str = "static",
+        offload: str = "none",
+        offload_dir: str | os.PathLike | None = None,
+        collective_timeout_s: float = 1800.0,
+        **kwargs: Any,
+    ) -> None:
+        if offload not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
+        config, strategy_kwargs = _split_config_kwargs(kwargs, "GeminiConfig")
+        super().__init__(collective_timeout_s=collective_timeout_s, **strategy_kwargs)
+        self.offload = offload
+        self._offload_dir = os.fspath(offload_dir) if offload_dir is not None else None
+        self._config_kwargs = {"placement": placement, **_offload_fields(offload), **config}
+        self.core_config("fp32", check_only=True)
+
+    @property
+    def offload_dir(self) -> str | None:
+        """The NVMe folder in use (resolved on first use for offload="nvme")."""
+        if self._offload_dir is None and self.offload == "nvme":
+            env = os.environ.get(OFFLOAD_DIR_ENV)
+            self._offload_dir = env or tempfile.mkdtemp(prefix="suite-offload-")
+            logger.info("gemini NVMe tier in %s", self._offload_dir)
+        return self._offload_dir
+
+    def core_config(self, precision: str, check_only: bool = False) -> Any:
+        from core_parallel import GeminiConfig
+
+        offload_dir = self._offload_dir if check_only else self.offload_dir
+        if check_only and offload_dir is None and self.offload == "nvme":
+            offload_dir = tempfile.gettempdir()
+        return GeminiConfig(precision=precision, offload_dir=offload_dir, **self._config_kwargs)
+
+
+def _offload_fields(offload: str) -> dict[str, Any]:
+    """GeminiConfig static-placement fields for the `offload` shorthand."""
+    if offload == "none":
+        return {}
+    return {"offload_optim_frac": 1.0}
+
+
+def _split_config_kwargs(kwargs: dict[str, Any], config_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate the config's fields from Lightning strategy arguments (accelerator, cluster_environment...)."""
+    import core_parallel
+
+    config_cls = getattr(core_parallel, config_name)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    if "precision" in kwargs:
+        raise ValueError("set the precision with Trainer(precision=...), not on the strategy")
+    config = {k: v for k, v in kwargs.items() if k in fields}
+    rest = {k: v for k, v in kwargs.items() if k not in fields}
+    return config, rest
+
+
+def _check_clipping(trainer: Any) -> None:
+    if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
+        raise ValueError(
+            "gradient_clip_algorithm='value' is not supported by the sharded strategies; use 'norm' (the default)"
+        )
+
+
+def _looks_like_peer_failure(exc: BaseException) -> bool:
+    dist_errors = tuple(
+        getattr(dist, name) for name in ("DistError", "DistBackendError", "DistNetworkError") if hasattr(dist, name)
+    )
+    if isinstance(exc, PeerFailureError) or (dist_errors and isinstance(exc, dist_errors)):
+        return True
+    return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and bool(_PEER_FAILURE.search(str(exc)))
+
+
+def _replace_dir(staging: Path, path: Path) -> None:
+    """Move the complete folder `staging` to `path`, the old `path` aside first and removed last."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+    os.replace(staging, path)
+    fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_lightning_state(path: Path) -> dict[str, Any]:
+    from lightning.fabric.utilities.data import AttributeDict
+
+    with torch.serialization.safe_globals([AttributeDict]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+_REGISTRY: tuple[tuple[str, type, str, dict[str, Any]], ...] = (
+    ("zero1", ZeroStrategy, "ZeRO stage 1: optimizer state and master weights sharded", {"stage": 1}),
+    ("zero2", ZeroStrategy, "ZeRO stage 2: gradients sharded too", {"stage": 2}),
+    (
+        "zero2_offload",
+        ZeroStrategy,
+        "ZeRO stage 2, master weights and optimizer state in CPU memory",
+        {"stage": 2, "offload": "cpu"},
+    ),
+    ("gemini", GeminiStrategy, "Gemini (chunked ZeRO-3), all on the device", {}),
+    ("gemini_offload", GeminiStrategy, "Gemini, optimizer state and master weights in CPU memory", {"offload": "cpu"}),
+    (
+        "gemini_nvme",
+        GeminiStrategy,
+        f"Gemini, optimizer state and master weights on NVMe (${OFFLOAD_DIR_ENV} or a temporary folder)",
+        {"offload": "nvme"},
+    ),
+    ("gemini_auto", GeminiStrategy, "Gemini with auto placement within the device budget", {"placement": "auto"}),
+)
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
+    """Register the names above (skipping names already there); returns the names registered now."""
+    added = []
+    for name, cls, description, init_kwargs in _REGISTRY:
+        if name not in registry:
+            registry.register(name, cls, description=description, **init_kwargs)
+            added.append(name)
+    return added
+
+
+register_strategies()

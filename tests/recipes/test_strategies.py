@@ -1,0 +1,275 @@
+"""ZeroStrategy / GeminiStrategy against Lightning's ddp on 2 gloo ranks, checkpoints, resume, dead rank.
+
+Process launches are few and grouped (each costs seconds of imports): one 2-rank launch trains every
+strategy and the ddp reference and saves/resumes; one 1-rank launch resumes the 2-rank checkpoint; one
+pair of subprocesses loses a rank. Ranks are started with `run_on_ranks(backend="none")`: its
+environment (LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ...) makes Lightning treat the processes as launched
+externally, as under torchrun, and Lightning itself creates the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from core_parallel import run_on_ranks
+
+logger = logging.getLogger(__name__)
+
+GLOBAL_BATCH = 8
+N_SAMPLES = 64
+SHARDED = ("zero1", "zero2", "zero2_offload", "gemini", "gemini_offload", "gemini_nvme", "gemini_auto")
+RESUMED = ("zero2", "gemini")
+RTOL = 1e-5
+
+
+def _lightning():
+    import lightning.pytorch as pl
+
+    return pl
+
+
+def make_module(**kwargs):
+    """A tiny LightningModule with a frozen layer, two param groups, AdamW and a step LR schedule."""
+    pl = _lightning()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, lr: float = 0.05, fail_at_step: int | None = None, fail_rank: int = 1) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.frozen = nn.Linear(8, 8)
+            self.frozen.requires_grad_(False)
+            self.body = nn.Linear(8, 24)
+            self.head = nn.Linear(24, 4)
+            self.lr = lr
+            self.fail_at_step = fail_at_step
+            self.fail_rank = fail_rank
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(self.frozen(x))))
+
+        def training_step(self, batch, batch_idx):
+            if self.fail_at_step is not None and self.global_step == self.fail_at_step:
+                if self.global_rank == self.fail_rank:
+                    os._exit(17)  # a rank dying without any goodbye, as on an OOM kill
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x).float(), y.float())
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            groups = [
+                {"params": self.body.parameters()},
+                {"params": self.head.parameters(), "lr": self.lr / 2, "weight_decay": 0.0},
+            ]
+            opt = torch.optim.AdamW(groups, lr=self.lr, weight_decay=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(N_SAMPLES, 8, generator=g)
+            y = torch.randn(N_SAMPLES, 4, generator=g)
+            # The same global batch on any number of ranks, so runs on 1 and 2 ranks agree.
+            return DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // self.trainer.world_size)
+
+    return Tiny(**kwargs)
+
+
+def make_trainer(strategy, devices: int, root: Path, max_epochs: int, **kwargs):
+    pl = _lightning()
+    import recipes  # noqa: F401  (registers the strategy names)
+
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **kwargs,
+    )
+
+
+def consolidated(ckpt: Path, out: Path) -> str:
+    """Merge the sharded folder into one safetensors file; returns its path (tensors do not cross processes)."""
+    import core_parallel
+
+    core_parallel.consolidate_checkpoint(ckpt, out)
+    return str(out)
+
+
+def load(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _fit_and_save(name: str, root: Path, world: int, epochs: int, ckpt_path: Path | None = None) -> Path:
+    trainer = make_trainer(name, world, root, epochs)
+    trainer.fit(make_module(), ckpt_path=ckpt_path)
+    out = root / f"{name}-e{epochs}-w{world}{'-resumed' if ckpt_path else ''}"
+    trainer.save_checkpoint(out)
+    return out
+
+
+def _train_all_on_2(rank: int, world: int, root: str) -> dict:
+    """Every strategy on the same data; the sharded ones saved, resumed and consolidated."""
+    root = Path(root)
+    results: dict = {}
+    trainer = make_trainer("ddp", world, root, 2)
+    module = make_module()
+    trainer.fit(module)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, root / "ddp.safetensors")
+        results["ddp"] = str(root / "ddp.safetensors")
+    for name in SHARDED:
+        out = _fit_and_save(name, root, world, 2)
+        if rank == 0:
+            results[name] = consolidated(out, root / f"{name}.safetensors")
+    for name in RESUMED:
+        first = _fit_and_save(name, root, world, 1)
+        resumed = _fit_and_save(name, root, world, 2, ckpt_path=first)
+        if rank == 0:
+            results[f"{name}-resumed"] = consolidated(resumed, root / f"{name}-resumed.safetensors")
+    return results
+
+
+def _resume_on_1(rank: int, world: int, root: str) -> dict:
+    root = Path(root)
+    results = {}
+    for name in RESUMED:
+        resumed = _fit_and_save(name, root, world, 2, ckpt_path=root / f"{name}-e1-w2")
+        results[name] = consolidated(resumed, root / f"{name}-resumed-on-1.safetensors")
+    return results
+
+
+def assert_close(actual: dict, expected: dict, label: str) -> None:
+    assert set(actual) == set(expected), f"{label}: keys differ: {set(actual) ^ set(expected)}"
+    for key, ref in expected.items():
+        torch.testing.assert_close(actual[key].float(), ref.float(), rtol=RTOL, atol=1e-7, msg=f"{label}: {key}")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("strategies")
+    env = {"SUITE_OFFLOAD_DIR": str(root / "nvme"), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    results = run_on_ranks(_train_all_on_2, 2, str(root), backend="none", timeout=150, env=env)
+    logger.info("2-rank strategies run took %.1fs", time.perf_counter() - t0)
+    return root, {k: load(v) for k, v in results[0].items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", SHARDED)
+def test_strategy_matches_ddp(two_rank_run, name):
+    _, results = two_rank_run
+    initial = make_module().state_dict()
+    ddp = results["ddp"]
+    moved = [k for k in ddp if "frozen" not in k and not torch.equal(ddp[k], initial[k])]
+    assert moved, "the ddp reference did not train"
+    assert_close(results[name], ddp, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_same_and_other_device_count(two_rank_run, name):
+    root, results = two_rank_run
+    assert (root / f"{name}-e1-w2" / "lightning_state.pt").is_file()
+    assert_close(results[f"{name}-resumed"], results["ddp"], f"{name} resumed on 2 ranks")
+    on_one = run_on_ranks(_resume_on_1, 1, str(root), backend="none", timeout=90)[0]
+    assert_close(load(on_one[name]), results["ddp"], f"{name} saved on 2 ranks, resumed on 1")
+
+
+def test_registered_names_and_precision_plugin():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import recipes
+    from recipes.precision import ShardedPrecision
+
+    for name in SHARDED:
+        assert name in StrategyRegistry, name
+    trainer = make_trainer("zero2", 1, Path("."), 1, precision="bf16-mixed")
+    assert isinstance(trainer.strategy, recipes.ZeroStrategy)
+    assert isinstance(trainer.precision_plugin, ShardedPrecision)
+    assert trainer.precision_plugin.core_precision == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        ShardedPrecision("16-true")
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        recipes.GeminiStrategy(collective_timeout_s=0)
+
+
+_DEAD_RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from tests.recipes.test_strategies import make_module, make_trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from recipes import ZeroStrategy
+
+    root = Path(sys.argv[1])
+    ckpt = ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(ZeroStrategy(stage=2, collective_timeout_s=20), 2, root, 3, callbacks=[ckpt])
+    trainer.fit(make_module(fail_at_step=3))
+    """
+)
+
+
+def _dead_rank_env(rank: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+        NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    return env
+
+
+@pytest.mark.distributed
+def test_dead_rank_stops_others_and_last_checkpoint_resumes(tmp_path):
+    from core_parallel.launch import free_port
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DEAD_RANK_SCRIPT, str(tmp_path)], env=_dead_rank_env(r, port),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == 17
+    assert procs[0].returncode != 0, "the surviving rank did not stop"
+    assert "lost contact with another rank" in outs[0][1], outs[0][1][-3000:]
+    last = sorted((tmp_path / "ckpts").glob("*step=3.ckpt"))
+    assert last and (last[0] / "lightning_state.pt").is_file(), list((tmp_path / "ckpts").iterdir())
+    assert not list((tmp_path / "ckpts").glob(".*tmp")), "a half-written checkpoint was left behind"
+    resumed = run_on_ranks(_resume_dead, 1, str(tmp_path), str(last[0]), backend="none", timeout=90)[0]
+    assert resumed == 6
+
+
+def _resume_dead(rank: int, world: int, root: str, ckpt: str) -> int:
+    trainer = make_trainer("zero2", world, Path(root), 2)
+    trainer.fit(make_module(), ckpt_path=ckpt)
+    return trainer.global_step
