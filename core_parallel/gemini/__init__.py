@@ -1,0 +1,27 @@
+"""Gemini: chunk-based ZeRO-3 with device / CPU / NVMe placement.
+
+```python
+cfg = GeminiConfig(placement="auto", offload_dir="/nvme/run1", device_memory_budget="20GB")
+model, optimizer = setup_gemini(model, optimizer, cfg, group=None)   # or core_parallel.setup(...)
+```
+"""
+
+from __future__ import annotations
+
+from core_parallel.gemini.config import GeminiConfig, parse_bytes
+from core_parallel.gemini.engine import setup_gemini
+from core_parallel.gemini.layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
+from core_parallel.gemini.optimizer import GeminiOptimizer
+from core_parallel.gemini.storage import NvmeTierError
+
+__all__ = [
+    "ChunkSpec",
+    "GeminiConfig",
+    "GeminiOptimizer",
+    "NvmeTierError",
+    "ParamInfo",
+    "parse_bytes",
+    "plan_chunks",
+    "search_chunk_elems",
+    "setup_gemini",
+]

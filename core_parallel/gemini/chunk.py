@@ -1,0 +1,120 @@
+"""One chunk at run time: the gathered buffer its parameters view, and its fp32 shards in their tiers.
+
+The gathered buffer `full` ([size], compute dtype, on the compute device) keeps one storage object for the
+whole run: releasing resizes that storage to 0 bytes and gathering resizes it back and fills it. The
+parameters are views of `full` set once at setup, so tensors autograd saved in forward see the re-gathered
+data in backward, and no parameter is ever re-classed. Writes go through `full.data`, which has its own
+version counter, so re-gathering does not trip autograd's in-place checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from core_parallel.gemini.layout import ChunkSpec
+from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GradState
+from core_parallel.gemini.storage import TieredBuffer
+
+__all__ = ["Chunk"]
+
+
+class Chunk:
+    """Runtime state of one chunk on one rank (shard = elements [lo, hi) of the chunk)."""
+
+    def __init__(
+        self, spec: ChunkSpec, *, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.spec, self.world, self.group = spec, world, group
+        self.index = spec.index
+        self.shard_numel = spec.size // world
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        trainable = frozenset(s.param for s in spec.slots) if spec.trainable else frozenset()
+        self.sm = ChunkStateMachine(spec.index, trainable)
+        self.full = torch.empty(0, dtype=dtype, device=device)
+        self.master: TieredBuffer | None = None
+        self.grad: TieredBuffer | None = None
+        self.states: dict[str, TieredBuffer] = {}
+        self.grad_full: torch.Tensor | None = None
+        self._work = None
+        self._src: torch.Tensor | None = None
+
+    def bind(self, params: list[torch.nn.Parameter]) -> None:
+        """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
+        self.full = torch.empty(self.spec.size, dtype=self.full.dtype, device=self.full.device)
+        for s in self.spec.slots:
+            p = params[s.param]
+            p.data = self.full[s.offset : s.offset + s.numel].view(p.shape)
+        self.full.untyped_storage().resize_(0)
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.spec.size * self.full.element_size()
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_numel * 4
+
+    def start_gather(self, async_op: bool) -> None:
+        """Materialise `full` from every rank's master shard (async: finish with `wait`)."""
+        async_op = async_op and self.world > 1
+        self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
+        self.full.untyped_storage().resize_(self.full_nbytes)
+        src = self.master.view().to(device=self.full.device, dtype=self.full.dtype)
+        self.master.done()
+        out = self.full.data
+        if self.world == 1:
+            out.copy_(src)
+        else:
+            self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
+            self._src = src if async_op else None
+
+    def wait(self) -> None:
+        """Finish an async gather."""
+        if self.sm.data is ChunkState.GATHERING:
+            self._work.wait()
+            self._work = self._src = None
+            self.sm.to(ChunkState.GATHERED)
+
+    def release(self) -> None:
+        """Drop the gathered data (the storage shrinks to 0 bytes)."""
+        self.wait()
+        self.sm.to(ChunkState.RELEASED)
+        self.full.untyped_storage().resize_(0)
+
+    def add_grad(self, offset: int, grad: torch.Tensor) -> bool:
+        """Add one parameter's local gradient; returns True if `grad_full` had to be allocated."""
+        fresh = self.grad_full is None
+        if fresh:
+            self.grad_full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+        self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        return fresh
+
+    def reduce_scatter(self) -> torch.Tensor:
+        """Average the local gradients over ranks; returns this rank's part ([shard_numel] fp32)."""
+        full = self.grad_full
+        if full is None:
+            full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+        if self.world == 1:
+            out = full.clone()
+        else:
+            out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
+            dist.reduce_scatter_single(out, full, group=self.group)
+            out.div_(self.world)
+        self.grad_full = None
+        self.sm.grad_reduced()
+        return out
+
+    def gather_fp32(self, buf: TieredBuffer) -> torch.Tensor:
+        """The whole chunk of a shard buffer (master or an optimizer state) as [size] fp32 on the CPU."""
+        local = buf.view().to(device=self.full.device, copy=True)
+        buf.done()
+        if self.world == 1:
+            return local.cpu()
+        out = torch.empty(self.spec.size, dtype=torch.float32, device=self.full.device)
+        dist.all_gather_single(out, local, group=self.group)
+        return out.cpu()
+
+    def has_local_grads(self) -> bool:
+        return self.sm.grad is GradState.ACCUMULATING

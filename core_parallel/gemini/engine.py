@@ -1,0 +1,93 @@
+"""`setup_gemini`: pack a model's parameters into sharded chunks and wrap its optimizer."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from core_parallel.gemini.config import GeminiConfig
+from core_parallel.gemini.hooks import register_hooks
+from core_parallel.gemini.layout import ParamInfo, chunk_elems_from_mb, plan_chunks
+from core_parallel.gemini.manager import ChunkManager
+from core_parallel.gemini.optimizer import GeminiOptimizer, state_kinds
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["setup_gemini"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device_budget(config: GeminiConfig, device: torch.device) -> int:
+    if config.budget_bytes is not None:
+        return config.budget_bytes
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def _param_infos(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list[ParamInfo]]:
+    in_optim = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params, infos = [], []
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {name} has dtype {p.dtype}; Gemini chunks floating-point parameters")
+        if p.requires_grad and id(p) not in in_optim:
+            raise ValueError(f"parameter {name} requires grad but is not in the optimizer; freeze it or add it")
+        if not p.requires_grad and id(p) in in_optim:
+            raise ValueError(f"parameter {name} is in the optimizer but has requires_grad=False")
+        infos.append(ParamInfo(index=len(params), name=name, numel=p.numel(), dtype="chunk", trainable=p.requires_grad))
+        params.append(p)
+    if not params:
+        raise ValueError("the model has no parameters to place in chunks")
+    if len(in_optim) != sum(p.requires_grad for p in params):
+        raise ValueError("the optimizer holds tensors that are not parameters of the model")
+    return params, infos
+
+
+def setup_gemini(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: GeminiConfig,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.nn.Module, GeminiOptimizer]:
+    """Shard `model`'s parameters into chunks on `group` and return (model, Gemini optimizer).
+
+    The model object is kept (same class, same parameter objects, same state_dict keys); its parameters
+    hold data only while a module computes with them. `model.memory_report()` is added. Parameters are
+    packed in `named_parameters()` order, which is their order of use for most models.
+    """
+    if not isinstance(config, GeminiConfig):
+        raise TypeError(f"config must be a GeminiConfig, got {type(config).__name__}")
+    rank, world = _rank_world(group)
+    params, infos = _param_infos(model, optimizer)
+    device = params[0].device
+    dtype = _DTYPES[config.precision]
+    if config.precision == "fp16":
+        raise NotImplementedError("precision='fp16' needs a loss scaler; use 'bf16' or 'fp32' with Gemini")
+    elems = None if config.chunk_mb is None else chunk_elems_from_mb(config.chunk_mb, dtype.itemsize)
+    specs = plan_chunks(infos, world, elems)
+    manager = ChunkManager(
+        specs, params, config, group=group, rank=rank, world=world, device=device, dtype=dtype,
+        state_kinds=state_kinds(optimizer), budget=_device_budget(config, device),
+    )
+    with torch.no_grad():
+        manager.load_params()
+    index_of = {id(p): i for i, p in enumerate(params)}
+    manager.handles = register_hooks(model, manager, index_of)
+    model.memory_report = manager.memory_report
+    model.gemini_manager = manager
+    padding = sum(s.size for s in specs) - sum(i.numel for i in infos)
+    logger.info("gemini: %d parameters in %d chunks of %d elements (%d padding) on %d rank(s)",
+                len(params), len(specs), specs[0].size, padding, world)
+    return model, GeminiOptimizer(optimizer, manager, index_of, max_grad_norm=config.max_grad_norm)

@@ -1,0 +1,144 @@
+"""Chunk layout: parameters packed in order of use into fixed-size chunks, one chunk group per
+(dtype, trainable) pair. Pure and deterministic: no torch.distributed, no tensors.
+
+Every chunk of a group has the same size (a multiple of the world size, so it shards evenly); a parameter
+never straddles two chunks. With `chunk_elems=None` the size is searched: the candidate that wastes the
+fewest padding elements over all groups wins, ties going to the smaller chunk (finer-grained memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkSpec", "ParamInfo", "Slot", "plan_chunks", "search_chunk_elems", "padding_waste"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the layout sees it."""
+
+    index: int
+    """Position of the parameter in the model's `named_parameters()` order."""
+    name: str
+    """Its first qualified name."""
+    numel: int
+    """Number of elements."""
+    dtype: str
+    """Dtype name of the chunk group, e.g. 'float32'."""
+    trainable: bool
+    """Whether it receives gradients and optimizer updates."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a parameter lives: elements [offset, offset + numel) of chunk `chunk`."""
+
+    param: int
+    chunk: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """A chunk: `size` elements (a multiple of the world size) holding `slots` back to back."""
+
+    index: int
+    dtype: str
+    trainable: bool
+    size: int
+    slots: tuple[Slot, ...]
+
+    @property
+    def used(self) -> int:
+        """Elements holding parameters (the rest is padding)."""
+        return sum(s.numel for s in self.slots)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _groups(params: Sequence[ParamInfo]) -> dict[tuple[str, bool], list[ParamInfo]]:
+    groups: dict[tuple[str, bool], list[ParamInfo]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.trainable), []).append(p)
+    return groups
+
+
+def _pack(numels: Sequence[int], size: int) -> list[list[int]]:
+    """Positions of `numels` packed in order into chunks of `size` (a new chunk when the next does not fit)."""
+    chunks: list[list[int]] = [[]]
+    free = size
+    for i, n in enumerate(numels):
+        if n > free and chunks[-1]:
+            chunks.append([])
+            free = size
+        chunks[-1].append(i)
+        free -= n
+    return chunks
+
+
+def padding_waste(numels: Sequence[int], size: int) -> int:
+    """Padding elements when `numels` are packed in order into chunks of `size` (every chunk full size)."""
+    if not numels:
+        return 0
+    return len(_pack(numels, size)) * size - sum(numels)
+
+
+def search_chunk_elems(groups: Sequence[Sequence[int]], world: int, n_candidates: int = 256) -> int:
+    """The chunk size (elements, multiple of `world`) wasting least padding over all `groups` of numels.
+
+    Candidates run from the largest parameter up to 4x that (or the largest group's total), in
+    `n_candidates` even steps.
+    """
+    numels = [n for g in groups for n in g]
+    if not numels:
+        return world
+    lo = _round_up(max(numels), world)
+    hi = max(lo, min(4 * lo, _round_up(max(sum(g) for g in groups), world)))
+    step = max(world, _round_up(max(1, (hi - lo) // n_candidates), world))
+    best, best_waste = lo, None
+    for size in range(lo, hi + 1, step):
+        waste = sum(padding_waste(g, size) for g in groups)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+    logger.info("chunk size search: %d elements, %d padding elements of %d", best, best_waste, sum(numels))
+    return best
+
+
+def plan_chunks(params: Sequence[ParamInfo], world: int, chunk_elems: int | None = None) -> list[ChunkSpec]:
+    """Pack `params` (in the given order) into chunks; `chunk_elems=None` searches the size.
+
+    A chunk size smaller than the largest parameter is raised to fit it (and logged).
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    groups = _groups(params)
+    if chunk_elems is None:
+        size = search_chunk_elems([[p.numel for p in g] for g in groups.values()], world)
+    else:
+        size = _round_up(max(chunk_elems, 1), world)
+        biggest = max((p.numel for p in params), default=0)
+        if biggest > size:
+            logger.info("chunk of %d elements raised to fit a parameter of %d elements", size, biggest)
+            size = _round_up(biggest, world)
+    specs: list[ChunkSpec] = []
+    for (dtype, trainable), members in groups.items():
+        for positions in _pack([p.numel for p in members], size):
+            offset, slots = 0, []
+            for i in positions:
+                slots.append(Slot(param=members[i].index, chunk=len(specs), offset=offset, numel=members[i].numel))
+                offset += members[i].numel
+            specs.append(ChunkSpec(index=len(specs), dtype=dtype, trainable=trainable, size=size, slots=tuple(slots)))
+    return specs
+
+
+def chunk_elems_from_mb(chunk_mb: float, element_size: int) -> int:
+    """Elements in `chunk_mb` MiB of a dtype whose elements take `element_size` bytes."""
+    return max(1, math.floor(chunk_mb * 2**20 / element_size))

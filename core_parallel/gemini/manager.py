@@ -1,0 +1,310 @@
+"""The chunk manager: gathers and releases chunks for the hooks, reduces gradients, places shards.
+
+Collective order is the same on every rank by construction: gathers follow module execution (as in any
+ZeRO-3), and gradient reduce-scatters run in descending chunk index, a chunk being reduced as soon as it
+and every higher chunk are complete, the rest at the end of the backward pass. A parameter that gets no
+gradient on some rank therefore delays memory release but never mismatches or hangs a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from core_parallel.gemini.chunk import Chunk
+from core_parallel.gemini.config import GeminiConfig
+from core_parallel.gemini.layout import ChunkSpec, Slot
+from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
+from core_parallel.gemini.state import ChunkState
+from core_parallel.gemini.storage import NvmeFile, TieredBuffer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkManager"]
+
+
+class _StateDictIO:
+    """model.state_dict() / load_state_dict() through the chunks: saving gathers fp32 master chunks (a
+    collective on all ranks), loading writes each rank's own shard (no communication)."""
+
+    def io_gather(self, pidxs: Iterable[int]) -> None:
+        for ci in sorted({self.slot_of[p].chunk for p in pidxs}):
+            if ci not in self._io_cache:
+                self._io_cache[ci] = self.chunks[ci].gather_fp32(self.chunks[ci].master)
+
+    def param_value(self, pidx: int) -> torch.Tensor:
+        s = self.slot_of[pidx]
+        p = self.params[pidx]
+        flat = self._io_cache[s.chunk][s.offset : s.offset + s.numel]
+        return flat.view(p.shape).to(self.param_dtypes[pidx], copy=True)
+
+    def io_release(self, pidxs: Iterable[int]) -> None:
+        for ci in {self.slot_of[p].chunk for p in pidxs}:
+            self._io_cache.pop(ci, None)
+            c = self.chunks[ci]
+            if ci in self._io_storage and c.sm.data is ChunkState.RELEASED:
+                c.full.untyped_storage().resize_(0)
+            self._io_storage.discard(ci)
+
+    def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
+        """Write loaded values into the master shards; give released chunks scratch storage for torch's copy."""
+        for pidx in pidxs:
+            value, s = values.get(pidx), self.slot_of[pidx]
+            c = self.chunks[s.chunk]
+            if c.sm.data is ChunkState.RELEASED and s.chunk not in self._io_storage:
+                c.full.untyped_storage().resize_(c.full_nbytes)
+                self._io_storage.add(s.chunk)
+            if not isinstance(value, torch.Tensor) or value.numel() != s.numel:
+                continue  # torch's own loader reports the mismatch
+            lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
+            if lo < hi:
+                flat = value.detach().reshape(-1)[lo - s.offset : hi - s.offset]
+                c.master.view()[lo - c.lo : hi - c.lo].copy_(flat)
+                c.master.done()
+
+
+class ChunkManager(_StateDictIO):
+    """Owns the chunks of one model on one rank. `state_kinds`: optimizer state buffers per chunk."""
+
+    def __init__(
+        self, specs: list[ChunkSpec], params: list[torch.nn.Parameter], config: GeminiConfig, *,
+        group: dist.ProcessGroup | None, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+        state_kinds: tuple[str, ...], budget: int | None,
+    ) -> None:
+        self.config, self.group, self.rank, self.world = config, group, rank, world
+        self.device, self.budget = device, budget
+        self.params = params
+        self.chunks = [Chunk(s, rank=rank, world=world, device=device, dtype=dtype, group=group) for s in specs]
+        self.slot_of: dict[int, Slot] = {s.param: s for spec in specs for s in spec.slots}
+        self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
+        self.trace = AccessTrace()
+        self.ledger = MemoryLedger()
+        self.off_tier = "nvme" if config.offload_dir else "cpu"
+        self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_dir else None
+        self.sync = True
+        self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
+        self._in_backward = False
+        self.passes = 0
+        self._reduce_ptr = len(self.trainable_chunks) - 1
+        self._clock = 0
+        self._last_used: dict[int, int] = {}
+        self.param_dtypes = [p.dtype for p in params]
+        self._io_cache: dict[int, torch.Tensor] = {}
+        self._io_storage: set[int] = set()
+        self._build_buffers(state_kinds)
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def _plan(self, n_states: int) -> list[tuple[str, str]]:
+        n = len(self.chunks)
+        if self.config.placement == "static":
+            return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
+        total = sum(c.shard_nbytes * (2 + n_states if c.spec.trainable else 1) for c in self.chunks)
+        biggest = max((c.full_nbytes + c.spec.size * 4 for c in self.chunks), default=0)
+        reserve = 2 * (1 + self.config.prefetch) * biggest
+        if self.budget is None or total + reserve <= self.budget:
+            return [("device", "device")] * n
+        return [(self.off_tier, self.off_tier)] * n  # params come back on device as the budget allows
+
+    def _buffer(self, numel: int, tier: str, movable: bool) -> TieredBuffer:
+        offset = self.nvme.reserve(numel) if self.nvme is not None and (movable or tier == "nvme") else None
+        return TieredBuffer(numel, tier, self.device, self.nvme, offset)
+
+    def _build_buffers(self, state_kinds: tuple[str, ...]) -> None:
+        plan = self._plan(len(state_kinds))
+        auto = self.config.placement == "auto"
+        for c, (ptier, otier) in zip(self.chunks, plan):
+            c.master = self._buffer(c.shard_numel, ptier, movable=auto)
+            if c.spec.trainable:
+                c.grad = self._buffer(c.shard_numel, otier, movable=False)
+                c.states = {k: self._buffer(c.shard_numel, otier, movable=False) for k in state_kinds}
+        if self.nvme is not None:
+            self.nvme.open()
+
+    def load_params(self) -> None:
+        """Copy the parameters' current values into the master shards and point them into the chunks."""
+        for c in self.chunks:
+            local = torch.zeros(c.shard_numel, dtype=torch.float32)
+            for s in c.spec.slots:
+                flat = self.params[s.param].detach().reshape(-1)
+                lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
+                if lo < hi:
+                    local[lo - c.lo : hi - c.lo] = flat[lo - s.offset : hi - s.offset].float().cpu()
+            c.master.allocate(fill=local)
+            self.ledger.add(c.master.tier, "params", c.master.nbytes)
+            for buf in c.states.values():
+                buf.allocate()
+                self.ledger.add(buf.tier, "optim", buf.nbytes)
+            c.bind(self.params)
+
+    # ---- gather / release --------------------------------------------------------------------------
+    def access(self, ids: Iterable[int]) -> None:
+        """Modules start computing with chunks `ids`: gather them (and prefetch the next ones)."""
+        for i in ids:
+            c = self.chunks[i]
+            self.trace.record(i)
+            self._clock += 1
+            self._last_used[i] = self._clock
+            if c.sm.data is ChunkState.RELEASED:
+                self._gather(c, async_op=False)
+            c.wait()
+            c.sm.acquire()
+        self._prefetch()
+
+    def done(self, ids: Iterable[int]) -> None:
+        """Modules are done with chunks `ids`; chunks nobody uses are released."""
+        for i in ids:
+            c = self.chunks[i]
+            if c.sm.release_use():
+                self._release(c)
+
+    def _gather(self, c: Chunk, async_op: bool) -> None:
+        self._make_room(c.full_nbytes, exclude={c.index})
+        self.ledger.add("device", "params", c.full_nbytes)
+        self.ledger.transfer(c.master.tier, "device", c.master.nbytes)
+        c.start_gather(async_op)
+        self._maybe_promote(c)
+
+    def _release(self, c: Chunk) -> None:
+        c.release()
+        self.ledger.add("device", "params", -c.full_nbytes)
+
+    def release_idle(self) -> None:
+        """Release gathered chunks no module uses (stale prefetches, the end of a pass)."""
+        for c in self.chunks:
+            if c.sm.data is not ChunkState.RELEASED and c.sm.users == 0:
+                self._release(c)
+
+    def _prefetch(self) -> None:
+        if not self.config.prefetch or not self.trace.frozen:
+            return
+        for i in self.trace.upcoming(self.config.prefetch):
+            c = self.chunks[i]
+            if c.sm.data is ChunkState.RELEASED and self._fits(c.full_nbytes):
+                self._gather(c, async_op=True)
+
+    # ---- placement under a budget ------------------------------------------------------------------
+    def _fits(self, nbytes: int) -> bool:
+        return self.budget is None or self.ledger.tier_total("device") + nbytes <= self.budget
+
+    def _make_room(self, nbytes: int, exclude: set[int]) -> None:
+        """Evict parameter shards (furthest next use first) until `nbytes` more fit in the budget."""
+        if self.config.placement != "auto":
+            return
+        while not self._fits(nbytes):
+            movable = [c.index for c in self.chunks if c.master.tier == "device" and c.index not in exclude]
+            victim = pick_victim(movable, self.trace, self._last_used)
+            if victim is None:
+                raise RuntimeError(
+                    f"device_memory_budget={self.budget} bytes cannot hold the chunks in use "
+                    f"({self.ledger.tier_total('device')} bytes used, {nbytes} more needed); raise the budget "
+                    "or lower chunk_mb"
+                )
+            self._move_master(self.chunks[victim], self.off_tier)
+
+    def _maybe_promote(self, c: Chunk) -> None:
+        if self.config.placement == "auto" and c.master.tier != "device" and self._fits(c.master.nbytes):
+            self._move_master(c, "device")
+
+    def _move_master(self, c: Chunk, tier: str) -> None:
+        src = c.master.tier
+        c.master.move(tier)
+        self.ledger.move(src, tier, "params", c.master.nbytes)
+
+    # ---- gradients ---------------------------------------------------------------------------------
+    def begin_backward(self, queue: bool = True) -> None:
+        """First hook of a backward pass: arm the end-of-pass callback."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self.passes += 1
+        self._reduce_ptr = len(self.trainable_chunks) - 1
+        for c in self.chunks:
+            c.sm.ready.clear()
+        if queue:
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def on_grad(self, param_index: int, grad: torch.Tensor) -> None:
+        """A trainable parameter's gradient for this pass arrived ([*shape] compute dtype)."""
+        self.begin_backward()
+        s = self.slot_of[param_index]
+        c = self.chunks[s.chunk]
+        if c.add_grad(s.offset, grad):
+            self.ledger.add("device", "grads", c.spec.size * 4)
+        self.had_grad[param_index] = True
+        if c.sm.grad_arrived(param_index) and self.sync:
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        while self._reduce_ptr >= 0:
+            c = self.trainable_chunks[self._reduce_ptr]
+            if not c.sm.ready >= c.sm.trainable:
+                return
+            self._reduce(c)
+            self._reduce_ptr -= 1
+
+    def _reduce(self, c: Chunk) -> None:
+        had_full = c.grad_full is not None
+        shard = c.reduce_scatter()
+        if had_full:
+            self.ledger.add("device", "grads", -c.spec.size * 4)
+        if not c.grad.allocated:
+            c.grad.allocate(fill=shard)
+            self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
+        else:
+            c.grad.view().add_(shard.to(c.grad.view().device))
+        c.grad.done()
+        self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
+
+    def end_backward(self) -> None:
+        """End of a backward pass: reduce what is left (unless under no_sync) and release every chunk."""
+        if self.sync:
+            while self._reduce_ptr >= 0:
+                self._reduce(self.trainable_chunks[self._reduce_ptr])
+                self._reduce_ptr -= 1
+        for c in self.chunks:
+            c.sm.users = 0
+        self.release_idle()
+        self._in_backward = False
+
+    def zero_grad(self) -> None:
+        """Drop gradient shards, pending local gradients and the used-parameter flags."""
+        for c in self.trainable_chunks:
+            if c.grad.allocated:
+                self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
+                c.grad.free()
+            if c.grad_full is not None:
+                self.ledger.add("device", "grads", -c.spec.size * 4)
+                c.grad_full = None
+            c.sm.grad_reduced()
+        for k in self.had_grad:
+            self.had_grad[k] = False
+
+    def used_params(self) -> set[int]:
+        """Trainable parameters that got a gradient on any rank since the last zero_grad (collective)."""
+        keys = sorted(self.had_grad)
+        flags = torch.tensor([self.had_grad[k] for k in keys], dtype=torch.uint8, device=self.device)
+        if self.world > 1 and flags.numel():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return {k for k, f in zip(keys, flags.tolist()) if f}
+
+    def end_step(self) -> None:
+        """After the optimizer step: freeze the traced order (first step) and start a new step's ledger."""
+        self.trace.freeze()
+        self.trace.new_step()
+        self.ledger.new_step()
+
+    def memory_report(self) -> dict:
+        """Bytes per tier and kind on this rank, the device peak and the traffic since the last step."""
+        report = self.ledger.report()
+        report["budget_bytes"] = self.budget
+        report["chunks"] = len(self.chunks)
+        report["chunk_elements"] = self.chunks[0].spec.size if self.chunks else 0
+        return report
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+

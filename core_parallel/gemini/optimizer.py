@@ -1,0 +1,233 @@
+"""The optimizer Gemini hands back: a `torch.optim.Optimizer` sharing the user's `param_groups` (so LR
+schedulers keep working) that updates the fp32 master shards where each chunk's optimizer state lives.
+
+Supported inner optimizers: `torch.optim.Adam`, `AdamW` and `SGD` (their hyperparameters are read from
+the param groups at every step). `state_dict()` / `load_state_dict()` use torch's own format, consolidated
+over ranks, so a state saved here loads into a plain torch optimizer and the other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
+from core_parallel.gemini.chunk import Chunk
+from core_parallel.gemini.manager import ChunkManager
+
+__all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """'adam' or 'sgd'; TypeError for optimizers Gemini cannot run on flat shards."""
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        kind = "adam"
+    elif isinstance(optimizer, torch.optim.SGD):
+        kind = "sgd"
+    else:
+        raise TypeError(f"Gemini supports torch.optim.Adam, AdamW and SGD, got {type(optimizer).__name__}")
+    for i, g in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"param_groups[{i}].{flag}=True is not supported by Gemini")
+    return kind
+
+
+def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Names of the per-element state buffers the optimizer keeps."""
+    if optimizer_kind(optimizer) == "adam":
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if any(g.get("momentum", 0) for g in optimizer.param_groups) else ()
+
+
+def _hyper(kind: str, group: dict, decoupled: bool) -> AdamHyper | SgdHyper:
+    if kind == "adam":
+        b1, b2 = group["betas"]
+        return AdamHyper(lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], decoupled=decoupled)
+    return SgdHyper(lr=float(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
+                    weight_decay=group["weight_decay"], nesterov=group["nesterov"])
+
+
+class GeminiOptimizer(torch.optim.Optimizer):
+    """Sharded optimizer over Gemini chunks: backward, step, zero_grad, no_sync, clip_grad_norm."""
+
+    def __init__(self, inner: torch.optim.Optimizer, manager: ChunkManager, index_of: dict[int, int],
+                 max_grad_norm: float | None = None) -> None:
+        super().__init__([torch.zeros(1)], {})
+        self.inner, self.manager, self.max_grad_norm = inner, manager, max_grad_norm
+        self.kind = optimizer_kind(inner)
+        self.decoupled = isinstance(inner, torch.optim.AdamW)
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.group_of: dict[int, int] = {}
+        self.order: list[int] = []  # param indices in torch's state_dict numbering
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                self.group_of[index_of[id(p)]] = gi
+                self.order.append(index_of[id(p)])
+        self.steps: dict[int, int] = dict.fromkeys(self.group_of, 0)
+        self.last_grad_norm: torch.Tensor | None = None
+
+    # ---- the training-loop interface ---------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, then make sure every rank has run its gradient reductions."""
+        passes = self.manager.passes
+        loss.backward()
+        if self.manager.passes == passes:  # no hook fired on this rank: still take part in the reductions
+            self.manager.begin_backward(queue=False)
+            self.manager.end_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (full-size fp32 buffers per chunk), no communication."""
+        previous, self.manager.sync = self.manager.sync, False
+        try:
+            yield
+        finally:
+            self.manager.sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.zero_grad()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradient shards so their global L2 norm is at most `max_norm`; returns the norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type must be 2.0 (global L2 norm over shards), got {norm_type}")
+        total = self._grad_norm()
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            for c in self.manager.trainable_chunks:
+                if c.grad.allocated:
+                    c.grad.view().mul_(coef)
+                    c.grad.done()
+        self.last_grad_norm = total
+        return total
+
+    def _grad_norm(self) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float64)
+        for c in self.manager.trainable_chunks:
+            if c.grad.allocated:
+                sq += c.grad.view().double().pow(2).sum().cpu()
+                c.grad.done()
+        if self.manager.world > 1:
+            sq = sq.to(self.manager.device)
+            dist.all_reduce(sq, group=self.manager.group)
+        return sq.sqrt().float().cpu()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        used = self.manager.used_params()
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm(self.max_grad_norm)
+        for p in used:
+            self.steps[p] += 1
+        hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
+                  for g in self.param_groups]
+        for c in self.manager.trainable_chunks:
+            if c.grad.allocated:
+                self._step_chunk(c, used, hypers)
+        self.manager.end_step()
+        return loss
+
+    def _runs(self, c: Chunk, used: set[int]) -> Iterator[tuple[int, int, int, int]]:
+        """(lo, hi, group, step) over this rank's shard: contiguous params sharing group and step."""
+        run = None
+        for s in c.spec.slots:
+            lo, hi = max(s.offset, c.lo) - c.lo, min(s.offset + s.numel, c.hi) - c.lo
+            if lo >= hi or s.param not in used:
+                if run:
+                    yield run
+                run = None
+                continue
+            key = (self.group_of[s.param], self.steps[s.param])
+            if run and run[1] == lo and run[2:] == key:
+                run = (run[0], hi, *key)
+            else:
+                if run:
+                    yield run
+                run = (lo, hi, *key)
+        if run:
+            yield run
+
+    def _step_chunk(self, c: Chunk, used: set[int], hypers: list) -> None:
+        """Update one chunk's shard where its optimizer state lives."""
+        grad = c.grad.view()
+        states = {k: b.view() for k, b in c.states.items()}
+        master = c.master.view()
+        param = master if master.device == grad.device else master.to(grad.device)
+        for lo, hi, gi, step in self._runs(c, used):
+            if self.kind == "adam":
+                adam_update_(param[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
+                             step, hypers[gi])
+            else:
+                buf = states["momentum_buffer"][lo:hi] if "momentum_buffer" in states else None
+                sgd_update_(param[lo:hi], grad[lo:hi], buf, step, hypers[gi])
+        if param is not master:
+            master.copy_(param)
+            self.manager.ledger.transfer(c.grad.tier, c.master.tier, c.master.nbytes)
+        for b in (c.master, c.grad, *c.states.values()):
+            b.done()
+
+    # ---- torch-format state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch's optimizer state_dict, consolidated on every rank (collective: call on all ranks)."""
+        state: dict[int, dict] = {}
+        pos = {p: i for i, p in enumerate(self.order)}
+        for c in self.manager.trainable_chunks:
+            full = {k: c.gather_fp32(b) for k, b in c.states.items()}
+            for s in c.spec.slots:
+                if self.steps[s.param] == 0:
+                    continue
+                entry = {k: v[s.offset : s.offset + s.numel].view(self.manager.params[s.param].shape).clone()
+                         for k, v in full.items()}
+                if self.kind == "adam":
+                    entry["step"] = torch.tensor(float(self.steps[s.param]))
+                state[pos[s.param]] = entry
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's optimizer format (any rank count saved it); each rank keeps its own shard."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
+            raise ValueError("optimizer state_dict has a different number of param groups or parameters")
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for pidx in self.steps:
+            self.steps[pidx] = 0
+        for i, entry in state_dict["state"].items():
+            pidx = self.order[int(i)]
+            self.steps[pidx] = int(entry["step"]) if "step" in entry else 1
+            self._load_entry(pidx, entry)
+
+    def _load_entry(self, pidx: int, entry: dict) -> None:
+        s = self.manager.slot_of[pidx]
+        c = self.manager.chunks[s.chunk]
+        lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
+        if lo >= hi:
+            return
+        for k, buf in c.states.items():
+            value = entry.get(k)
+            if value is None:
+                raise KeyError(f"optimizer state of parameter {pidx} lacks {k!r}")
+            buf.view()[lo - c.lo : hi - c.lo].copy_(value.detach().reshape(-1)[lo - s.offset : hi - s.offset])
+            buf.done()
+
+    def __repr__(self) -> str:
+        return f"GeminiOptimizer({type(self.inner).__name__}, chunks={len(self.manager.chunks)})"
+
+

@@ -1,0 +1,139 @@
+"""Placement: where each chunk's fp32 parameter shard and optimizer state live, and the device budget.
+
+Pure bookkeeping, no communication:
+- `static_plan`: fixed fractions of chunks off the device, decided once.
+- `AccessTrace`: the chunk access order recorded in the first step; `next_use` gives the distance to a
+  chunk's next access from the current position (the information Belady's optimal eviction needs).
+- `pick_victim`: among evictable chunks, the one whose next use is furthest away.
+- `MemoryLedger`: bytes per tier and kind (params, grads, optim), the peak on the device, and the
+  traffic between tiers in the current step. On a CPU-only machine the "device" is CPU memory and the
+  budget is enforced by this accounting.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+__all__ = ["KINDS", "AccessTrace", "MemoryLedger", "pick_victim", "static_plan"]
+
+KINDS = ("params", "grads", "optim")
+
+
+def static_plan(n_chunks: int, param_frac: float, optim_frac: float, off_tier: str) -> list[tuple[str, str]]:
+    """(param tier, optim tier) per chunk: the first round(frac * n) chunks go to `off_tier`."""
+    n_param, n_optim = round(param_frac * n_chunks), round(optim_frac * n_chunks)
+    return [
+        (off_tier if i < n_param else "device", off_tier if i < n_optim else "device") for i in range(n_chunks)
+    ]
+
+
+class AccessTrace:
+    """Chunk accesses in the order of one traced step; afterwards answers "when is chunk c used next?"."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.frozen = False
+        self.cursor = 0
+        self._positions: dict[int, list[int]] = {}
+
+    def record(self, chunk: int) -> None:
+        """Note an access; while recording it appends, afterwards it advances the cursor."""
+        if not self.frozen:
+            self.order.append(chunk)
+            return
+        positions = self._positions.get(chunk, [])
+        i = bisect.bisect_left(positions, self.cursor)
+        if i < len(positions):
+            self.cursor = positions[i] + 1
+
+    def freeze(self) -> None:
+        """End of the traced step: the order is fixed from now on."""
+        if self.frozen:
+            return
+        self.frozen = True
+        for pos, c in enumerate(self.order):
+            self._positions.setdefault(c, []).append(pos)
+        self.cursor = 0
+
+    def new_step(self) -> None:
+        """Rewind the cursor to the start of the recorded order."""
+        if self.frozen:
+            self.cursor = 0
+
+    def next_use(self, chunk: int) -> float:
+        """Accesses until `chunk` is used again (wrapping into the next step); inf when never used."""
+        positions = self._positions.get(chunk)
+        if not self.frozen or not positions:
+            return math.inf
+        i = bisect.bisect_left(positions, self.cursor)
+        if i < len(positions):
+            return positions[i] - self.cursor
+        return len(self.order) - self.cursor + positions[0]
+
+    def upcoming(self, n: int) -> list[int]:
+        """The next `n` distinct chunks in the recorded order from the cursor."""
+        out: list[int] = []
+        for c in self.order[self.cursor :]:
+            if len(out) >= n:
+                break
+            if c not in out:
+                out.append(c)
+        return out
+
+
+def pick_victim(candidates: Iterable[int], trace: AccessTrace, last_used: dict[int, int]) -> int | None:
+    """The candidate used furthest in the future; before the trace exists, the least recently used."""
+    candidates = list(candidates)
+    if not candidates:
+        return None
+    if trace.frozen:
+        return max(candidates, key=lambda c: (trace.next_use(c), c))
+    return min(candidates, key=lambda c: (last_used.get(c, -1), c))
+
+
+class MemoryLedger:
+    """Bytes held per (tier, kind), the device peak, and bytes moved between tiers in this step."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.traffic: dict[tuple[str, str], int] = defaultdict(int)
+        self.peak_device = 0
+
+    def add(self, tier: str, kind: str, nbytes: int) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        self.bytes[(tier, kind)] += nbytes
+        if self.bytes[(tier, kind)] < 0:
+            raise RuntimeError(f"memory accounting went negative for {tier}/{kind}")
+        self.peak_device = max(self.peak_device, self.tier_total("device"))
+
+    def move(self, src: str, dst: str, kind: str, nbytes: int) -> None:
+        """Account `nbytes` of `kind` moving from tier `src` to `dst`."""
+        if src == dst:
+            return
+        self.add(src, kind, -nbytes)
+        self.add(dst, kind, nbytes)
+        self.traffic[(src, dst)] += nbytes
+
+    def transfer(self, src: str, dst: str, nbytes: int) -> None:
+        """Account a copy between tiers that does not change who holds what (e.g. a gather source)."""
+        if src != dst:
+            self.traffic[(src, dst)] += nbytes
+
+    def tier_total(self, tier: str) -> int:
+        return sum(v for (t, _), v in self.bytes.items() if t == tier)
+
+    def new_step(self) -> None:
+        self.traffic.clear()
+        self.peak_device = self.tier_total("device")
+
+    def report(self, tiers: Sequence[str] = ("device", "cpu", "nvme")) -> dict:
+        """{"bytes": {tier: {kind: n}}, "traffic": {"src->dst": n}, "peak_device_bytes": n}."""
+        return {
+            "bytes": {t: {k: self.bytes.get((t, k), 0) for k in KINDS} for t in tiers},
+            "traffic": {f"{s}->{d}": n for (s, d), n in sorted(self.traffic.items())},
+            "peak_device_bytes": self.peak_device,
+        }
