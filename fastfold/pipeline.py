@@ -133,16 +133,17 @@ class ModelSpec:
     """With no parameters: use the tiny configuration (demo and tests)."""
     precision: str = "fp32"
     """fp32, bf16 or fp64."""
-    chunk_size: int | None = None
-    """Chunk size of the low-memory inference path; None: no chunking."""
+    chunk_size: int | str | None = None
+    """Chunk size of the low-memory inference path; None: no chunking; "auto": fit a memory budget."""
     seed: int = 0
     """Seed of the random initialisation."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"ModelSpec.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"ModelSpec.chunk_size must be >= 1, got {self.chunk_size}")
+        c = self.chunk_size
+        if not (c is None or c == "auto" or (isinstance(c, int) and c >= 1)):
+            raise ValueError(f"ModelSpec.chunk_size must be None, 'auto' or >= 1, got {c!r}")
 
     @property
     def label(self) -> str:
