@@ -139,7 +139,8 @@ def test_mmcif_chain_and_release_date():
 def test_mmcif_quoted_values_that_look_like_names():
     text = ("data_x\nloop_\n_a.k\n_a.v\n1 '_not_a_name'\n#\nloop_\n_atom_site.id\n_atom_site.auth_asym_id\n"
             "_atom_site.label_seq_id\n_atom_site.label_atom_id\n_atom_site.label_comp_id\n_atom_site.Cartn_x\n"
-            "_atom_site.Cartn_y\n_atom_site.Cartn_z\n1 A 1 CA GLY 1.0 2.0 3.0\n#\nloop_\n_pdbx_poly_seq_scheme.pdb_strand_id\n"
+            "_atom_site.Cartn_y\n_atom_site.Cartn_z\n1 A 1 CA GLY 1.0 2.0 3.0\n#\n"
+            "loop_\n_pdbx_poly_seq_scheme.pdb_strand_id\n"
             "_pdbx_poly_seq_scheme.seq_id\n_pdbx_poly_seq_scheme.mon_id\nA 1 GLY\n#\n")
     f = parse_mmcif(text)
     assert f.chains["A"].sequence == "G"
