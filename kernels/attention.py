@@ -180,13 +180,22 @@ if triton is not None:
         return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
 
     @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        # DISCREPANCY: Triton 3.9's interpreter multiplies bf16 tiles wrongly (garbage of order 1e10), so on
+        # CPU tensors the tiles are widened to fp32 first; on CUDA the half-precision tensor-core dot is used.
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
     def _biased_scores(
         q, k, rows, cols, b_base, m_base, NQ, NK, scale,
         sbq, sbk, smq, smk,
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         # [BLOCK_M, BLOCK_N] fp32 scores q k^T * scale + bias, -inf where masked or past the key length
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
         inside = (rows < NQ)[:, None] & (cols < NK)[None, :]
         keep = inside
         if HAS_BIAS:
@@ -201,7 +210,7 @@ if triton is not None:
         L1, L2, L3, NQ, NK, D, scale,
         sb0, sb1, sb2, sb3, sbq, sbk,  # bias strides, zero where it broadcasts
         sm0, sm1, sm2, sm3, smq, smk,  # mask strides (uint8 view of the bool mask)
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         z = tl.program_id(0).to(tl.int64)
@@ -221,14 +230,14 @@ if triton is not None:
             k = tl.load(K + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
             v = tl.load(V + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
             s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
-                               HAS_BIAS, HAS_MASK, PRECISION)
+                               HAS_BIAS, HAS_MASK, PRECISION, UPCAST)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # rows with nothing kept so far subtract 0: exp(-inf) = 0 instead of exp(nan)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -243,7 +252,7 @@ if triton is not None:
         L1, L2, L3, NQ, NK, D, scale,
         sb0, sb1, sb2, sb3, sbq, sbk,
         sm0, sm1, sm2, sm3, smq, smk,
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         z = tl.program_id(0).to(tl.int64)
@@ -265,12 +274,12 @@ if triton is not None:
             lse = tl.load(Lse + z * NQ + rows, mask=rows < NQ, other=float("inf"))
             delta = tl.load(Delta + z * NQ + rows, mask=rows < NQ, other=0.0)
             s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
-                               HAS_BIAS, HAS_MASK, PRECISION)
+                               HAS_BIAS, HAS_MASK, PRECISION, UPCAST)
             p = tl.exp(s - lse[:, None])  # 0 where masked (s = -inf) or the row is empty (lse = +inf)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
         tl.store(DK + z * NK * D + cols[:, None] * D + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
         tl.store(DV + z * NK * D + cols[:, None] * D + dims[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
 
@@ -282,6 +291,7 @@ if triton is not None:
         sm0, sm1, sm2, sm3, smq, smk,
         sg0, sg1, sg2, sg3, sgq, sgk,  # strides of the fp32 bias-gradient buffer, zero where bias broadcasts
         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
         BIAS_Q1: tl.constexpr, BIAS_K1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
@@ -304,11 +314,11 @@ if triton is not None:
             k = tl.load(K + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
             v = tl.load(V + z * NK * D + cols[:, None] * D + dims[None, :], mask=kv_ok, other=0.0)
             s = _biased_scores(q, k, rows, cols, b_base, m_base, NQ, NK, scale, sbq, sbk, smq, smk,
-                               HAS_BIAS, HAS_MASK, PRECISION)
+                               HAS_BIAS, HAS_MASK, PRECISION, UPCAST)
             p = tl.exp(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
             if BIAS_GRAD:
                 # reduce over the dims the bias broadcasts along inside the tile; atomics do the rest
                 if BIAS_Q1 and BIAS_K1:
@@ -353,7 +363,7 @@ class _TritonAttention(torch.autograd.Function):
         lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
         bm, bn, bd, warps = _launch_config(q, q.shape[-1])
         z = q[..., 0, 0].numel()
-        flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, PRECISION=_precision(q))
+        flags = _flags(q, bias, mask)
         if z > 0 and q.shape[-2] > 0:
             _attn_fwd_kernel[(z, triton.cdiv(q.shape[-2], bm))](
                 q, k, v, _or(bias, q), _or(mask_u8, q), out, lse, *_common_args(ctx, q, bias, mask),
@@ -374,7 +384,7 @@ class _TritonAttention(torch.autograd.Function):
         bm, bn, bd, warps = _launch_config(q, q.shape[-1])
         z = q[..., 0, 0].numel()
         common = _common_args(ctx, q, bias, mask_u8)
-        flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask_u8 is not None, PRECISION=_precision(q))
+        flags = _flags(q, bias, mask_u8)
         tensors = (q, k, v, _or(bias, q), _or(mask_u8, q), do, lse, delta)
         if z > 0 and q.shape[-2] > 0 and ctx.n_k > 0:
             _attn_bwd_dkdv_kernel[(z, triton.cdiv(ctx.n_k, bn))](
@@ -395,9 +405,10 @@ def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     return placeholder if t is None else t
 
 
-def _precision(q: torch.Tensor) -> str:
+def _flags(q: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> dict:
     # fp32 inputs must not silently drop to tf32 in tl.dot; half inputs ignore the setting
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+    return dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=not q.is_cuda)
 
 
 def _triton_unsupported(q, k, v, bias, mask) -> str | None:
@@ -419,7 +430,13 @@ def _check_shapes(q, k, v, bias, mask) -> None:
     if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     for name, t in (("bias", bias), ("mask", mask)):
-        if t is not None and torch.broadcast_shapes(scores, t.shape) != scores:
+        if t is None:
+            continue
+        try:
+            fits = torch.broadcast_shapes(scores, t.shape) == scores
+        except RuntimeError:
+            fits = False
+        if not fits:
             raise ValueError(f"attention: {name} {tuple(t.shape)} does not broadcast to the scores {scores}")
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(f"attention: mask must be a bool tensor (True = keep), got {mask.dtype}")
