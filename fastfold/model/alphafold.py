@@ -1,0 +1,194 @@
+"""The AlphaFold2 monomer model with recycling (AlphaFold2 suppl. Alg. 2, inference)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+import kernels
+from fastfold.common.geometry import atom14_to_atom37
+from fastfold.model.config import AlphaFoldConfig
+from fastfold.model.embedders import (
+    ExtraMSAEmbedder,
+    InputEmbedder,
+    RecyclingEmbedder,
+    TemplateAngleEmbedder,
+    TemplateEmbedder,
+)
+from fastfold.model.evoformer import EvoformerStack, ExtraMSAStack
+from fastfold.model.heads import AuxiliaryHeads
+from fastfold.model.options import DEFAULT_OPTIONS, InferenceOptions
+from fastfold.model.structure_module import StructureModule
+
+__all__ = ["AlphaFold", "FEATURE_NAMES"]
+
+FEATURE_NAMES = (
+    "aatype",
+    "residue_index",
+    "seq_mask",
+    "target_feat",
+    "msa_feat",
+    "msa_mask",
+    "extra_msa",
+    "extra_msa_mask",
+    "extra_has_deletion",
+    "extra_deletion_value",
+    "template_aatype",
+    "template_all_atom_positions",
+    "template_all_atom_masks",
+    "template_mask",
+    "template_pseudo_beta",
+    "template_pseudo_beta_mask",
+    "residx_atom37_to_atom14",
+    "atom37_atom_exists",
+)
+"""Features the model reads (each with the recycling iterations on its trailing axis)."""
+_ALIASES = {"template_all_atom_masks": "template_all_atom_mask"}  # OpenFold's spelling
+
+
+class AlphaFold(nn.Module):
+    """AlphaFold2 monomer: embedders, extra-MSA stack, Evoformer, structure module and heads.
+
+    `model(batch, options)` runs one pass per entry of the batch's trailing (recycling) axis and returns
+    AlphaFold-named outputs of the last pass. Submodules: `input_embedder`, `recycling_embedder`,
+    `template_embedder`, `template_angle_embedder`, `extra_msa_embedder`, `extra_msa_stack`, `evoformer`,
+    `structure_module`, `aux_heads`.
+    """
+
+    def __init__(self, config: AlphaFoldConfig):
+        super().__init__()
+        self.config = config
+        self.input_embedder = InputEmbedder(config)
+        self.recycling_embedder = RecyclingEmbedder(config)
+        templ = config.template
+        self.template_embedder = TemplateEmbedder(config) if templ.enabled else None
+        embed_angles = templ.enabled and templ.embed_torsion_angles
+        self.template_angle_embedder = TemplateAngleEmbedder(config) if embed_angles else None
+        self.extra_msa_embedder = ExtraMSAEmbedder(config)
+        self.extra_msa_stack = ExtraMSAStack(config.extra_msa)
+        self.evoformer = EvoformerStack(config.evoformer)
+        self.structure_module = StructureModule(config.structure_module)
+        self.aux_heads = AuxiliaryHeads(config)
+
+    # -- parameters ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_params(cls, path: str | os.PathLike, preset: str | None = None) -> AlphaFold:
+        """Load AlphaFold's released `.npz` parameters or an OpenFold `.pt` checkpoint (see fastfold.params)."""
+        from fastfold.params import load_model
+
+        return load_model(path, preset)
+
+    def save_params(self, path: str | os.PathLike) -> None:
+        """Write the parameters in AlphaFold's `.npz` layout (atomically)."""
+        from fastfold.params import save_npz
+
+        save_npz(self, path)
+
+    # -- forward ------------------------------------------------------------------------------------------
+
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], options: InferenceOptions | None = None
+    ) -> dict[str, torch.Tensor]:
+        """batch: processed features, each `[*, ..., R]` with R recycling iterations on the trailing axis
+        (`aatype` [*, N, R], `msa_feat` [*, S, N, 49, R], ...); unknown keys are ignored.
+
+        Returns the last pass's outputs: `final_atom_positions` [*, N, 37, 3], `final_atom_mask` [*, N, 37],
+        `plddt` [*, N], `distogram_logits` [*, N, N, B], `masked_msa_logits` [*, S, N, 23],
+        `experimentally_resolved_logits` [*, N, 37], `single` [*, N, C_s], `pair` [*, N, N, C_z],
+        `msa` [*, S, N, C_m], and for pTM models `predicted_aligned_error` [*, N, N] and `ptm_score` [*].
+        """
+        options = options or DEFAULT_OPTIONS
+        feats = self._select_features(batch)
+        cycles = feats["aatype"].shape[-1]
+        backend = kernels.use_backend(options.attention_backend)
+        with backend if options.attention_backend != "auto" else contextlib.nullcontext():
+            prev = None
+            for i in range(cycles):
+                last = i == cycles - 1
+                with torch.set_grad_enabled(torch.is_grad_enabled() and last):
+                    out = self.iteration({k: v[..., i] for k, v in feats.items()}, prev, options)
+                prev = {k: out[k].detach() for k in ("msa_first_row", "pair", "final_atom_positions")}
+        return out
+
+    def _select_features(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        needed = [k for k in FEATURE_NAMES if not k.startswith("template_") or self.template_embedder is not None]
+        feats, missing = {}, []
+        for key in needed:
+            value = batch.get(key, batch.get(_ALIASES.get(key, "")))
+            if value is None:
+                missing.append(key)
+            else:
+                feats[key] = torch.as_tensor(value)
+        if missing:
+            raise KeyError(f"AlphaFold: the feature batch lacks {', '.join(missing)}")
+        return feats
+
+    def _embed(
+        self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None, options: InferenceOptions
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Alg. 2 lines 5-15: returns m, z, msa_mask, pair_mask ready for the Evoformer."""
+        dtype = self.input_embedder.linear_tf_m.weight.dtype
+        seq_mask = f["seq_mask"].to(dtype)
+        pair_mask = seq_mask[..., :, None] * seq_mask[..., None, :]
+        m, z = self.input_embedder(f["target_feat"].to(dtype), f["residue_index"], f["msa_feat"].to(dtype))
+        n = z.shape[-2]
+        if prev is None:
+            prev = {
+                "msa_first_row": m.new_zeros(*m.shape[:-3], n, m.shape[-1]),
+                "pair": torch.zeros_like(z),
+                "final_atom_positions": z.new_zeros(*z.shape[:-3], n, 37, 3),
+            }
+        m1, z_rec = self.recycling_embedder(
+            f["aatype"], prev["msa_first_row"], prev["pair"], prev["final_atom_positions"]
+        )
+        m = torch.cat([m[..., :1, :, :] + m1[..., None, :, :], m[..., 1:, :, :]], dim=-3)
+        z = z + z_rec
+        del z_rec
+        templ = {k: v for k, v in f.items() if k.startswith("template_")}
+        has_templates = self.template_embedder is not None and templ["template_mask"].shape[-1] > 0
+        if has_templates:
+            z = options.add_(z, self.template_embedder(templ, z, pair_mask, options))
+        a = self.extra_msa_embedder(
+            f["extra_msa"], f["extra_has_deletion"].to(dtype), f["extra_deletion_value"].to(dtype)
+        )
+        z = self.extra_msa_stack(a, z, f["extra_msa_mask"].to(dtype), pair_mask, options)
+        del a
+        msa_mask = f["msa_mask"].to(dtype)
+        if has_templates and self.template_angle_embedder is not None:
+            rows, row_mask = self.template_angle_embedder(templ, dtype)
+            m = torch.cat([m, rows], dim=-3)
+            msa_mask = torch.cat([msa_mask, row_mask], dim=-2)
+        return m, z, msa_mask, pair_mask
+
+    def iteration(
+        self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None, options: InferenceOptions
+    ) -> dict[str, torch.Tensor]:
+        """One pass (Alg. 2 lines 5-20) on features without the recycling axis; `prev` holds the previous
+        pass's `msa_first_row` [*, N, C_m], `pair` [*, N, N, C_z], `final_atom_positions` [*, N, 37, 3]."""
+        n_seq = f["msa_feat"].shape[-3]
+        m, z, msa_mask, pair_mask = self._embed(f, prev, options)
+        m, z, s = self.evoformer(m, z, msa_mask, pair_mask, options)
+        seq_mask = f["seq_mask"].to(s.dtype)
+        sm = self.structure_module(s, z, f["aatype"], seq_mask)
+        atom37_exists = f["atom37_atom_exists"].to(s.dtype)
+        positions = atom14_to_atom37(sm["atom14_positions"], f["residx_atom37_to_atom14"], atom37_exists)
+        msa = m[..., :n_seq, :, :]
+        out = self.aux_heads(s, sm["single"], z, msa, seq_mask)
+        out.update(
+            final_atom_positions=positions,
+            final_atom_mask=atom37_exists,
+            final_atom14_positions=sm["atom14_positions"],
+            final_affine_tensor=sm["frames"],
+            sidechain_angles=sm["angles"],
+            single=s,
+            pair=z,
+            msa=msa,
+            msa_first_row=m[..., 0, :, :],
+            structure_module=sm["single"],
+        )
+        return out

@@ -1,0 +1,390 @@
+"""Evoformer, extra-MSA and template pair stacks (AlphaFold2 suppl. 1.6, Alg. 6-19).
+
+Every block takes its activations and masks explicitly and returns the updated activations, so that a
+parallel plan (`fastfold.parallelize_dap`) can wrap the blocks of `EvoformerStack.blocks` from outside.
+Masks are float 0/1 tensors: msa_mask `[*, N_seq, N_res]`, pair_mask `[*, N_res, N_res]`.
+
+DISCREPANCY: a query row whose keys are all masked attends to nothing (zeros) here, where AlphaFold
+averages over all keys. Such rows only exist at padding positions, which never reach unpadded outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from fastfold.model.config import EvoformerStackConfig, TemplateConfig
+from fastfold.model.options import InferenceOptions
+from fastfold.model.primitives import Attention, LayerNorm, Linear, attention_rows, chunked, mask_keep
+
+__all__ = [
+    "EvoformerBlock",
+    "EvoformerStack",
+    "ExtraMSABlock",
+    "ExtraMSAStack",
+    "MSAColumnAttention",
+    "MSAColumnGlobalAttention",
+    "MSARowAttentionWithPairBias",
+    "OuterProductMean",
+    "PairStack",
+    "TemplatePairBlock",
+    "TemplatePairStack",
+    "Transition",
+    "TriangleAttention",
+    "TriangleMultiplication",
+]
+
+
+def _row_chunk(options: InferenceOptions, x: torch.Tensor, per_row_elems: int) -> int | None:
+    return options.rows_per_chunk(x.shape[-3], per_row_elems * x.element_size())
+
+
+class MSARowAttentionWithPairBias(nn.Module):
+    """AlphaFold2 suppl. Alg. 7: row-wise gated self-attention over the MSA with a bias from the pair."""
+
+    def __init__(self, c_m: int, c_z: int, heads: int, head_dim: int):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m)
+        self.layer_norm_z = LayerNorm(c_z)
+        self.linear_z = Linear(c_z, heads, bias=False)
+        self.mha = Attention(c_m, c_m, heads, head_dim, c_m)
+
+    def forward(
+        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+    ) -> torch.Tensor:
+        """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]. Returns the update to m."""
+        bias = self.linear_z(self.layer_norm_z(z)).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N, N]
+        mask = mask_keep(msa_mask)[..., :, None, None, :]  # [*, S, 1, 1, N]
+        chunk = attention_rows(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-2], m.element_size())
+
+        def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+            m_c = self.layer_norm_m(m_c)
+            return self.mha(m_c, m_c, mask=mask_c, bias=bias)
+
+        return chunked(run, [m, mask], m.dim() - 3, chunk)
+
+
+class MSAColumnAttention(nn.Module):
+    """AlphaFold2 suppl. Alg. 8: column-wise gated self-attention over the MSA."""
+
+    def __init__(self, c_m: int, heads: int, head_dim: int):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m)
+        self.mha = Attention(c_m, c_m, heads, head_dim, c_m)
+
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
+        m_t = m.transpose(-2, -3)  # [*, N, S, C]
+        mask = mask_keep(msa_mask).transpose(-1, -2)[..., :, None, None, :]  # [*, N, 1, 1, S]
+        chunk = attention_rows(options, m_t.shape[-3], self.mha.heads, m_t.shape[-2], m_t.shape[-2], m.element_size())
+
+        def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+            m_c = self.layer_norm_m(m_c)
+            return self.mha(m_c, m_c, mask=mask_c)
+
+        return chunked(run, [m_t, mask], m_t.dim() - 3, chunk).transpose(-2, -3)
+
+
+class GlobalAttention(nn.Module):
+    """AlphaFold2 suppl. Alg. 19 lines 2-7: one averaged query per head, shared single-head keys/values."""
+
+    def __init__(self, c_in: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.linear_q = Linear(c_in, heads * head_dim, bias=False)
+        self.linear_k = Linear(c_in, head_dim, bias=False)
+        self.linear_v = Linear(c_in, head_dim, bias=False)
+        self.linear_g = Linear(c_in, heads * head_dim)
+        self.linear_o = Linear(heads * head_dim, c_in)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x: [*, L, C] (one column of the MSA per batch entry); mask: [*, L] float. Returns [*, L, C]."""
+        q_avg = (x * mask[..., None]).sum(-2) / (mask.sum(-1)[..., None] + 1e-10)  # [*, C]
+        q = self.linear_q(q_avg).unflatten(-1, (self.heads, self.head_dim))[..., :, None, :]  # [*, H, 1, c]
+        k = self.linear_k(x)[..., None, :, :]  # [*, 1, L, c]
+        v = self.linear_v(x)[..., None, :, :]
+        keep = mask_keep(mask)[..., None, None, :]  # [*, 1, 1, L]
+        o = kernels.attention(q, k.expand(*q.shape[:-2], -1, -1), v.expand(*q.shape[:-2], -1, -1), mask=keep)
+        o = o[..., 0, :]  # [*, H, c]
+        g = torch.sigmoid(self.linear_g(x)).unflatten(-1, (self.heads, self.head_dim))  # [*, L, H, c]
+        return self.linear_o((o[..., None, :, :] * g).flatten(-2))
+
+
+class MSAColumnGlobalAttention(nn.Module):
+    """AlphaFold2 suppl. Alg. 19: column-wise global attention (extra-MSA stack)."""
+
+    def __init__(self, c_m: int, heads: int, head_dim: int):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m)
+        self.global_attention = GlobalAttention(c_m, heads, head_dim)
+
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
+        m_t = m.transpose(-2, -3)
+        mask_t = msa_mask.transpose(-1, -2).to(m.dtype)
+        chunk = _row_chunk(options, m_t, m_t.shape[-2] * m_t.shape[-1] * 4)
+
+        def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+            return self.global_attention(self.layer_norm_m(m_c), mask_c)
+
+        return chunked(run, [m_t, mask_t], m_t.dim() - 3, chunk).transpose(-2, -3)
+
+
+class Transition(nn.Module):
+    """AlphaFold2 suppl. Alg. 9 / 15: LayerNorm, Linear(n*c), ReLU, Linear(c)."""
+
+    def __init__(self, c: int, factor: int):
+        super().__init__()
+        self.layer_norm = LayerNorm(c)
+        self.linear_1 = Linear(c, factor * c)
+        self.linear_2 = Linear(factor * c, c)
+
+    def forward(self, x: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """x: [*, R, L, C]. Returns the update to x (chunked over R)."""
+        chunk = _row_chunk(options, x, x.shape[-2] * self.linear_1.out_features)
+
+        def run(x_c: torch.Tensor) -> torch.Tensor:
+            return self.linear_2(torch.relu(self.linear_1(self.layer_norm(x_c))))
+
+        return chunked(run, [x], x.dim() - 3, chunk)
+
+
+class OuterProductMean(nn.Module):
+    """AlphaFold2 suppl. Alg. 10: mean over sequences of the outer product of two projections of the MSA."""
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm = LayerNorm(c_m)
+        self.linear_1 = Linear(c_m, c_hidden)
+        self.linear_2 = Linear(c_m, c_hidden)
+        self.linear_out = Linear(c_hidden * c_hidden, c_z)
+
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the pair update [*, N, N, C_z]:
+        `out[i, j] = W(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j])`."""
+        mask = msa_mask.to(m.dtype)[..., None]
+        ln = self.layer_norm(m)
+        a = (self.linear_1(ln) * mask).movedim(-3, -2)  # [*, N, S, c]
+        b = (self.linear_2(ln) * mask).movedim(-3, -2)
+        del ln
+        norm = torch.einsum("...si,...sj->...ij", msa_mask.to(m.dtype), msa_mask.to(m.dtype))[..., None]
+        c = a.shape[-1]
+        chunk = options.rows_per_chunk(a.shape[-3], a.shape[-3] * c * c * m.element_size())
+
+        def run(a_c: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
+            outer = torch.einsum("...isc,...jse->...ijce", a_c, b)
+            return self.linear_out(outer.flatten(-2)) / (self.eps + norm_c)
+
+        return chunked(run, [a, norm], a.dim() - 3, chunk)
+
+
+class TriangleMultiplication(nn.Module):
+    """AlphaFold2 suppl. Alg. 11 (outgoing, `z_ij = sum_k a_ik * b_jk`) and Alg. 12 (incoming,
+    `z_ij = sum_k a_ki * b_kj`), with a, b the gated projections named as in the supplement.
+
+    AlphaFold's parameter files name the projections left/right; for the incoming update its "left" is the
+    supplement's b (fastfold.params maps them)."""
+
+    def __init__(self, c_z: int, c_hidden: int, direction: str):
+        super().__init__()
+        if direction not in ("outgoing", "incoming"):
+            raise ValueError(f"TriangleMultiplication: direction must be 'outgoing' or 'incoming', got {direction!r}")
+        self.direction = direction
+        self.layer_norm_in = LayerNorm(c_z)
+        self.linear_a_p = Linear(c_z, c_hidden)
+        self.linear_a_g = Linear(c_z, c_hidden)
+        self.linear_b_p = Linear(c_z, c_hidden)
+        self.linear_b_g = Linear(c_z, c_hidden)
+        self.layer_norm_out = LayerNorm(c_hidden)
+        self.linear_z = Linear(c_hidden, c_z)
+        self.linear_g = Linear(c_z, c_z)
+
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
+        x = self.layer_norm_in(z)
+        mask = pair_mask.to(z.dtype)[..., None]
+        a = mask * self.linear_a_p(x) * torch.sigmoid(self.linear_a_g(x))
+        b = mask * self.linear_b_p(x) * torch.sigmoid(self.linear_b_g(x))
+        if self.direction == "incoming":  # z_ij = sum_k a_ki b_kj: the outgoing form on transposes
+            a, b = a.transpose(-2, -3), b.transpose(-2, -3)
+        a, b = a.movedim(-1, -3), b.movedim(-1, -3)  # [*, C, N, N]
+        del mask
+        n = z.shape[-3]
+        chunk = options.rows_per_chunk(n, n * (a.shape[-3] + 2 * z.shape[-1]) * z.element_size()) or n
+        out = None
+        for i in range(0, n, chunk):
+            p = torch.matmul(a[..., i : i + chunk, :], b.transpose(-1, -2)).movedim(-3, -1)  # [*, n_i, N, C]
+            x_i = x[..., i : i + chunk, :, :]
+            piece = self.linear_z(self.layer_norm_out(p)) * torch.sigmoid(self.linear_g(x_i))
+            if chunk == n:
+                return piece
+            if out is None:
+                out = piece.new_empty(z.shape)
+            out[..., i : i + chunk, :, :] = piece
+        return out
+
+
+class TriangleAttention(nn.Module):
+    """AlphaFold2 suppl. Alg. 13 (starting node: attention along rows) and Alg. 14 (ending node: along
+    columns, computed on the transposed pair)."""
+
+    def __init__(self, c_z: int, heads: int, head_dim: int, node: str):
+        super().__init__()
+        if node not in ("starting", "ending"):
+            raise ValueError(f"TriangleAttention: node must be 'starting' or 'ending', got {node!r}")
+        self.node = node
+        self.layer_norm = LayerNorm(c_z)
+        self.linear = Linear(c_z, heads, bias=False)
+        self.mha = Attention(c_z, c_z, heads, head_dim, c_z)
+
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
+        if self.node == "ending":
+            z, pair_mask = z.transpose(-2, -3), pair_mask.transpose(-1, -2)
+        x = self.layer_norm(z)
+        bias = self.linear(x).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N, N]
+        mask = mask_keep(pair_mask)[..., :, None, None, :]  # [*, N, 1, 1, N]
+        chunk = attention_rows(options, x.shape[-3], self.mha.heads, x.shape[-2], x.shape[-2], x.element_size())
+
+        def run(x_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+            return self.mha(x_c, x_c, mask=mask_c, bias=bias)
+
+        out = chunked(run, [x, mask], x.dim() - 3, chunk)
+        return out.transpose(-2, -3) if self.node == "ending" else out
+
+
+class PairStack(nn.Module):
+    """The pair half of an Evoformer block (AlphaFold2 suppl. Alg. 6 lines 11-15)."""
+
+    def __init__(self, c_z: int, tri_mul_channels: int, heads: int, head_dim: int, transition_factor: int):
+        super().__init__()
+        self.tri_mul_out = TriangleMultiplication(c_z, tri_mul_channels, "outgoing")
+        self.tri_mul_in = TriangleMultiplication(c_z, tri_mul_channels, "incoming")
+        self.tri_att_start = TriangleAttention(c_z, heads, head_dim, "starting")
+        self.tri_att_end = TriangleAttention(c_z, heads, head_dim, "ending")
+        self.pair_transition = Transition(c_z, transition_factor)
+
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the new z."""
+        z = options.add_(z, self.tri_mul_out(z, pair_mask, options))
+        z = options.add_(z, self.tri_mul_in(z, pair_mask, options))
+        z = options.add_(z, self.tri_att_start(z, pair_mask, options))
+        z = options.add_(z, self.tri_att_end(z, pair_mask, options))
+        return options.add_(z, self.pair_transition(z, options))
+
+
+class EvoformerBlock(nn.Module):
+    """AlphaFold2 suppl. Alg. 6 (one Evoformer block; with global column attention, Alg. 18's block)."""
+
+    def __init__(self, cfg: EvoformerStackConfig):
+        super().__init__()
+        self.msa_att_row = MSARowAttentionWithPairBias(cfg.c_m, cfg.c_z, cfg.msa_heads, cfg.msa_head_dim)
+        if cfg.column_attention == "global":
+            self.msa_att_col: nn.Module = MSAColumnGlobalAttention(cfg.c_m, cfg.msa_heads, cfg.column_head_dim)
+        else:
+            self.msa_att_col = MSAColumnAttention(cfg.c_m, cfg.msa_heads, cfg.column_head_dim)
+        self.msa_transition = Transition(cfg.c_m, cfg.msa_transition_factor)
+        self.outer_product_mean = OuterProductMean(cfg.c_m, cfg.c_z, cfg.opm_channels)
+        self.pair_stack = PairStack(
+            cfg.c_z, cfg.tri_mul_channels, cfg.pair_heads, cfg.pair_head_dim, cfg.pair_transition_factor
+        )
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        options: InferenceOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]; pair_mask: [*, N, N]. Returns (m, z)."""
+        m = options.add_(m, self.msa_att_row(m, z, msa_mask, options))
+        m = options.add_(m, self.msa_att_col(m, msa_mask, options))
+        m = options.add_(m, self.msa_transition(m, options))
+        z = options.add_(z, self.outer_product_mean(m, msa_mask, options))
+        return m, self.pair_stack(z, pair_mask, options)
+
+
+ExtraMSABlock = EvoformerBlock
+"""The extra-MSA block is the Evoformer block with global column attention (AlphaFold2 suppl. Alg. 18)."""
+
+
+class EvoformerStack(nn.Module):
+    """AlphaFold2 suppl. Alg. 6 stack plus the single-representation projection (Alg. 2 line 17)."""
+
+    def __init__(self, cfg: EvoformerStackConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
+        self.linear = Linear(cfg.c_m, cfg.c_s)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        options: InferenceOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """m: [*, S, N, C_m]; z: [*, N, N, C_z]. Returns (m, z, s) with s: [*, N, C_s] from the first MSA row."""
+        for block in self.blocks:
+            m, z = block(m, z, msa_mask, pair_mask, options)
+        return m, z, self.linear(m[..., 0, :, :])
+
+
+class ExtraMSAStack(nn.Module):
+    """AlphaFold2 suppl. Alg. 18: the extra-MSA stack; only its pair output is used."""
+
+    def __init__(self, cfg: EvoformerStackConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
+
+    def forward(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        options: InferenceOptions,
+    ) -> torch.Tensor:
+        """a: [*, S_extra, N, C_e]; z: [*, N, N, C_z]. Returns the new z."""
+        for block in self.blocks:
+            a, z = block(a, z, msa_mask, pair_mask, options)
+        return z
+
+
+class TemplatePairBlock(nn.Module):
+    """AlphaFold2 suppl. Alg. 16, one block: triangle attentions first, then triangle multiplications."""
+
+    def __init__(self, cfg: TemplateConfig):
+        super().__init__()
+        c = cfg.c_t
+        self.tri_att_start = TriangleAttention(c, cfg.pair_heads, cfg.pair_head_dim, "starting")
+        self.tri_att_end = TriangleAttention(c, cfg.pair_heads, cfg.pair_head_dim, "ending")
+        self.tri_mul_out = TriangleMultiplication(c, cfg.tri_mul_channels, "outgoing")
+        self.tri_mul_in = TriangleMultiplication(c, cfg.tri_mul_channels, "incoming")
+        self.pair_transition = Transition(c, cfg.pair_transition_factor)
+
+    def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns the new t."""
+        t = options.add_(t, self.tri_att_start(t, pair_mask, options))
+        t = options.add_(t, self.tri_att_end(t, pair_mask, options))
+        t = options.add_(t, self.tri_mul_out(t, pair_mask, options))
+        t = options.add_(t, self.tri_mul_in(t, pair_mask, options))
+        return options.add_(t, self.pair_transition(t, options))
+
+
+class TemplatePairStack(nn.Module):
+    """AlphaFold2 suppl. Alg. 16: template pair blocks and a final LayerNorm."""
+
+    def __init__(self, cfg: TemplateConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(TemplatePairBlock(cfg) for _ in range(cfg.num_blocks))
+        self.layer_norm = LayerNorm(cfg.c_t)
+
+    def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns [*, N_templ, N, N, C_t]."""
+        for block in self.blocks:
+            t = block(t, pair_mask, options)
+        return self.layer_norm(t)
