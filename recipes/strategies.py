@@ -347,10 +347,11 @@ class GeminiStrategy(_ShardedStrategy):
 
 
 def _offload_fields(offload: str) -> dict[str, Any]:
-    """GeminiConfig static-placement fields for the `offload` shorthand."""
+    """GeminiConfig static-placement fields for the `offload` shorthand (nvme: the same fractions, and
+    `offload_dir` set, which sends off-device data to the NVMe tier instead of CPU memory)."""
     if offload == "none":
         return {}
-    return {"offload_optim_frac": 1.0}
+    return {"offload_param_frac": 1.0, "offload_optim_frac": 1.0}
 
 
 def _split_config_kwargs(kwargs: dict[str, Any], config_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
