@@ -81,6 +81,7 @@ def setup_gemini(
         specs, params, config, group=group, rank=rank, world=world, device=device, dtype=dtype,
         state_kinds=state_kinds(optimizer), budget=_device_budget(config, device),
     )
+    manager.names = [i.name for i in infos]
     with torch.no_grad():
         manager.load_params()
     index_of = {id(p): i for i, p in enumerate(params)}

@@ -31,11 +31,17 @@ class _StateDictIO:
     collective on all ranks), loading writes each rank's own shard (no communication)."""
 
     def io_gather(self, pidxs: Iterable[int]) -> None:
+        if self.placeholder_state_dict:
+            return
         for ci in sorted({self.slot_of[p].chunk for p in pidxs}):
             if ci not in self._io_cache:
                 self._io_cache[ci] = self.chunks[ci].gather_fp32(self.chunks[ci].master)
 
     def param_value(self, pidx: int) -> torch.Tensor:
+        """Full fp32 master value of a parameter in its original dtype; during a checkpoint save, one shared
+        empty placeholder per parameter (tied names alias, values come from the shards)."""
+        if self.placeholder_state_dict:
+            return self._placeholders.setdefault(pidx, torch.empty(0))
         s = self.slot_of[pidx]
         p = self.params[pidx]
         flat = self._io_cache[s.chunk][s.offset : s.offset + s.numel]
@@ -92,6 +98,9 @@ class ChunkManager(_StateDictIO):
         self._clock = 0
         self._last_used: dict[int, int] = {}
         self.param_dtypes = [p.dtype for p in params]
+        self.names: list[str] = []
+        self.placeholder_state_dict = False
+        self._placeholders: dict[int, torch.Tensor] = {}
         self._io_cache: dict[int, torch.Tensor] = {}
         self._io_storage: set[int] = set()
         self._build_buffers(state_kinds)
@@ -142,6 +151,7 @@ class ChunkManager(_StateDictIO):
     # ---- gather / release --------------------------------------------------------------------------
     def access(self, ids: Iterable[int]) -> None:
         """Modules start computing with chunks `ids`: gather them (and prefetch the next ones)."""
+        self.placeholder_state_dict = False
         for i in ids:
             c = self.chunks[i]
             self.trace.record(i)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
 from core_parallel.gemini.chunk import Chunk
 from core_parallel.gemini.manager import ChunkManager
+from core_parallel.loss_scaler import DynamicLossScaler
 
 __all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
 
@@ -71,10 +72,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 self.order.append(index_of[id(p)])
         self.steps: dict[int, int] = dict.fromkeys(self.group_of, 0)
         self.last_grad_norm: torch.Tensor | None = None
+        self.process_group = manager.group
+        self.loss_scaler = DynamicLossScaler(enabled=False)
 
     # ---- the training-loop interface ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, then make sure every rank has run its gradient reductions."""
+        self.manager.placeholder_state_dict = False
         passes = self.manager.passes
         loss.backward()
         if self.manager.passes == passes:  # no hook fired on this rank: still take part in the reductions
@@ -91,6 +95,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.manager.sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.placeholder_state_dict = False
         self.manager.zero_grad()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -124,6 +129,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.manager.placeholder_state_dict = False
         used = self.manager.used_params()
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
@@ -225,6 +231,74 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if value is None:
                 raise KeyError(f"optimizer state of parameter {pidx} lacks {k!r}")
             buf.view()[lo - c.lo : hi - c.lo].copy_(value.detach().reshape(-1)[lo - s.offset : hi - s.offset])
+            buf.done()
+
+    # ---- the core_parallel.checkpoint protocol ------------------------------------------------------
+    def sharded_state(self):
+        """This rank's pieces of every parameter (frozen ones too, master only) for `save_checkpoint`."""
+        from core_parallel.checkpoint import ParamShard, ShardedState
+
+        mgr = self.manager
+        mgr.placeholder_state_dict = True  # rank 0 alone calls model.state_dict() next: no collectives
+        params = {}
+        for pidx, name in enumerate(mgr.names):
+            s = mgr.slot_of[pidx]
+            c = mgr.chunks[s.chunk]
+            lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
+            lo, hi = (lo, hi) if lo < hi else (s.offset, s.offset)
+            tensors = {"master": c.master.view()[lo - c.lo : hi - c.lo].clone()}
+            scalars = {}
+            if self.steps.get(pidx, 0) > 0:
+                tensors.update({k: b.view()[lo - c.lo : hi - c.lo].clone() for k, b in c.states.items()})
+                if self.kind == "adam":
+                    scalars["step"] = torch.tensor(float(self.steps[pidx]))
+            for b in (c.master, *c.states.values()):
+                b.done()
+            params[name] = ParamShard(shape=tuple(mgr.params[pidx].shape), dtype=mgr.param_dtypes[pidx],
+                                      start=lo - s.offset, end=hi - s.offset, tensors=tensors, scalars=scalars,
+                                      group=self.group_of.get(pidx, 0))
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [mgr.names[self.order[j]] for j in range(len(self.order)) if self._gi(j) == gi]}
+                  for gi, g in enumerate(self.param_groups)]
+        info = {"kind": "gemini", "precision": mgr.config.precision, "optimizer": type(self.inner).__name__}
+        return ShardedState(params=params, param_groups=groups, loss_scaler=self.loss_scaler.state_dict(), info=info)
+
+    def _gi(self, j: int) -> int:
+        return self.group_of[self.order[j]]
+
+    def load_sharded_state(self, reader) -> None:
+        """Read this rank's ranges of a checkpoint saved by ZeRO or Gemini on any number of ranks."""
+        from core_parallel.checkpoint import restore_param_groups
+
+        mgr = self.manager
+        names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]
+        restore_param_groups(self.param_groups, reader.param_groups, names)
+        saved = set(reader.param_names())
+        for pidx, name in enumerate(mgr.names):
+            if name not in saved:
+                if pidx in self.steps:
+                    raise ValueError(f"{reader.path}: checkpoint has no trained parameter {name!r}")
+                continue  # a frozen parameter ZeRO saved in model.safetensors: loaded with the model file
+            reader.check_param(name, tuple(mgr.params[pidx].shape))
+            self._load_param(reader, pidx, name)
+        self.loss_scaler.load_state_dict(reader.loss_scaler)
+        mgr.zero_grad()
+
+    def _load_param(self, reader, pidx: int, name: str) -> None:
+        s = self.manager.slot_of[pidx]
+        c = self.manager.chunks[s.chunk]
+        lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
+        keys = set(reader.tensor_keys(name))
+        if pidx in self.steps:
+            step = reader.scalars(name).get("step")
+            self.steps[pidx] = int(step) if step is not None else (1 if keys - {"master"} else 0)
+        if lo >= hi:
+            return
+        for key, buf in (("master", c.master), *c.states.items()):
+            if key not in keys:
+                buf.view()[lo - c.lo : hi - c.lo].zero_()
+            else:
+                buf.view()[lo - c.lo : hi - c.lo].copy_(reader.read(name, key, lo - s.offset, hi - s.offset))
             buf.done()
 
     def __repr__(self) -> str:

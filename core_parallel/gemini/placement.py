@@ -100,7 +100,9 @@ class MemoryLedger:
     def __init__(self) -> None:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.traffic: dict[tuple[str, str], int] = defaultdict(int)
+        self.last_traffic: dict[tuple[str, str], int] = {}
         self.peak_device = 0
+        self.last_peak_device = 0
 
     def add(self, tier: str, kind: str, nbytes: int) -> None:
         if kind not in KINDS:
@@ -127,13 +129,16 @@ class MemoryLedger:
         return sum(v for (t, _), v in self.bytes.items() if t == tier)
 
     def new_step(self) -> None:
+        """Close the step: its traffic and peak become `last_*`; counting starts again."""
+        self.last_traffic = dict(self.traffic)
+        self.last_peak_device = self.peak_device
         self.traffic.clear()
         self.peak_device = self.tier_total("device")
 
     def report(self, tiers: Sequence[str] = ("device", "cpu", "nvme")) -> dict:
-        """{"bytes": {tier: {kind: n}}, "traffic": {"src->dst": n}, "peak_device_bytes": n}."""
+        """{"bytes": {tier: {kind: n}}, "traffic_last_step": {"src->dst": n}, "peak_device_bytes_last_step": n}."""
         return {
             "bytes": {t: {k: self.bytes.get((t, k), 0) for k in KINDS} for t in tiers},
-            "traffic": {f"{s}->{d}": n for (s, d), n in sorted(self.traffic.items())},
-            "peak_device_bytes": self.peak_device,
+            "traffic_last_step": {f"{s}->{d}": n for (s, d), n in sorted(self.last_traffic.items())},
+            "peak_device_bytes_last_step": self.last_peak_device,
         }

@@ -1,0 +1,130 @@
+"""Shared pieces of the Gemini tests: a tiny model with odd sizes, tied, frozen and sometimes-unused
+parameters, its data, and a training loop run either by Gemini on ranks or by plain torch on one process."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import core_parallel
+from core_parallel.gemini import GeminiConfig
+
+GLOBAL_BATCH = 8
+STEPS = 5
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 7)
+        self.l1 = nn.Linear(7, 11)
+        self.frozen = nn.Linear(11, 11)
+        self.l2 = nn.Linear(11, 7)
+        self.sometimes = nn.Linear(7, 7)  # used on even steps only
+        self.head = nn.Linear(7, 13, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.emb(x)
+        h = torch.tanh(self.frozen(torch.relu(self.l1(h))))
+        h = self.l2(h)
+        if use_extra:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def build(kind: str = "adam") -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tiny()
+    trainable = [p for n, p in model.named_parameters() if p.requires_grad and n != "l2.weight"]
+    groups = [{"params": trainable}, {"params": [model.l2.weight], "lr": 0.03, "weight_decay": 0.1}]
+    if kind == "adam":
+        opt = torch.optim.Adam(groups, lr=0.01, weight_decay=0.01)
+    elif kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=0.01)
+    else:
+        opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+    return model, opt
+
+
+def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, 13, (GLOBAL_BATCH, 3), generator=g), torch.randn(GLOBAL_BATCH, 3, 13, generator=g)
+
+
+def _loss(model, x, y, step):
+    return ((model(x, step % 2 == 0) - y) ** 2).mean()
+
+
+def train_reference(kind: str, steps: range, accum: int = 1, clip: float | None = None, state=None):
+    """Plain torch on one process; returns (model, optimizer)."""
+    model, opt = state or build(kind)
+    for step in steps:
+        for micro in range(accum):
+            x, y = batch(step, micro)
+            (_loss(model, x, y, step) / accum).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def train_sharded(rank: int, world: int, model, opt, steps: range, accum: int = 1, mode: str = "no_sync") -> None:
+    """The same loop on rank `rank` of `world` with a core_parallel optimizer (local slice of the batch)."""
+    per = GLOBAL_BATCH // world
+    for step in steps:
+        for micro in range(accum):
+            x, y = batch(step, micro)
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            loss = _loss(model, x, y, step) / accum
+            if mode == "no_sync" and micro < accum - 1:
+                with opt.no_sync():
+                    opt.backward(loss)
+            else:
+                opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+SCENARIOS = {
+    "device": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20)),
+    "optim_cpu": dict(kind="adamw", cfg=dict(chunk_mb=64 * 4 / 2**20, offload_optim_frac=1.0, prefetch=2)),
+    "nvme": dict(kind="sgd", cfg=dict(chunk_mb=50 * 4 / 2**20, offload_param_frac=1.0, offload_optim_frac=1.0)),
+    "auto": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, placement="auto", device_memory_budget=2600)),
+    "accum_no_sync": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, max_grad_norm=0.5), accum=2),
+    "accum_sync": dict(kind="adam", cfg=dict(chunk_mb=None), accum=3, mode="sync"),
+}
+
+
+def run_scenario(rank: int, world: int, name: str, tmp: str) -> dict:
+    """Train scenario `name` with Gemini; returns the final model and optimizer state dicts (all ranks call)."""
+    sc = SCENARIOS[name]
+    cfg = dict(sc["cfg"])
+    if name in ("nvme", "auto"):
+        cfg["offload_dir"] = f"{tmp}/{name}-w{world}"
+    model, opt = build(sc["kind"])
+    model, opt = core_parallel.setup(model, opt, GeminiConfig(**cfg))
+    train_sharded(rank, world, model, opt, range(STEPS), sc.get("accum", 1), sc.get("mode", "no_sync"))
+    report = model.memory_report()
+    out = {"model": model.state_dict(), "optim": opt.state_dict(), "report": report}
+    model.gemini_manager.close()
+    return out
+
+
+def reference(name: str):
+    sc = SCENARIOS[name]
+    return train_reference(sc["kind"], range(STEPS), sc.get("accum", 1), sc["cfg"].get("max_grad_norm"))
+
+
+def assert_close_dicts(got: dict, want: dict, rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    assert set(got) == set(want), (set(got) ^ set(want))
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def clone_model(model):
+    return copy.deepcopy(model)
