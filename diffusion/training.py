@@ -154,10 +154,10 @@ def diffusion_loss(
 
 
 class EMA:
-    """Exponential moving average of parameters, with diffusers' `EMAModel` warm-up-free decay schedule.
+    """Exponential moving average of parameters, with diffusers' `EMAModel` decay schedule (no warm-up).
 
-    After optimizer step `n` (counting from 1): `d = min(decay, (1 + n) / (10 + n))` and
-    `shadow = d * shadow + (1 - d) * param`. The shadow copies are float32 on the parameters' device.
+    At update `n` (counting from 1), with `s = n - 1`: `d = 0` when `s == 0`, else `min(decay, (1 + s) / (10 + s))`;
+    then `shadow = d * shadow + (1 - d) * param`. The shadow copies are float32 on the parameters' device.
     """
 
     def __init__(self, params: Any, decay: float = 0.9999) -> None:
@@ -170,8 +170,8 @@ class EMA:
 
     def current_decay(self) -> float:
         """The decay applied by the next `update()`."""
-        step = self.optimization_step + 1
-        return min(self.decay, (1 + step) / (10 + step))
+        s = self.optimization_step  # diffusers: max(0, n - 1) for update n = optimization_step + 1
+        return 0.0 if s == 0 else min(self.decay, (1 + s) / (10 + s))
 
     @torch.no_grad()
     def update(self) -> None:

@@ -338,7 +338,7 @@ class CheckpointEvery(pl.Callback):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("checkpoint-start")
-        trainer.save_checkpoint(tmp / CKPT_FILE)
+        trainer.save_checkpoint(tmp / CKPT_FILE, weights_only=False)
         if trainer.is_global_zero:
             _write_weights(module, tmp)
             from diffusion.export import move_into
@@ -397,6 +397,22 @@ def _log_images(trainer: pl.Trainer, name: str, images: list[Any]) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------------------
+def _progress_bar() -> pl.Callback:
+    """Lightning's progress bar without the logger-version column (loss and images/s stay)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    base = RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar
+
+    class ProgressBar(base):  # type: ignore[misc, valid-type]
+        def get_metrics(self, trainer: pl.Trainer, module: Any) -> dict[str, Any]:
+            items = super().get_metrics(trainer, module)
+            items.pop("v_num", None)
+            return items
+
+    return ProgressBar()
+
+
 def _loggers(cfg: FineTuneConfig) -> list[Any]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -417,6 +433,8 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
     if cfg.offload_dir:
         os.environ["SUITE_OFFLOAD_DIR"] = str(cfg.offload_dir)
     cbs = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
+    if overrides.get("enable_progress_bar", True):
+        cbs.append(_progress_bar())
     if cfg.validation_prompt:
         cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
     kwargs = dict(
@@ -457,10 +475,10 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
     ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
     if cfg.resume_from_checkpoint and ckpt is None:
         logger.info("no checkpoint found in %s; starting a new run", cfg.output_dir)
+    data = ImageCaptionData(cfg, tokenizer=None)
+    max_steps = cfg.total_steps(len(data.scan()), cfg.devices * cfg.num_nodes)  # bad data stops before the model
     module = StableDiffusionFineTune(cfg)
-    data = ImageCaptionData(cfg, module.tokenizer)
-    world = cfg.devices * cfg.num_nodes
-    max_steps = cfg.total_steps(len(data.scan()), world)
+    data.tokenizer = module.tokenizer
     trainer = build_trainer(cfg, max_steps, callbacks, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
     if cfg.validation_prompt:

@@ -1,0 +1,149 @@
+"""`suite diffusion finetune`: Stable Diffusion fine-tuning (full, LoRA, DreamBooth) with diffusers' flag names.
+
+Flags override `--config FILE` (a recipe YAML: a shipped name such as `lora`, or a path), which overrides
+the built-in defaults. Heavy imports (torch, diffusers, Lightning) happen inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["FLAGS", "add_arguments", "run"]
+
+# (flag, type or "bool", default shown in --help, help). The flag name is the FineTuneConfig field name.
+FLAGS: list[tuple[str, object, object, str]] = [
+    ("pretrained_model_name_or_path", str, None, "diffusers pipeline folder or .safetensors/.ckpt file "
+     "(default: a tiny pipeline built offline)"),
+    ("train_data_dir", str, None, "imagefolder with metadata.jsonl, or images with .txt captions "
+     "(default: a generated sample set)"),
+    ("image_column", str, "image", "metadata.jsonl key of the image path when not file_name"),
+    ("caption_column", str, "text", "metadata.jsonl key of the caption"),
+    ("instance_data_dir", str, None, "DreamBooth: folder of instance images"),
+    ("instance_prompt", str, None, "DreamBooth: prompt of the instance images"),
+    ("class_data_dir", str, None, "DreamBooth: folder of class images (missing ones are generated)"),
+    ("class_prompt", str, None, "DreamBooth: prompt of the class images"),
+    ("with_prior_preservation", "bool", False, "DreamBooth: add the prior-preservation loss"),
+    ("prior_loss_weight", float, 1.0, "weight of the prior-preservation loss"),
+    ("num_class_images", int, 100, "class images wanted for prior preservation"),
+    ("resolution", int, 32, "training image side in pixels, a multiple of 8"),
+    ("center_crop", "bool", False, "centre crop (default: random crop)"),
+    ("random_flip", "bool", False, "random horizontal flips"),
+    ("skip_bad_images", "bool", False, "skip unreadable images with a warning instead of stopping"),
+    ("train_batch_size", int, 1, "images per device per micro-batch"),
+    ("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
+    ("max_train_steps", int, None, "optimizer steps (overrides --num_train_epochs)"),
+    ("num_train_epochs", int, 1, "passes over the data"),
+    ("learning_rate", float, 1e-4, "peak learning rate"),
+    ("scale_lr", "bool", False, "scale the learning rate by accumulation x batch x devices"),
+    ("lr_scheduler", str, "constant", "linear, cosine, cosine_with_restarts, polynomial, constant, "
+     "constant_with_warmup"),
+    ("lr_warmup_steps", int, 0, "warm-up steps"),
+    ("adam_beta1", float, 0.9, "AdamW beta1"),
+    ("adam_beta2", float, 0.999, "AdamW beta2"),
+    ("adam_weight_decay", float, 1e-2, "AdamW weight decay"),
+    ("adam_epsilon", float, 1e-8, "AdamW epsilon"),
+    ("max_grad_norm", float, 1.0, "gradient clipping norm (0 disables)"),
+    ("rank", int, None, "LoRA rank: train LoRA adapters instead of the whole UNet"),
+    ("train_text_encoder", "bool", False, "also train the text encoder (its LoRA adapter with --rank)"),
+    ("use_ema", "bool", False, "keep and export an EMA of the UNet"),
+    ("ema_decay", float, 0.9999, "EMA decay"),
+    ("snr_gamma", float, None, "min-SNR weighting gamma (5.0 recommended)"),
+    ("noise_offset", float, 0.0, "noise offset scale"),
+    ("prediction_type", str, None, "epsilon or v_prediction (default: the scheduler's)"),
+    ("gradient_checkpointing", "bool", False, "recompute activations in the backward pass"),
+    ("mixed_precision", str, "no", "no, fp16 or bf16"),
+    ("checkpointing_steps", int, 500, "write checkpoint-N/ every this many steps"),
+    ("checkpoints_total_limit", int, None, "keep at most this many checkpoints"),
+    ("resume_from_checkpoint", str, None, "a checkpoint-N folder or 'latest'"),
+    ("validation_prompt", str, None, "prompt of the validation images"),
+    ("num_validation_images", int, 4, "images per validation grid"),
+    ("validation_steps", int, 100, "validate every this many steps"),
+    ("num_inference_steps", int, 25, "denoising steps for validation and class images"),
+    ("seed", int, 0, "seed of data order, augmentation, noise and timesteps"),
+    ("output_dir", str, "sd-model-finetuned", "output folder: pipeline or LoRA weights, checkpoints, logs"),
+    ("strategy", str, "auto", "Lightning strategy: auto, ddp, zero1, zero2, zero2_offload, gemini, "
+     "gemini_offload, gemini_nvme, gemini_auto"),
+    ("offload_dir", str, None, "NVMe offload folder for gemini_nvme (sets SUITE_OFFLOAD_DIR)"),
+    ("devices", int, 1, "processes (devices) per node"),
+    ("num_nodes", int, 1, "nodes"),
+    ("attention_backend", str, "auto", "kernels.attention backend: auto, triton, torch"),
+    ("ray_address", str, None, "Ray cluster address ('auto' for local): train with Ray Train"),
+    ("num_workers", int, None, "Ray workers (default: devices x num_nodes)"),
+    ("dataloader_num_workers", int, 0, "data-loading worker processes"),
+    ("report_to", str, "tensorboard", "tensorboard (plus CSV) or csv"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `finetune` subcommand and its flags."""
+    sub = parser.add_subparsers(dest="diffusion_command", metavar="SUBCOMMAND", required=True,
+                                parser_class=type(parser))
+    p = sub.add_parser("finetune", help="fine-tune Stable Diffusion (full, LoRA with --rank, DreamBooth)",
+                       description="Fine-tune Stable Diffusion with diffusers' training-script flags.")
+    p.add_argument("--config", default=argparse.SUPPRESS,
+                   help="recipe YAML: a shipped name (full, lora, dreambooth) or a path; flags override it")
+    for name, kind, default, text in FLAGS:
+        help_text = f"{text} (default: {default})" if default not in (None, False) else text
+        if kind == "bool":
+            p.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+        else:
+            p.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def resolve_config_path(value: str) -> Path:
+    """A recipe path, or the shipped recipe of that name (`lora`, `diffusion_lora`, `diffusion_lora.yaml`)."""
+    from suite.errors import UsageError
+
+    shipped = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+    for candidate in (Path(value), shipped / value, shipped / f"{value}.yaml", shipped / f"diffusion_{value}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem.removeprefix("diffusion_") for p in shipped.glob("diffusion_*.yaml"))
+    raise UsageError(f"{value}: no such config file or shipped recipe (shipped: {', '.join(names)})")
+
+
+def build_config(args: argparse.Namespace) -> object:
+    """The `FineTuneConfig` of the YAML (if any) overridden by the given flags; bad values raise UsageError."""
+    from diffusion.config import FineTuneConfig, load_yaml_config
+    from suite.errors import UsageError
+
+    values: dict = {}
+    if getattr(args, "config", None):
+        values.update(load_yaml_config(resolve_config_path(args.config)))
+    values.update({name: getattr(args, name) for name, *_ in FLAGS if hasattr(args, name)})
+    try:
+        return FineTuneConfig(**values)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from exc
+    except TypeError as exc:
+        raise UsageError(f"bad setting: {exc}") from exc
+
+
+def _summary(cfg: object) -> str:
+    out = Path(cfg.output_dir)
+    what = out / "pytorch_lora_weights.safetensors" if cfg.lora else out / "model_index.json"
+    lines = [f"fine-tuning finished; result: {what}"]
+    ckpts = sorted(out.glob("checkpoint-*"))
+    if ckpts:
+        lines.append(f"  checkpoints: {', '.join(p.name for p in ckpts)}")
+    if (out / "validation").is_dir():
+        lines.append(f"  validation images: {out / 'validation'}")
+    lines.append(f"  logs: {out / 'logs'}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `suite diffusion finetune`."""
+    cfg = build_config(args)
+    if cfg.ray_address:
+        from recipes.diffusion import fit_with_ray
+
+        fit_with_ray(cfg)
+    else:
+        from recipes.diffusion import fit_finetune
+
+        fit_finetune(cfg)
+    print(_summary(cfg), file=sys.stdout, flush=True)
+    return 0
