@@ -3,8 +3,6 @@ parameters, its data, and a training loop run either by Gemini on ranks or by pl
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
@@ -126,5 +124,25 @@ def assert_close_dicts(got: dict, want: dict, rtol: float = 1e-6, atol: float = 
         torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def clone_model(model):
-    return copy.deepcopy(model)
+def portable(tree):
+    """Tensors -> numpy arrays (results cross the process boundary without shared-memory handles)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, dict):
+        return {k: portable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(portable(v) for v in tree)
+    return tree
+
+
+def tensors(tree):
+    """Inverse of `portable`."""
+    import numpy as np
+
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(tree)
+    if isinstance(tree, dict):
+        return {k: tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(tensors(v) for v in tree)
+    return tree
