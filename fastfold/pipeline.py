@@ -457,11 +457,12 @@ def write_target_outputs(
     """Write every output file of one target (module docstring) and return their names.
 
     `predictions` maps model label -> Prediction; the best ranked one is relaxed (when `relax_config` is
-    given) and written under the target's name. `timings.json` is written last.
+    given) and written under the target's name. `timings.json` is written last; `timings` (seconds per
+    stage) gets the relaxation time added.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    timings = dict(timings or {})
+    timings = timings if timings is not None else {}
     files = []
     for label, pred in predictions.items():
         from fastfold.io.protein import to_pdb

@@ -13,6 +13,7 @@ OpenFold's choice).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import time
@@ -40,8 +41,8 @@ class RelaxConfig:
     """Minimiser iterations per pass; 0 runs until converged."""
     max_outer_iterations: int = 20
     """Passes of the violation loop."""
-    max_attempts: int = 3
-    """Retries of one pass when OpenMM raises (e.g. NaN coordinates)."""
+    max_attempts: int = 5
+    """Tries of one pass when OpenMM raises (NaN coordinates); each retry jitters the start by 0.2 A x try."""
     platform: str = "auto"
     """OpenMM platform: "auto" (CUDA when present, else CPU), "CPU" or "CUDA"."""
 
@@ -72,8 +73,10 @@ class RelaxResult:
     outer_iterations: int
     seconds: float
 
-    def summary(self) -> dict[str, float]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "protein"}
+    def summary(self) -> dict[str, float | None]:
+        """JSON-ready numbers (a non-finite energy, e.g. of coincident atoms, becomes None)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "protein"}
+        return {k: (v if not isinstance(v, float) or np.isfinite(v) else None) for k, v in out.items()}
 
 
 def _clean(pdb_text: str):
@@ -92,6 +95,13 @@ def _clean(pdb_text: str):
     return fixer.topology, fixer.positions
 
 
+@functools.lru_cache(maxsize=1)
+def _forcefield():
+    from openmm import app
+
+    return app.ForceField("amber99sb.xml")
+
+
 def _platform(name: str):
     import openmm
 
@@ -105,7 +115,7 @@ def _simulation(topology, positions, excluded: set[int], cfg: RelaxConfig):
     import openmm
     from openmm import app, unit
 
-    system = app.ForceField("amber99sb.xml").createSystem(topology, constraints=app.HBonds)
+    system = _forcefield().createSystem(topology, constraints=app.HBonds)
     force = openmm.CustomExternalForce("0.5 * k * ((x - x0)^2 + (y - y0)^2 + (z - z0)^2)")
     force.addGlobalParameter("k", cfg.stiffness * unit.kilocalories_per_mole / unit.angstroms**2)
     for name in ("x0", "y0", "z0"):
@@ -125,7 +135,14 @@ def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig):
     from openmm import unit
 
     last_error: Exception | None = None
+    rng = np.random.default_rng(0)
+    start = positions
     for attempt in range(cfg.max_attempts):
+        if attempt:
+            # DISCREPANCY: AlphaFold retries unchanged; coincident atoms (common in predictions of untrained
+            # or collapsed models) give infinite forces every time, so each retry jitters the start.
+            xyz = np.asarray(start.value_in_unit(unit.nanometers))
+            positions = (xyz + rng.normal(scale=0.02 * attempt, size=xyz.shape)) * unit.nanometers
         try:
             sim = _simulation(topology, positions, excluded, cfg)
             e0 = sim.context.getState(getEnergy=True).getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole)
@@ -137,6 +154,46 @@ def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig):
             logger.warning("minimisation attempt %d failed: %s", attempt + 1, exc)
             last_error = exc
     raise RuntimeError(f"relaxation failed after {cfg.max_attempts} attempts: {last_error}")
+
+
+UNTANGLE_ENERGY = 1e8
+"""Start energy (kJ/mol) above which overlapping atoms are first pushed apart (see `_untangle`)."""
+
+
+def _energy(topology, positions, cfg: RelaxConfig) -> float:
+    from openmm import unit
+
+    sim = _simulation(topology, positions, set(), cfg)
+    return sim.context.getState(getEnergy=True).getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole)
+
+
+def _untangle(topology, positions, cfg: RelaxConfig):
+    """Push overlapping atoms apart with a bounded repulsion (Amber's bonded terms, no Coulomb/LJ).
+
+    DISCREPANCY: not in AlphaFold's protocol. Predictions with coincident atoms (untrained or collapsed
+    models) have infinite Lennard-Jones forces, and the minimiser stalls or returns NaN; this pre-pass
+    gives the Amber minimisation a finite start. Used only when the start energy exceeds UNTANGLE_ENERGY.
+    """
+    import openmm
+    from openmm import app, unit
+
+    system = _forcefield().createSystem(topology)
+    for i in reversed(range(system.getNumForces())):
+        if isinstance(system.getForce(i), openmm.NonbondedForce):
+            system.removeForce(i)
+    repulsion = openmm.CustomNonbondedForce("k_rep * step(d - r) * (d - r)^2; d = 0.3")
+    repulsion.addGlobalParameter("k_rep", 2e4)
+    for _ in range(system.getNumParticles()):
+        repulsion.addParticle([])
+    repulsion.createExclusionsFromBonds([(b[0].index, b[1].index) for b in topology.bonds()], 3)
+    system.addForce(repulsion)
+    xyz = np.asarray(positions.value_in_unit(unit.nanometers))
+    xyz = xyz + np.random.default_rng(0).normal(scale=0.01, size=xyz.shape)  # breaks exact coincidences
+    integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
+    sim = app.Simulation(topology, system, integrator, _platform(cfg.platform))
+    sim.context.setPositions(xyz * unit.nanometers)
+    sim.minimizeEnergy(tolerance=cfg.tolerance * unit.kilojoules_per_mole / unit.nanometer, maxIterations=2000)
+    return sim.context.getState(getPositions=True).getPositions(asNumpy=True)
 
 
 def _to_atom37(topology, positions, like: Protein) -> Protein:
@@ -172,12 +229,14 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
     t0 = time.perf_counter()
     before = int(_violations(protein).sum())
     topology, positions = _clean(to_pdb(protein))
+    initial_energy = _energy(topology, positions, cfg)
+    if not np.isfinite(initial_energy) or initial_energy > UNTANGLE_ENERGY:
+        logger.warning("start energy %.3g kJ/mol: pushing overlapping atoms apart first", initial_energy)
+        positions = _untangle(topology, positions, cfg)
     excluded: set[int] = set()
-    initial_energy = None
     current = protein
     for outer in range(1, cfg.max_outer_iterations + 1):
         e0, e1, positions = _minimize(topology, positions, excluded, cfg)
-        initial_energy = e0 if initial_energy is None else initial_energy
         current = _to_atom37(topology, positions, protein)
         bad = _violations(current)
         logger.info("relax pass %d: energy %.1f -> %.1f kJ/mol, %d violating residues", outer, e0, e1, bad.sum())

@@ -1,0 +1,92 @@
+"""PDB and mmCIF writers (parsed back with gemmi and Biopython), confidence JSON and plots."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastfold.common import residue_constants as rc
+from fastfold.io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
+from fastfold.io.protein import Protein, from_pdb, to_mmcif, to_pdb
+from fastfold.model.testing import random_atom37
+
+SEQUENCE = "MKTAYIAKQRWCGNPSEDHFLV"  # all 20 amino acids and then some
+
+
+@pytest.fixture(scope="module")
+def protein() -> Protein:
+    aatype = torch.tensor([rc.restype_order[a] for a in SEQUENCE])
+    pos, mask = random_atom37(aatype, torch.Generator().manual_seed(0))
+    plddt = np.linspace(20.0, 95.0, len(SEQUENCE))
+    return Protein(pos.numpy(), mask.numpy(), aatype.numpy(), np.arange(1, len(SEQUENCE) + 1),
+                   np.repeat(plddt[:, None], 37, axis=1))
+
+
+def _expected_atoms(aatype: int) -> set[str]:
+    return {rc.atom_types[j] for j in np.nonzero(rc.restype_atom37_mask[aatype])[0]}
+
+
+def test_pdb_parses_with_gemmi_with_atoms_and_plddt(protein, tmp_path):
+    gemmi = pytest.importorskip("gemmi")
+    path = tmp_path / "x.pdb"
+    path.write_text(to_pdb(protein, remark="test"))
+    structure = gemmi.read_structure(str(path))
+    chain = structure[0]["A"]
+    assert len(chain) == len(SEQUENCE)
+    assert gemmi.one_letter_code([r.name for r in chain]) == SEQUENCE
+    for i, residue in enumerate(chain):
+        assert {a.name for a in residue} == _expected_atoms(protein.aatype[i])
+        assert {round(a.b_iso, 2) for a in residue} == {round(protein.b_factors[i, 0], 2)}
+        ca = residue["CA"][0].pos
+        np.testing.assert_allclose([ca.x, ca.y, ca.z], protein.atom_positions[i, 1], atol=1e-3)
+
+
+def test_mmcif_parses_with_biopython_with_atoms_and_plddt(protein, tmp_path):
+    from Bio.PDB.MMCIFParser import MMCIFParser
+
+    path = tmp_path / "x.cif"
+    path.write_text(to_mmcif(protein, name="x"))
+    structure = MMCIFParser(QUIET=True).get_structure("x", str(path))
+    residues = list(structure[0]["A"])
+    assert [rc.restype_3to1[r.get_resname()] for r in residues] == list(SEQUENCE)
+    for i, residue in enumerate(residues):
+        assert {a.get_id() for a in residue} == _expected_atoms(protein.aatype[i])
+        assert residue["CA"].get_bfactor() == pytest.approx(protein.b_factors[i, 0], abs=0.01)
+
+
+def test_pdb_round_trip(protein):
+    back = from_pdb(to_pdb(protein))
+    np.testing.assert_array_equal(back.aatype, protein.aatype)
+    np.testing.assert_array_equal(back.atom_mask, protein.atom_mask)
+    np.testing.assert_allclose(back.atom_positions, protein.atom_positions * protein.atom_mask[..., None], atol=1e-3)
+
+
+def test_pdb_columns_are_fixed_width(protein):
+    lines = [line for line in to_pdb(protein).splitlines() if line.startswith("ATOM")]
+    assert all(len(line) == 80 for line in lines)
+    assert lines[0][12:16] == " N  " and lines[0][17:20] == "MET" and lines[0][21] == "A"
+
+
+def test_confidence_json_and_plots(tmp_path):
+    rng = np.random.default_rng(0)
+    plddt, pae = rng.uniform(0, 100, 7), rng.uniform(0, 30, (7, 7))
+    conf = confidence_dict(plddt, ptm=0.61234, pae=pae)
+    write_confidence_json(tmp_path / "c.json", conf)
+    back = json.loads((tmp_path / "c.json").read_text())
+    assert back["plddt"] == pytest.approx(plddt.tolist(), abs=0.01)
+    assert back["mean_plddt"] == pytest.approx(plddt.mean(), abs=0.01)
+    assert back["ptm"] == pytest.approx(0.6123)
+    assert np.array(back["pae"]).shape == (7, 7)
+    assert set(confidence_dict(plddt)) == {"plddt", "mean_plddt"}
+    plot_plddt(tmp_path / "p.png", plddt, "t")
+    plot_pae(tmp_path / "e.png", pae, "t")
+    for name in ("p.png", "e.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_protein_validates_shapes(protein):
+    with pytest.raises(ValueError, match="b_factors"):
+        Protein(protein.atom_positions, protein.atom_mask, protein.aatype, protein.residue_index, np.zeros(3))
