@@ -1,0 +1,259 @@
+"""`suite bench kernels`: LayerNorm, masked-bias softmax and attention, ours against what users would run.
+
+Baselines: `F.layer_norm`; naive torch softmax of `x * scale + bias` with `masked_fill`; naive attention
+(matmul, + bias, masked_fill, softmax, matmul) and `F.scaled_dot_product_attention` with a float mask
+(bias with -inf where masked). Sizes: Evoformer (pair/triangle attention at N_res, H heads, D 32) and
+diffusion (sequence L, D 64, bias shared over heads, key-padding mask).
+
+Memory: each (case, implementation) runs in a fresh subprocess. On CPU the peak extra memory is the growth
+of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs exist) over
+the resident set just before the first call: every page the op touches counts, allocator caches do not
+hide anything (glibc's mmap threshold is pinned at 64 KiB so freed blocks are returned, not cached). One
+warm-up call runs first. On CUDA it is `max_memory_allocated` minus the allocation before the call. Times are
+the median of `--repeat` calls after the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+OPS = ("layer_norm", "softmax", "attention")
+BASELINES = {"layer_norm": ("F.layer_norm",), "softmax": ("naive",), "attention": ("naive", "sdpa")}
+MODES = ("fwd", "fwd+bwd")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text!r}")
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default: cpu)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--ops", type=_choices(OPS), default=list(OPS), help="comma list (default: all)")
+    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="fwd,fwd+bwd (default both)")
+    parser.add_argument("--n-res", type=_ints, default=None,
+                        help="Evoformer N_res sizes (default: 256 on cpu, 256,768 on cuda)")
+    parser.add_argument("--heads", type=_ints, default=[4, 8], help="Evoformer head counts (default: 4,8)")
+    parser.add_argument("--seq", type=_ints, default=[4096], help="diffusion sequence lengths L (default: 4096)")
+    parser.add_argument("--diffusion-heads", type=int, default=8, help="heads in the diffusion cases (default: 8)")
+    parser.add_argument("--suites", type=_choices(("evoformer", "diffusion")), default=["evoformer", "diffusion"],
+                        help="which size families to run (default: evoformer,diffusion)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per case (median; default 3)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case before giving up")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def _cases(args: argparse.Namespace) -> list[dict]:
+    """One dict per (op, size, mode): the shapes the worker builds."""
+    n_res = args.n_res or ([256] if args.device == "cpu" else [256, 768])
+    cases = []
+    for mode in args.modes:
+        if "evoformer" in args.suites:
+            for n in n_res:
+                cases.append({"op": "layer_norm", "size": f"evo N={n} C=128", "mode": mode, "x": [n, n, 128]})
+                for h in args.heads:
+                    cases += _score_cases(f"evo N={n} H={h}", mode, lead=[1, n, h], n_q=n, n_k=n, d=32,
+                                          bias=[1, 1, h, n, n], mask=[1, n, 1, 1, n])
+        if "diffusion" in args.suites:
+            h = args.diffusion_heads
+            for n in args.seq:
+                cases.append({"op": "layer_norm", "size": f"diff L={n} C=320", "mode": mode, "x": [2, n, 320]})
+                cases += _score_cases(f"diff L={n} H={h}", mode, lead=[1, h], n_q=n, n_k=n, d=64,
+                                      bias=[1, 1, n, n], mask=[1, 1, 1, n])
+    return [c for c in cases if c["op"] in args.ops]
+
+
+def _score_cases(size, mode, *, lead, n_q, n_k, d, bias, mask):
+    base = {"size": size, "mode": mode, "bias": bias, "mask": mask}
+    return [{**base, "op": "softmax", "x": lead + [n_q, n_k]},
+            {**base, "op": "attention", "q": lead + [n_q, d], "k": lead + [n_k, d]}]
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def _inputs(case: dict, device, dtype) -> dict:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    grad = case["mode"] == "fwd+bwd"
+
+    def rnd(shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+
+    if case["op"] == "layer_norm":
+        c = case["x"][-1]
+        return {"x": rnd(case["x"]), "w": rnd([c]), "b": rnd([c])}
+    mask = (torch.rand(*case["mask"], generator=g) > 0.1).to(device)
+    if case["op"] == "softmax":
+        return {"x": rnd(case["x"]), "bias": rnd(case["bias"]), "mask": mask}
+    return {"q": rnd(case["q"]), "k": rnd(case["k"]), "v": rnd(case["k"]), "bias": rnd(case["bias"]), "mask": mask}
+
+
+def _impl(op: str, impl: str):
+    import torch
+    import torch.nn.functional as F
+
+    import kernels
+
+    def naive_scores(x, bias, mask, scale):
+        return torch.softmax((x * scale + bias).masked_fill(~mask, float("-inf")), dim=-1)
+
+    table = {
+        ("layer_norm", "ours"): lambda x, w, b: kernels.layer_norm(x, w, b),
+        ("layer_norm", "F.layer_norm"): lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
+        ("softmax", "ours"): lambda x, bias, mask: kernels.softmax(x, mask=mask, bias=bias, scale=0.5),
+        ("softmax", "naive"): lambda x, bias, mask: naive_scores(x, bias, mask, 0.5),
+        ("attention", "ours"): lambda q, k, v, bias, mask: kernels.attention(q, k, v, bias=bias, mask=mask),
+        ("attention", "naive"): lambda q, k, v, bias, mask: naive_scores(
+            q @ k.transpose(-1, -2), bias, mask, q.shape[-1] ** -0.5) @ v,
+        ("attention", "sdpa"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias.masked_fill(~mask, float("-inf"))),
+    }
+    return table[(op, impl)]
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # "5" resets the peak resident set size (Linux >= 4.0)
+
+
+def _worker(spec: dict) -> dict:
+    import torch
+
+    from suite.bench.common import time_fn
+
+    case, device = spec["case"], torch.device(spec["device"])
+    inputs = _inputs(case, device, getattr(torch, spec["dtype"]))
+    fn = _impl(case["op"], spec["impl"])
+    leaves = [t for t in inputs.values() if t.requires_grad]
+
+    def step():
+        if not leaves:
+            with torch.no_grad():
+                return fn(**inputs)
+        out = fn(**inputs)
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else None
+    if cuda:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    else:
+        step()  # warm-up: lazy initialisation must not count as the op's memory
+        gc.collect()
+        _reset_hwm()
+        before = _current_rss()
+        step()
+        extra = _hwm() - before
+    seconds = time_fn(step, warmup=0, repeat=spec["repeat"], sync=sync)
+    return {"ms": seconds * 1e3, "extra_mib": extra / 2**20}
+
+
+def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> dict:
+    spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           # a fixed mmap threshold: freed blocks above 64 KiB go back to the OS instead of being reused from
+           # a heap the warm-up already made resident, which would hide them from the peak resident set
+           "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, "-m", "suite.bench.kernels", json.dumps(spec)], capture_output=True,
+                          text=True, env=env, timeout=args.timeout)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": tail[0]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
+    row = {"op": case["op"], "size": case["size"], "mode": case["mode"], "baseline": baseline}
+    if "error" in ours or "error" in base:
+        row["error"] = ours.get("error") or base.get("error")
+        return row
+    row.update({"ours ms": ours["ms"], "base ms": base["ms"], "time ratio": ours["ms"] / base["ms"],
+                "ours MiB": ours["extra_mib"], "base MiB": base["extra_mib"],
+                "mem ratio": ours["extra_mib"] / max(base["extra_mib"], 1e-9)})
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from suite.bench.common import print_table, write_json
+    from suite.errors import UsageError
+
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    rows = []
+    cases = _cases(args)
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case['op']} {case['size']} {case['mode']}", file=sys.stderr, flush=True)
+        ours = _run_case(case, "ours", args, dtype)
+        for baseline in BASELINES[case["op"]]:
+            rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
+    columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "ours MiB", "base MiB",
+               "mem ratio", "error"]
+    print_table(rows, [c for c in columns if any(c in r for r in rows)],
+                title=f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call "
+                      f"({'VmHWM, fresh process per case' if args.device == 'cpu' else 'max_memory_allocated'})")
+    write_json(args.json, {"benchmark": "kernels", "device": args.device, "dtype": dtype, "rows": rows,
+                           "memory_method": "peak RSS growth (VmHWM reset via clear_refs), one subprocess per case"
+                           if args.device == "cpu" else "torch.cuda.max_memory_allocated growth"})
+    return 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))
