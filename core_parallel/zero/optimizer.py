@@ -19,8 +19,10 @@ What happens:
 - The model keeps full parameters in the compute dtype (`precision`); fp16/bf16 casts the model at setup
   and a forward pre-hook casts floating inputs.
 - Gradients are averaged over the group (each rank's loss is a mean over its part of the global batch).
-  Stage 1 all-reduces them (full gradients stay in `param.grad` until `step`); stage 2 reduce-scatters
-  them in buckets while backward runs and frees `param.grad`. `no_sync()` skips all communication.
+  Both stages reduce-scatter them in buckets into fp32 gradient shards and free `param.grad`: stage 1
+  when backward ends (full gradients live until then), stage 2 while backward runs (`overlap`).
+  `no_sync()` skips all communication and accumulates locally in `param.grad`. Under fp32 without
+  offload a rank's master shard is a view into the parameter itself (no extra copy).
 - `step()` consumes the gradients: after it, `param.grad` and the master gradients are cleared, and the
   updated shards are all-gathered into the model's parameters.
 - Parameters with no gradient on any rank in a step (frozen, unused) are skipped by the inner optimizer,
@@ -137,11 +139,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if id(p) not in names:
                     raise ValueError(f"optimizer param group {gi} holds a tensor that is not a parameter of the model")
                 start, end = flat.shard_range(p.numel(), self.world, self.rank)
-                shard = flat.shard_size(p.numel(), self.world)
-                with torch.no_grad():
-                    master = flat.pad_flat(p.detach(), self.world)[self.rank * shard : (self.rank + 1) * shard]
-                    master = master.to(master_device or p.device, torch.float32, copy=True)
-                slots.append(Slot(names[id(p)], p, gi, master, start, end))
+                device = master_device or p.device
+                view = p.detach().reshape(-1)[start:end]
+                alias = self.config.dtype == p.dtype == torch.float32 and device == p.device and p.is_contiguous()
+                master = view if alias else view.to(device, torch.float32, copy=True)
+                slots.append(Slot(names[id(p)], p, gi, master, start, end, world=self.world))
                 masters.append(master)
             group["params"] = masters
         if not slots:
@@ -195,8 +197,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._prepared
         if not self._reducer.flushed or self._reducer.local_pending:
             self._reducer.flush()
-        if self.stage == 1:
-            self._master_grads_from_params()
         flags = torch.tensor([float(s.had_grad) for s in self._slots] + [float(self._local_overflow())])
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -209,16 +209,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 s.master.grad.mul_(inv_scale)
         self._prepared = overflow
         return overflow
-
-    def _master_grads_from_params(self) -> None:
-        for s in self._slots:
-            g = s.param.grad
-            if g is None:
-                continue
-            shard = s.shard
-            piece = flat.pad_flat(g.detach(), self.world)[self.rank * shard : (self.rank + 1) * shard]
-            s.master.grad = piece.to(s.master.device, torch.float32, copy=True)
-            s.param.grad = None
 
     def _local_overflow(self) -> bool:
         if not self.loss_scaler.enabled:
@@ -290,12 +280,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         params = {}
         for s in self._slots:
-            valid = s.end - s.start
-            tensors = {"master": s.master[:valid]}
+            tensors = {"master": s.master}
             scalars = {}
             for key, value in self.inner.state.get(s.master, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == s.master.shape:
-                    tensors[key] = value[:valid]
+                    tensors[key] = value
                 else:
                     scalars[key] = value
             params[s.name] = ParamShard(
@@ -321,14 +310,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for s in self._slots:
                 reader.check_param(s.name, s.shape)
-                s.master.zero_()
-                s.master[: s.end - s.start] = reader.read(s.name, "master", s.start, s.end)
+                s.master.copy_(reader.read(s.name, "master", s.start, s.end))
                 state: dict[str, Any] = {}
                 for key in reader.tensor_keys(s.name):
                     if key != "master":
-                        t = torch.zeros_like(s.master)
-                        t[: s.end - s.start] = reader.read(s.name, key, s.start, s.end)
-                        state[key] = t
+                        state[key] = reader.read(s.name, key, s.start, s.end).to(s.master.device)
                 state.update(reader.scalars(s.name))
                 if state:
                     self.inner.state[s.master] = state

@@ -1,4 +1,4 @@
-"""Gradient buckets: reduce gradients as backward produces them (stage 2) or after it (stage 1 / no overlap).
+"""Gradient buckets: reduce-scatter gradients during backward (stage 2) or when it ends (stage 1).
 
 Buckets are fixed at setup (reverse registration order, one dtype and device each) and always launched in
 that order, so every rank issues the same collectives in the same sequence even when some parameters get
@@ -6,8 +6,9 @@ no gradient on some ranks: a bucket is launched during backward only once all it
 all earlier buckets are launched; whatever is left is launched by `flush()`, with zeros standing in for
 missing gradients. Under `no_sync` the hooks do nothing and gradients accumulate locally in `param.grad`.
 
-Stage 1 all-reduces a bucket and writes the averaged gradient back into `param.grad`; stage 2
-reduce-scatters it, adds this rank's shard into the fp32 master gradient and frees `param.grad`.
+Both stages use the same reduce-scatter on the same buckets (so they give identical results): each rank
+adds its shard into the fp32 master gradient and `param.grad` is freed. Stage 2 with `overlap` launches
+buckets asynchronously as backward produces them; stage 1 keeps the full gradients until backward ends.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ class Slot:
     param: torch.nn.Parameter
     group: int
     master: torch.Tensor
-    """[shard] fp32 (padded) shard of the parameter owned by this rank; the inner optimizer updates it."""
+    """[end - start] fp32 values this rank owns (a view into the parameter under fp32 without offload)."""
     start: int
     end: int
+    world: int = 1
+    """Size of the group the parameter is sharded over."""
     bucket: int = -1
     had_grad: bool = False
     """This rank saw a gradient for the parameter since the last step."""
@@ -53,8 +56,8 @@ class Slot:
 
     @property
     def shard(self) -> int:
-        """Padded shard length (elements)."""
-        return self.master.numel()
+        """Padded shard length (elements), the same on every rank."""
+        return flat.shard_size(self.numel, self.world)
 
 
 @dataclass(eq=False)
@@ -114,6 +117,7 @@ class GradReducer:
 
     def _make_hook(self, index: int):
         def hook(_param: torch.Tensor) -> None:
+            self.slots[index].had_grad = True
             if not self.sync:
                 self.local_pending = True
                 return
@@ -121,7 +125,7 @@ class GradReducer:
                 # loss.backward() called directly: flush when this backward pass ends.
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._callback_queued = True
-            if not self.overlap:
+            if not (self.overlap and self.stage == 2):
                 return
             self._ready[self.slots[index].bucket].add(index)
             while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
@@ -162,23 +166,14 @@ class GradReducer:
             g = s.param.grad
             s.had_grad = s.had_grad or g is not None
             grads.append(g.reshape(-1) if g is not None else s.param.new_zeros(s.numel))
-        if self.stage == 2:
-            buffer = flat.pack_for_reduce_scatter(grads, self.world)
-            out = buffer.new_empty(buffer.numel() // self.world)
-            for s in slots:
-                s.param.grad = None
-        else:
-            buffer = torch.cat(grads)
-            out = buffer
+        buffer = flat.pack_for_reduce_scatter(grads, self.world)
+        for s in slots:
+            s.param.grad = None
         buffer.div_(self.world)
-        work = None
+        work, out = None, buffer
         if self.world > 1:
-            if self.stage == 2:
-                work = _reduce_scatter(out, buffer, group=self.group, async_op=self.overlap)
-            else:
-                work = dist.all_reduce(buffer, group=self.group, async_op=self.overlap)
-        elif self.stage == 2:
-            out = buffer
+            out = buffer.new_empty(buffer.numel() // self.world)
+            work = _reduce_scatter(out, buffer, group=self.group, async_op=self.overlap and self.stage == 2)
         self._pending.append(_Pending(work, b, buffer, out))
 
     def _finish(self, p: _Pending) -> None:
@@ -187,17 +182,13 @@ class GradReducer:
         offset = 0
         for i in self.buckets[p.bucket]:
             s = self.slots[i]
-            if self.stage == 2:
-                view = p.out[offset : offset + s.shard]
-                piece = view.to(s.master.device, torch.float32)
-                if s.master.grad is None:
-                    s.master.grad = piece.clone() if piece.data_ptr() == view.data_ptr() else piece
-                else:
-                    s.master.grad.add_(piece)
-                offset += s.shard
+            view = p.out[offset : offset + s.end - s.start]
+            piece = view.to(s.master.device, torch.float32)
+            if s.master.grad is None:
+                s.master.grad = piece.clone() if piece.data_ptr() == view.data_ptr() else piece
             else:
-                s.param.grad = p.out[offset : offset + s.numel].view(s.shape)
-                offset += s.numel
+                s.master.grad.add_(piece)
+            offset += s.shard
 
     def gather_params(self) -> None:
         """Copy the updated master shards back into the full working parameters (all-gather per bucket)."""
@@ -205,7 +196,11 @@ class GradReducer:
             for idx in self.buckets:
                 slots = [self.slots[i] for i in idx]
                 p0 = slots[0].param
-                local = torch.cat([s.master.to(p0.device, p0.dtype) for s in slots])
+                local = torch.zeros(sum(s.shard for s in slots), dtype=p0.dtype, device=p0.device)
+                offset = 0
+                for s in slots:
+                    local[offset : offset + s.end - s.start] = s.master
+                    offset += s.shard
                 if self.world > 1:
                     gathered = local.new_empty(local.numel() * self.world)
                     _all_gather(gathered, local, group=self.group)

@@ -1,0 +1,314 @@
+"""ZeRO-1/2 against single-process training on the same global batch, on 1, 2 and 4 gloo ranks.
+
+The model has odd sizes (padding), a frozen layer (not in the optimizer), a never-used layer (in the
+optimizer), a layer used only by rank 0's slice on even steps (gradient on some ranks only), a buffer, and
+two param groups with their own hyperparameters. The reference runs the same per-rank slices one after
+another on one process, so it computes exactly the global-batch loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import core_parallel
+from core_parallel import ZeroConfig
+from core_parallel.loss_scaler import LossScalerConfig
+
+GLOBAL_BATCH = 8
+STEPS = 5
+ACCUM = 2
+
+
+class Net(nn.Module):
+    """Odd sizes, frozen, unused and sometimes-used parameters, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.b = nn.Linear(13, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.sometimes = nn.Linear(5, 5, bias=False)
+        self.unused = nn.Linear(3, 3)
+        self.register_buffer("gain", torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool = False) -> torch.Tensor:
+        y = self.b(torch.tanh(self.a(x))) * self.gain
+        y = self.frozen(y)
+        if use_sometimes:
+            y = y + self.sometimes(y)
+        return y
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_optimizer(model: Net, kind: str = "adamw") -> torch.optim.Optimizer:
+    first = [model.a.weight, model.a.bias]
+    rest = [model.b.weight, model.b.bias, model.sometimes.weight, model.unused.weight, model.unused.bias]
+    groups = [{"params": first, "lr": 2e-2, "weight_decay": 0.1}, {"params": rest}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=5e-2, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01)
+
+
+def micro_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global micro-batch of (step, micro): inputs [GLOBAL_BATCH, 7], targets [GLOBAL_BATCH, 5]."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+
+
+def slice_loss(model: nn.Module, step: int, micro: int, rank: int, world: int) -> torch.Tensor:
+    """Mean loss of rank `rank`'s slice of the global micro-batch (divided by ACCUM).
+
+    Inputs are float32 (float64 for a float64 reference model); half models cast them in a pre-hook.
+    """
+    x, t = micro_batch(step, micro)
+    if next(model.parameters()).dtype == torch.float64:
+        x, t = x.double(), t.double()
+    n = GLOBAL_BATCH // world
+    x, t = x[rank * n : (rank + 1) * n], t[rank * n : (rank + 1) * n]
+    use = step % 2 == 0 and rank == 0
+    out = model(x, use_sometimes=use)
+    return (out.to(t.dtype) - t).pow(2).mean() / ACCUM
+
+
+def train_reference(model: nn.Module, opt: torch.optim.Optimizer, steps: range, world: int, max_norm=None,
+                    scheduler=None) -> list[float]:
+    """Single process: the per-rank slices one after another make the global-batch loss."""
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(ACCUM):
+            loss = sum(slice_loss(model, step, micro, r, world) for r in range(world)) / world
+            loss.backward()
+            total += loss.item()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+    return losses
+
+
+def train_zero(model: nn.Module, opt, steps: range, rank: int, world: int, *, no_sync: bool = True,
+               user_clip=None, scheduler=None) -> None:
+    for step in steps:
+        for micro in range(ACCUM):
+            last = micro == ACCUM - 1
+            ctx = opt.no_sync() if (no_sync and not last) else contextlib.nullcontext()
+            with ctx:
+                opt.backward(slice_loss(model, step, micro, rank, world))
+        if user_clip is not None:
+            opt.clip_grad_norm(user_clip)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def max_rel_err(model: nn.Module, ref: nn.Module) -> float:
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q = q.detach().double()
+        err = (p.detach().double() - q).abs().max() / q.abs().max().clamp_min(1e-12)
+        worst = max(worst, err.item())
+    return worst
+
+
+def update_rel_err(model: nn.Module, ref: nn.Module, init: nn.Module) -> float:
+    """Largest error of the total update (final - initial) relative to the reference update's size."""
+    worst = 0.0
+    for p, q, p0 in zip(model.parameters(), ref.parameters(), init.parameters()):
+        d_ref = q.detach().double() - p0.detach().double()
+        if d_ref.abs().max() == 0:
+            continue
+        d = p.detach().double() - p0.detach().double()
+        worst = max(worst, ((d - d_ref).abs().max() / d_ref.abs().max()).item())
+    return worst
+
+
+FP32_CASES = {
+    # name: (ZeroConfig kwargs, accumulate under no_sync, clip by a user call (instead of max_grad_norm))
+    "stage1": (dict(stage=1, max_grad_norm=0.5), True, None),
+    "stage2": (dict(stage=2, max_grad_norm=0.5), True, None),
+    "stage2_sync_accum_small_buckets": (dict(stage=2, bucket_mb=1e-4), False, 0.5),
+    "stage2_no_overlap_offload": (dict(stage=2, overlap=False, offload="cpu", max_grad_norm=0.5), True, None),
+    "stage1_sync_accum_small_buckets": (dict(stage=1, bucket_mb=1e-4), False, 0.5),
+}
+# Spawned ranks are expensive on a loaded 2-core machine: the multi-rank runs take the cases that differ most.
+MULTI_RANK_CASES = ("stage1", "stage2", "stage2_sync_accum_small_buckets")
+
+
+def fp32_parity(rank: int, world: int, cases) -> dict:
+    """fp32 cases against the single-process fp32 reference; returns errors and final params."""
+    ref = make_model()
+    ref_opt = make_optimizer(ref)
+    sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    ref_losses = train_reference(ref, ref_opt, range(STEPS), world, max_norm=0.5, scheduler=sched)
+    out: dict = {"ref_losses": ref_losses, "errors": {}, "params": {}, "lrs": {}}
+    for name in cases:
+        kwargs, no_sync, user_clip = FP32_CASES[name]
+        model = make_model()
+        model, opt = core_parallel.setup(model, make_optimizer(model), ZeroConfig(**kwargs))
+        zsched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        train_zero(model, opt, range(STEPS), rank, world, no_sync=no_sync, user_clip=user_clip, scheduler=zsched)
+        out["errors"][name] = max_rel_err(model, ref)
+        out["params"][name] = [p.detach().numpy().copy() for p in model.parameters()]  # tensors can't cross ranks
+        out["lrs"][name] = [g["lr"] for g in opt.param_groups]
+    out["ref_lrs"] = [g["lr"] for g in ref_opt.param_groups]
+    out["unused_untouched"] = np.array_equal(out["params"]["stage2"][-2], make_model().unused.weight.detach().numpy())
+    return out
+
+
+def torch_mixed_reference(dtype: torch.dtype, world: int) -> nn.Module:
+    """PyTorch on one process in `dtype` with fp32 master copies (what ZeRO does, without sharding).
+
+    Returns the `dtype` model (its parameters rounded from the masters, as ZeRO's are).
+    """
+    model = make_model().to(dtype)
+    masters = make_model()
+    opt = make_optimizer(masters, "sgd")
+    hook = model.register_forward_pre_hook(lambda m, args, kw: ((args[0].to(dtype),), kw), with_kwargs=True)
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            (sum(slice_loss(model, step, micro, r, world) for r in range(world)) / world).backward()
+        for p, m in zip(model.parameters(), masters.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters.parameters()):
+                p.copy_(m)
+                p.grad = None
+    hook.remove()
+    return model
+
+
+def mixed_precision(rank: int, world: int) -> dict:
+    """fp16/bf16 (SGD, stage 2) and PyTorch's own mixed-precision run, both against a float64 reference."""
+    init = make_model().double()
+    ref = copy.deepcopy(init)
+    train_reference(ref, make_optimizer(ref, "sgd"), range(STEPS), world)
+    out: dict = {"errors": {}, "torch_errors": {}, "dtypes": {}}
+    for precision in ("bf16", "fp16"):
+        model = make_model()
+        cfg = ZeroConfig(stage=2, precision=precision, bucket_mb=1e-4)
+        model, opt = core_parallel.setup(model, make_optimizer(model, "sgd"), cfg)
+        train_zero(model, opt, range(STEPS), rank, world)
+        out["errors"][precision] = update_rel_err(model, ref, init)
+        out["dtypes"][precision] = str(model.a.weight.dtype)
+        out["torch_errors"][precision] = update_rel_err(torch_mixed_reference(cfg.dtype, world), ref, init)
+    return out
+
+
+def overflow_check(rank: int, world: int) -> dict:
+    """fp16 with an inf loss on the last rank only at step 1: every rank must skip that step."""
+    model = make_model()
+    scaler = LossScalerConfig(initial_scale=2.0**10, growth_interval=1)
+    cfg = ZeroConfig(stage=2, precision="fp16", loss_scaler=scaler)
+    model, opt = core_parallel.setup(model, make_optimizer(model, "sgd"), cfg)
+    result = {"scales": [], "changed": []}
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = slice_loss(model, step, 0, rank, world)
+        if step == 1 and rank == world - 1:
+            loss = loss * float("inf")
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        result["changed"].append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        result["scales"].append(opt.loss_scaler.scale)
+    result["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return result
+
+
+def zero_worker(rank: int, world: int, cases=MULTI_RANK_CASES) -> dict:
+    out = fp32_parity(rank, world, cases)
+    out["mixed"] = mixed_precision(rank, world)
+    out["overflow"] = overflow_check(rank, world)
+    return out
+
+
+def check_results(results: list[dict], world: int) -> None:
+    eps = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
+    for rank, res in enumerate(results):
+        for name, err in res["errors"].items():
+            assert err <= 1e-6, f"world {world} rank {rank} case {name}: relative error {err:.3e}"
+        for name, lrs in res["lrs"].items():
+            assert lrs == res["ref_lrs"], f"{name}: scheduler lrs {lrs} != {res['ref_lrs']}"
+        assert res["unused_untouched"]
+        mixed = res["mixed"]
+        assert mixed["dtypes"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+        for precision, err in mixed["errors"].items():
+            # at most twice PyTorch's own error in the same dtype, plus a margin of a few ulps
+            bound = 2 * mixed["torch_errors"][precision] + 2 * eps[precision]
+            assert err <= bound, f"rank {rank} {precision}: update error {err:.3e} > {bound:.3e}"
+        ov = res["overflow"]
+        assert ov["changed"] == [True, False, True], f"rank {rank}: step 1 must be skipped on every rank: {ov}"
+        assert ov["scales"] == [2.0**11, 2.0**10, 2.0**11], ov["scales"]
+        assert ov["finite"]
+    for res in results[1:]:  # every rank holds the same full parameters
+        for name, params in res["params"].items():
+            for p, q in zip(params, results[0]["params"][name]):
+                assert np.array_equal(p, q), f"{name}: ranks disagree"
+    for p, q in zip(results[0]["params"]["stage1"], results[0]["params"]["stage2"]):
+        assert np.array_equal(p, q), "stage 1 and stage 2 differ in fp32"
+
+
+def test_one_process_without_group():
+    check_results([zero_worker(0, 1, cases=tuple(FP32_CASES))], 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_on_gloo_ranks(world):
+    check_results(core_parallel.run_on_ranks(zero_worker, world, timeout=300), world)
+
+
+def test_config_validation():
+    for bad in (dict(stage=3), dict(precision="fp8"), dict(offload="nvme"), dict(bucket_mb=0),
+                dict(max_grad_norm=-1.0)):
+        field = next(iter(bad))
+        with pytest.raises(ValueError, match=field):
+            ZeroConfig(**bad)
+
+
+def test_setup_rejects_foreign_and_used_optimizers():
+    model = make_model()
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        core_parallel.setup(model, torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), ZeroConfig())
+    opt = make_optimizer(model)
+    slice_loss(model, 0, 0, 0, 1).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already has state"):
+        core_parallel.setup(model, opt, ZeroConfig())
+    with pytest.raises(TypeError, match="ZeroConfig or GeminiConfig"):
+        core_parallel.setup(model, make_optimizer(make_model()), object())
+
+
+def test_backward_without_wrapper_call_and_grad_norm():
+    """loss.backward() called directly still reduces; grad_norm matches torch's total norm."""
+    ref = make_model()
+    ref_opt = make_optimizer(ref)
+    model = make_model()
+    model, opt = core_parallel.setup(model, make_optimizer(model), ZeroConfig(stage=2, bucket_mb=1e-4))
+    for step in range(3):
+        slice_loss(ref, step, 0, 0, 1).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 1e9)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        slice_loss(model, step, 0, 0, 1).backward()
+        torch.testing.assert_close(opt.grad_norm(), ref_norm, rtol=1e-6, atol=0)
+        opt.step()
+    assert max_rel_err(model, ref) <= 1e-6
