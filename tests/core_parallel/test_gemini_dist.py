@@ -63,20 +63,30 @@ def _check_scenarios(results: list[dict]) -> None:
             assert_close_dicts(got["state"][i], st, rtol=1e-5, atol=1e-6)
 
 
+def _two(rank: int, world: int, tmp: str) -> dict:
+    out = _all_scenarios(rank, world, tmp)
+    _save(rank, world, tmp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank run: every scenario, then the Gemini and ZeRO-2 checkpoints (shared by the tests below)."""
+    tmp = str(tmp_path_factory.mktemp("gemini2"))
+    return tmp, run_on_ranks(_two, 2, tmp, timeout=300)
+
+
 def test_gemini_one_process(tmp_path):
     _check_scenarios([_all_scenarios(0, 1, str(tmp_path))])
 
 
 @pytest.mark.distributed
-def test_gemini_two_ranks_and_checkpoint_onto_one(tmp_path):
-    results = run_on_ranks(_all_scenarios, 2, str(tmp_path), timeout=240)
+def test_gemini_two_ranks_and_checkpoint_onto_one(two_ranks):
+    tmp, results = two_ranks
     _check_scenarios(results)
-    run_on_ranks(_save, 2, str(tmp_path), timeout=120)
     want, _ = train_reference("adam", range(5))
-    got = _resume(0, 1, str(tmp_path), "gemini", "gemini")
-    assert_close_dicts(got, want.state_dict())
-    got = _resume(0, 1, str(tmp_path), "gemini", "zero")  # Gemini checkpoint into ZeRO-2
-    assert_close_dicts(got, want.state_dict())
+    assert_close_dicts(_resume(0, 1, tmp, "gemini", "gemini"), want.state_dict())
+    assert_close_dicts(_resume(0, 1, tmp, "gemini", "zero"), want.state_dict())  # Gemini checkpoint into ZeRO-2
 
 
 def _four(rank: int, world: int, tmp: str) -> dict:
@@ -87,16 +97,16 @@ def _four(rank: int, world: int, tmp: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_gemini_four_ranks_and_resume_from_two(tmp_path):
-    run_on_ranks(_save, 2, str(tmp_path), timeout=120)
-    results = run_on_ranks(_four, 4, str(tmp_path), timeout=300)
+def test_gemini_four_ranks_and_resume_from_two(two_ranks):
+    tmp, _ = two_ranks
+    results = run_on_ranks(_four, 4, tmp, timeout=400)
     _check_scenarios(results)
     want, _ = train_reference("adam", range(5))
     for out in map(tensors, results):
         assert_close_dicts(out["resume_gemini"], want.state_dict())
         assert_close_dicts(out["resume_zero"], want.state_dict())
-    # the placements really moved data: NVMe tier holds the states, the budget was respected
+    # the placements really put data where asked, and auto kept within its budget
     nvme = results[0]["nvme"]["report"]
     assert nvme["bytes"]["nvme"]["optim"] > 0 and nvme["bytes"]["device"]["optim"] == 0
     auto = results[0]["auto"]["report"]
-    assert auto["peak_device_bytes_last_step"] <= auto["budget_bytes"]
+    assert 0 < auto["peak_device_bytes_last_step"] <= auto["budget_bytes"]

@@ -1,0 +1,228 @@
+"""Gemini's pure parts (config, chunk layout and search, state machine, access trace and eviction, memory
+ledger, flat Adam/SGD against float64 torch, tiers) and its error paths (NVMe folder full or removed,
+budget too small, unsupported optimizers), all on one process."""
+
+from __future__ import annotations
+
+import copy
+import resource
+import shutil
+import signal
+
+import pytest
+import torch
+
+from core_parallel.gemini import GeminiConfig, NvmeTierError, parse_bytes, setup_gemini
+from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
+from core_parallel.gemini.layout import ParamInfo, padding_waste, plan_chunks, search_chunk_elems
+from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
+from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GeminiStateError
+from core_parallel.gemini.storage import NvmeFile, TieredBuffer
+from tests.core_parallel.gemini_helpers import batch, build
+
+
+# ---- config ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("placement", "cuda"), ("offload_param_frac", 1.5), ("offload_optim_frac", -0.1), ("chunk_mb", 0),
+     ("precision", "fp8"), ("prefetch", -1), ("device_memory_budget", "12 parsecs"), ("max_grad_norm", 0),
+     ("offload_dir", " ")],
+)
+def test_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        GeminiConfig(**{field: value})
+
+
+def test_config_auto_rejects_static_fractions_and_parses_sizes():
+    with pytest.raises(ValueError, match="offload_param_frac"):
+        GeminiConfig(placement="auto", offload_param_frac=0.5)
+    assert GeminiConfig(device_memory_budget="1.5GiB").budget_bytes == 3 * 2**29
+    assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes(4096) == 4096 and parse_bytes("512 MiB") == 2**29
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+def _infos(numels, trainable=None):
+    trainable = trainable or [True] * len(numels)
+    return [ParamInfo(index=i, name=f"p{i}", numel=n, dtype="f", trainable=t)
+            for i, (n, t) in enumerate(zip(numels, trainable))]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_plan_packs_in_order_without_straddling(world):
+    numels = [7, 13, 1, 50, 3, 3, 29, 11]
+    trainable = [True, True, False, True, False, True, True, True]
+    specs = plan_chunks(_infos(numels, trainable), world, chunk_elems=30)
+    seen = []
+    for spec in specs:
+        assert spec.size % world == 0 and spec.size >= 50  # raised to fit the 50-element parameter
+        assert len({trainable[s.param] for s in spec.slots}) == 1 and spec.trainable == trainable[spec.slots[0].param]
+        offset = 0
+        for s in spec.slots:
+            assert s.offset == offset and s.numel == numels[s.param] and s.offset + s.numel <= spec.size
+            offset += s.numel
+        seen += [s.param for s in spec.slots]
+    assert sorted(seen) == list(range(len(numels)))
+    for group in (True, False):  # order of use kept within each group
+        order = [p for p in seen if trainable[p] is group]
+        assert order == sorted(order)
+
+
+def test_search_picks_the_least_padding():
+    groups = [[30, 30, 30, 31, 29, 10, 50], [17, 17]]
+    best = search_chunk_elems(groups, world=2)
+    brute = min(range(50, 201, 2), key=lambda n: (sum(padding_waste(g, n) for g in groups), n))
+    assert sum(padding_waste(g, best) for g in groups) == sum(padding_waste(g, brute) for g in groups)
+    assert padding_waste([3, 3, 3], 6) == 3 and padding_waste([4, 2, 6], 6) == 0
+
+
+# ---- state machine -----------------------------------------------------------------------------------
+def test_state_machine_allows_the_cycle_and_rejects_the_rest():
+    sm = ChunkStateMachine(0, frozenset({1, 2}))
+    with pytest.raises(GeminiStateError, match="used while released"):
+        sm.acquire()
+    sm.to(ChunkState.GATHERING)
+    with pytest.raises(GeminiStateError, match="gathering -> released"):
+        sm.to(ChunkState.RELEASED)
+    sm.to(ChunkState.GATHERED)
+    sm.acquire()
+    with pytest.raises(GeminiStateError, match="while 1 module"):
+        sm.to(ChunkState.RELEASED)
+    assert sm.release_use()
+    sm.to(ChunkState.RELEASED)
+    with pytest.raises(GeminiStateError, match="more releases"):
+        sm.release_use()
+    assert not sm.grad_arrived(1) and sm.grad_arrived(2)
+    with pytest.raises(GeminiStateError, match="does not train"):
+        sm.grad_arrived(7)
+
+
+# ---- placement ---------------------------------------------------------------------------------------
+def test_access_trace_and_furthest_next_use_eviction():
+    trace = AccessTrace()
+    for c in [0, 1, 2, 3, 2, 1, 0]:
+        trace.record(c)
+    assert pick_victim([0, 1, 2], trace, {0: 5, 1: 3, 2: 9}) == 1  # before the trace: least recently used
+    trace.freeze()
+    for c in [0, 1, 2]:
+        trace.record(c)
+    assert trace.cursor == 3 and trace.upcoming(2) == [3, 2]
+    assert trace.next_use(3) == 0 and trace.next_use(2) == 1 and trace.next_use(0) == 3
+    assert pick_victim([0, 1, 2], trace, {}) == 0 and trace.next_use(9) == float("inf")
+    assert static_plan(4, 0.5, 0.25, "nvme") == [("nvme", "nvme"), ("nvme", "device"), ("device", "device")] + [
+        ("device", "device")]
+
+
+def test_ledger_accounts_bytes_peak_and_traffic():
+    led = MemoryLedger()
+    led.add("device", "params", 100)
+    led.add("device", "grads", 50)
+    led.move("device", "nvme", "params", 60)
+    led.transfer("cpu", "device", 7)
+    assert led.tier_total("device") == 90 and led.peak_device == 150
+    led.new_step()
+    rep = led.report()
+    assert rep["bytes"]["nvme"]["params"] == 60 and rep["traffic_last_step"] == {"cpu->device": 7, "device->nvme": 60}
+    assert rep["peak_device_bytes_last_step"] == 150
+    with pytest.raises(RuntimeError, match="negative"):
+        led.add("cpu", "optim", -1)
+
+
+# ---- flat optimizer updates against torch in float64 -------------------------------------------------
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_flat_adam_matches_torch_float64(decoupled):
+    n = 1031
+    p64 = torch.randn(n, dtype=torch.float64, requires_grad=True)
+    ref = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p64], lr=3e-3, betas=(0.8, 0.95), eps=1e-7,
+                                                                   weight_decay=0.05)
+    p, m, v = p64.detach().float().clone(), torch.zeros(n), torch.zeros(n)
+    h = AdamHyper(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-7, weight_decay=0.05, decoupled=decoupled)
+    for step in range(1, 7):
+        g = torch.randn(n, dtype=torch.float64)
+        p64.grad = g.clone()
+        ref.step()
+        adam_update_(p, g.float(), m, v, step, h)
+    torch.testing.assert_close(p.double(), p64.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(v.double(), ref.state[p64]["exp_avg_sq"], rtol=2e-5, atol=1e-7)
+
+
+def test_flat_sgd_matches_torch_float64():
+    n = 257
+    p64 = torch.randn(n, dtype=torch.float64, requires_grad=True)
+    ref = torch.optim.SGD([p64], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
+    p, buf = p64.detach().float().clone(), torch.zeros(n)
+    h = SgdHyper(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False)
+    for step in range(1, 6):
+        g = torch.randn(n, dtype=torch.float64)
+        p64.grad = g.clone()
+        ref.step()
+        sgd_update_(p, g.float(), buf, step, h)
+    torch.testing.assert_close(p.double(), p64.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---- tiers -------------------------------------------------------------------------------------------
+def test_buffers_move_between_tiers_unchanged(tmp_path):
+    nvme = NvmeFile(tmp_path, rank=0)
+    buf = TieredBuffer(1000, "device", torch.device("cpu"), nvme, nvme.reserve(1000))
+    nvme.open()
+    data = torch.randn(1000)
+    buf.allocate(fill=data)
+    for tier in ("nvme", "cpu", "nvme", "device"):
+        assert buf.move(tier) == 4000 and buf.tier == tier
+        torch.testing.assert_close(buf.view(), data, rtol=0, atol=0)
+    nvme.close()
+    assert not nvme.path.exists()
+
+
+def _nvme_setup(tmp_path, **kw):
+    model, opt = build("adam")
+    keep = copy.deepcopy(model.state_dict())
+    cfg = GeminiConfig(chunk_mb=40 * 4 / 2**20, offload_dir=str(tmp_path / "nvme"), **kw)
+    return model, opt, cfg, keep
+
+
+def test_nvme_folder_too_small_fails_at_setup_and_leaves_the_model(tmp_path):
+    model, opt, cfg, keep = _nvme_setup(tmp_path, offload_param_frac=1.0, offload_optim_frac=1.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # a "disk" with room for one page
+    try:
+        with pytest.raises(NvmeTierError, match="cannot reserve .* free space there"):
+            setup_gemini(model, opt, cfg)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, keep[k], rtol=0, atol=0)
+
+
+def test_nvme_folder_removed_while_training_is_a_clear_error(tmp_path):
+    model, opt, cfg, _ = _nvme_setup(tmp_path, offload_param_frac=1.0, offload_optim_frac=1.0)
+    model, opt = setup_gemini(model, opt, cfg)
+    x, y = batch(0)
+    opt.backward(((model(x, True) - y) ** 2).mean())
+    opt.step()
+    shutil.rmtree(tmp_path / "nvme")
+    with pytest.raises(NvmeTierError, match="was removed while training"):
+        model(x, True)
+
+
+def test_budget_too_small_for_the_chunks_in_use(tmp_path):
+    model, opt = build("adam")
+    model, opt = setup_gemini(model, opt, GeminiConfig(placement="auto", chunk_mb=40 * 4 / 2**20,
+                                                       device_memory_budget=200))
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match="device_memory_budget=200 bytes cannot hold"):
+        model(x, True)
+
+
+def test_unsupported_optimizers_and_parameters_are_refused():
+    model, _ = build("adam")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(TypeError, match="RMSprop"):
+        setup_gemini(model, torch.optim.RMSprop(trainable), GeminiConfig())
+    with pytest.raises(ValueError, match="amsgrad"):
+        setup_gemini(model, torch.optim.Adam(trainable, amsgrad=True), GeminiConfig())
+    with pytest.raises(ValueError, match="frozen.weight is in the optimizer but has requires_grad=False"):
+        setup_gemini(model, torch.optim.Adam(model.parameters()), GeminiConfig())
+    with pytest.raises(ValueError, match="l1.weight requires grad but is not in the optimizer"):
+        setup_gemini(model, torch.optim.Adam([model.l2.weight]), GeminiConfig())
