@@ -197,9 +197,9 @@ class Prediction:
     pae: np.ndarray | None = None
     ptm: float | None = None
 
-    @property
-    def ranking_score(self) -> float:
-        return float(self.ptm) if self.ptm is not None else float(self.plddt.mean())
+    def ranking_score(self, metric: str) -> float:
+        """AlphaFold's ranking: `metric` "ptm" (all models are `_ptm`) or "mean_plddt"."""
+        return float(self.ptm) if metric == "ptm" else float(self.plddt.mean())
 
     def save(self, path: Path) -> None:
         arrays = {"positions": self.positions, "atom_mask": self.atom_mask, "plddt": self.plddt}
@@ -469,7 +469,8 @@ def write_target_outputs(
 
         _write_text(folder / f"{target.name}_{label}_unrelaxed.pdb", to_pdb(_protein(target, pred), remark=remark))
         files.append(f"{target.name}_{label}_unrelaxed.pdb")
-    ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score)
+    metric = "ptm" if all(p.ptm is not None for p in predictions.values()) else "mean_plddt"
+    ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
     unrelaxed = _protein(target, best)
     files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip())
@@ -482,8 +483,7 @@ def write_target_outputs(
         timings["relax"] = result.seconds
         files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} relaxed".strip())
     files += _write_confidence(folder, target.name, best)
-    ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score for k in ranked},
-               "metric": "ptm" if best.ptm is not None else "mean_plddt"}
+    ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score(metric) for k in ranked}, "metric": metric}
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))
     files.append("ranking.json")
     record = {"target": target.name, "length": len(target.sequence), "timings": timings,
@@ -546,8 +546,8 @@ def _fold_one(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, model
     remark = "" if all(s.param_path for s in cfg.models) else "RANDOM WEIGHTS: structure is meaningless"
     files = write_target_outputs(target, predictions, folder, cfg.relax, timings, remark)
     emit("outputs", target)
-    best = max(predictions.values(), key=lambda p: p.ranking_score)
-    return TargetResult(target, "done", float(best.plddt.mean()), sum(timings.values()), str(folder), files=files)
+    record = json.loads((folder / "timings.json").read_text())
+    return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files)
 
 
 def _features_job(target: Target, cfg: AlignmentConfig, work_dir: str, with_templates: bool):
