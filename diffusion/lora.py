@@ -24,14 +24,19 @@ TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 def add_lora(model: Any, rank: int, *, text_encoder: bool = False) -> list[torch.nn.Parameter]:
     """Add a rank-`rank` adapter to `model` (a UNet, or a CLIP text encoder) and return its fp32 parameters."""
-    from peft import LoraConfig
+    from peft import LoraConfig, inject_adapter_in_model
 
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
                         target_modules=TEXT_TARGETS if text_encoder else UNET_TARGETS)
     model.requires_grad_(False)
-    model.add_adapter(config)
+    if text_encoder:
+        # transformers' `add_adapter` wants a newer peft than some installs have; peft's own injection is
+        # what it calls underneath, and diffusers' load_lora_weights reads the result the same way.
+        inject_adapter_in_model(config, model)
+    else:
+        model.add_adapter(config)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -413,10 +414,13 @@ def _progress_bar() -> pl.Callback:
     return ProgressBar()
 
 
-def _loggers(cfg: FineTuneConfig) -> list[Any]:
+def _loggers(cfg: FineTuneConfig, resumed_step: int | None = None) -> list[Any]:
+    """CSV (and TensorBoard) loggers under output_dir/logs; a resumed run gets its own CSV file, since
+    Lightning's CSV logger would overwrite the interrupted run's."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    loggers: list[Any] = [CSVLogger(cfg.output_dir, name="logs", version="csv")]
+    version = "csv" if resumed_step is None else f"csv-resumed-at-{resumed_step}"
+    loggers: list[Any] = [CSVLogger(cfg.output_dir, name="logs", version=version)]
     if cfg.report_to == "tensorboard":
         try:
             loggers.append(TensorBoardLogger(cfg.output_dir, name="logs", version="tensorboard"))
@@ -426,7 +430,7 @@ def _loggers(cfg: FineTuneConfig) -> list[Any]:
 
 
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
-                  **overrides: Any) -> pl.Trainer:
+                  resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
     import recipes  # noqa: F401 - registers the strategy names
 
@@ -441,7 +445,8 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
         accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
         precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
         accumulate_grad_batches=cfg.gradient_accumulation_steps,
-        gradient_clip_val=cfg.max_grad_norm or None, logger=_loggers(cfg), callbacks=cbs + list(callbacks or []),
+        gradient_clip_val=cfg.max_grad_norm or None, logger=_loggers(cfg, resumed_step),
+        callbacks=cbs + list(callbacks or []),
         enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg.output_dir,
     )
@@ -479,8 +484,12 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
     max_steps = cfg.total_steps(len(data.scan()), cfg.devices * cfg.num_nodes)  # bad data stops before the model
     module = StableDiffusionFineTune(cfg)
     data.tokenizer = module.tokenizer
-    trainer = build_trainer(cfg, max_steps, callbacks, **trainer_overrides)
-    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
+    resumed_step = int(_CKPT_RE.match(ckpt.name).group(1)) if ckpt and _CKPT_RE.match(ckpt.name) else None
+    trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, **trainer_overrides)
+    with warnings.catch_warnings():
+        # ImageCaptionData restores the sampler position itself (its state_dict), which Lightning cannot see.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
     if cfg.validation_prompt:
         ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
     if module.ema is not None:
