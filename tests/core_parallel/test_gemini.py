@@ -224,5 +224,5 @@ def test_unsupported_optimizers_and_parameters_are_refused():
         setup_gemini(model, torch.optim.Adam(trainable, amsgrad=True), GeminiConfig())
     with pytest.raises(ValueError, match="frozen.weight is in the optimizer but has requires_grad=False"):
         setup_gemini(model, torch.optim.Adam(model.parameters()), GeminiConfig())
-    with pytest.raises(ValueError, match="l1.weight requires grad but is not in the optimizer"):
+    with pytest.raises(ValueError, match="emb.weight requires grad but is not in the optimizer"):
         setup_gemini(model, torch.optim.Adam([model.l2.weight]), GeminiConfig())
