@@ -641,15 +641,16 @@ def _rigid_group_tables() -> _RigidGroupTables:
 
 
 _RIGID = _rigid_group_tables()
+# Stored in float32, as AlphaFold tabulates them: outputs then agree with AlphaFold to float64 rounding.
 restype_atom37_to_rigid_group = _RIGID.atom37_to_group
 """[21, 37] rigid group (0..7) each atom37 atom belongs to."""
-restype_atom37_rigid_group_positions = _RIGID.atom37_positions
+restype_atom37_rigid_group_positions = _RIGID.atom37_positions.astype(np.float32)
 """[21, 37, 3] literature position of each atom in its rigid group's frame, Angstrom."""
 restype_atom14_to_rigid_group = _RIGID.atom14_to_group
 """[21, 14] rigid group (0..7) each atom14 atom belongs to."""
-restype_atom14_rigid_group_positions = _RIGID.atom14_positions
+restype_atom14_rigid_group_positions = _RIGID.atom14_positions.astype(np.float32)
 """[21, 14, 3] literature position of each atom14 atom in its rigid group's frame, Angstrom."""
-restype_rigid_group_default_frame = _RIGID.default_frames
+restype_rigid_group_default_frame = _RIGID.default_frames.astype(np.float32)
 """[21, 8, 4, 4] default frame of each rigid group relative to its parent (backbone for 1..4, chi k-1 for chi k);
 zero for groups a residue does not have, as AlphaFold tabulates them."""
 
