@@ -1,0 +1,104 @@
+"""`suite fold` end to end on the tiny random model: relaxed outputs, the bundled example, and every bad
+input exiting 2 with its message while earlier outputs stay intact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from suite.cli import main
+
+ASSETS = Path(__file__).parents[1] / "assets" / "fold"
+
+
+def _exit_code(argv: list[str]) -> int:
+    """`suite` in this process; flag errors found by argparse exit through SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code)
+
+
+def _fasta(tmp_path: Path, text: str, name: str = "in.fasta") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One complete relaxed run: (output folder, FASTA path)."""
+    tmp = tmp_path_factory.mktemp("fold")
+    fasta = _fasta(tmp, ">pep\nMKTAYIAKQR\n")
+    out = tmp / "out"
+    assert main(["fold", fasta, "--output_dir", str(out), "--single_sequence", "--relax_platform", "CPU"]) == 0
+    return out, fasta
+
+
+def test_relaxed_outputs(finished, capsys):
+    gemmi = pytest.importorskip("gemmi")
+    out, _ = finished
+    folder = out / "pep"
+    names = {p.name for p in folder.iterdir()}
+    expected = {"pep_unrelaxed.pdb", "pep_unrelaxed.cif", "pep_relaxed.pdb", "pep_relaxed.cif",
+                "pep_confidence.json", "pep_plddt.png", "pep_pae.png", "timings.json", "ranking.json"}
+    assert expected <= names
+    record = json.loads((folder / "timings.json").read_text())
+    relax = record["relax"]
+    assert relax["violations_after"] == 0 and np.isfinite(relax["final_energy"])
+    assert {"features", "model_model_1_ptm", "relax"} <= set(record["timings"])
+    structure = gemmi.read_structure(str(folder / "pep_relaxed.pdb"))
+    residues = list(structure[0]["A"])
+    assert gemmi.one_letter_code([r.name for r in residues]) == "MKTAYIAKQR"
+    assert len(residues[0]) == 8 and len(residues[-1]) == 12  # MET heavy atoms; ARG + OXT
+    conf = json.loads((folder / "pep_confidence.json").read_text())
+    assert residues[3]["CA"][0].b_iso == pytest.approx(conf["plddt"][3], abs=0.01)
+    assert np.array(conf["pae"]).shape == (10, 10) and 0 <= conf["ptm"] <= 1
+
+
+def test_rerun_skips_complete_targets(finished, capsys):
+    out, fasta = finished
+    before = (out / "pep" / "pep_relaxed.pdb").stat().st_mtime_ns
+    assert main(["fold", fasta, "--output_dir", str(out), "--single_sequence"]) == 0
+    assert "skipped" in capsys.readouterr().out
+    assert (out / "pep" / "pep_relaxed.pdb").stat().st_mtime_ns == before
+
+
+def test_bundled_example_without_fasta(tmp_path, capsys):
+    assert main(["fold", "--output_dir", str(tmp_path), "--no-relax"]) == 0
+    captured = capsys.readouterr()
+    assert "RANDOM WEIGHTS" in captured.err
+    assert (tmp_path / "villin_hp35" / "villin_hp35_unrelaxed.pdb").exists()
+    assert "villin_hp35" in captured.out
+
+
+BAD = [
+    ("missing.fasta", [], "no such FASTA file"),
+    ("@MKTAYI\n", [], "line 1: not FASTA"),
+    (">a\n\n", [], "record 1 (a, line 1): empty sequence"),
+    (">a\nMKT#AY\n", [], "record 1 (a, line 1): position 4: '#' is not an amino-acid letter"),
+    (">a\nMK\n>b\nGG\n>a\nAA\n", [], "record 3 (a, line 5): duplicate name 'a'"),
+    (">pep\nMK\n", ["--model_name", "model_9"], "--model_name 'model_9': unknown model"),
+    (">pep\nMK\n", ["--param_path", "nope.npz"], "--param_path: nope.npz: no such parameter file"),
+    (">pep\nMK\n", ["--use_precomputed_alignments", str(ASSETS / "alignments")], "no folder for target 'pep'"),
+    (">pep\nMK\n", ["--max_template_date", "2021-13-01"], "--max_template_date '2021-13-01': expected YYYY-MM-DD"),
+    (">pep\nMK\n", ["--template_mmcif_dir", "no_such_dir"], "template_mmcif_dir no_such_dir: no such folder"),
+    (">pep\nMK\n", ["--devices", "0"], "--devices must be >= 1"),
+    (">pep\nMK\n", ["--chunk_size", "0"], "--chunk_size must be a positive int or 'auto'"),
+    (">pep\nMK\n", ["--uniref90_database_path", "no_db.fasta"], "--uniref90_database_path no_db.fasta: no such"),
+]
+
+
+@pytest.mark.parametrize(("fasta", "flags", "message"), BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_input_exits_2_and_keeps_earlier_outputs(finished, tmp_path, capsys, fasta, flags, message):
+    out, _ = finished
+    before = {p: p.read_bytes() for p in (out / "pep").iterdir()}
+    path = str(tmp_path / fasta) if fasta.endswith(".fasta") else _fasta(tmp_path, fasta)
+    assert _exit_code(["fold", path, "--output_dir", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert {p: p.read_bytes() for p in (out / "pep").iterdir()} == before
