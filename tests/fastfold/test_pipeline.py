@@ -98,3 +98,18 @@ def test_ray_several_targets_match_the_in_process_path(tmp_path):
     b = Prediction.load(tmp_path / "local" / "t1" / "t1_model_1_ptm_prediction.npz")
     np.testing.assert_allclose(a.positions, b.positions, atol=1e-5)
     assert local.status == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_dap_ranks_match_one_process(tmp_path):
+    pytest.importorskip("fastfold.dap")
+    target = Target("pep", "MKTAYIAKQRQISF")
+    (one,) = fold_targets([target], _config(tmp_path / "one"))
+    (two,) = fold_targets([target], _config(tmp_path / "two", devices=2))
+    assert one.status == "done" and two.status == "done", two.error
+    a = Prediction.load(tmp_path / "one" / "pep" / "pep_model_1_ptm_prediction.npz")
+    b = Prediction.load(tmp_path / "two" / "pep" / "pep_model_1_ptm_prediction.npz")
+    np.testing.assert_allclose(b.positions, a.positions, atol=1e-3)
+    np.testing.assert_allclose(b.plddt, a.plddt, atol=1e-3)
+    assert not (tmp_path / "two" / "pep" / ".dap_batch.npz").exists()
