@@ -1,0 +1,170 @@
+"""Sharded checkpoints: saved on 2 ranks, resumed on 1 and 4 exactly as uninterrupted training; atomic
+saves; consolidation into a plain state_dict; the scaler state; the model-only path."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import core_parallel
+from core_parallel import ZeroConfig, checkpoint
+from core_parallel.loss_scaler import LossScalerConfig
+from suite.cli import main as suite_main
+from tests.core_parallel.test_zero import STEPS, make_model, make_optimizer, max_rel_err, train_zero
+
+SAVE_AT = 3
+
+
+def _setup(stage: int, seed: int, precision: str = "fp32", scaler: LossScalerConfig | None = None):
+    model = make_model(seed)
+    cfg = ZeroConfig(stage=stage, precision=precision, bucket_mb=1e-4, loss_scaler=scaler or LossScalerConfig())
+    model, opt = core_parallel.setup(model, make_optimizer(model), cfg)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _numpy(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def save_worker(rank: int, world: int, folder: str) -> dict:
+    """Train SAVE_AT steps with ZeRO-2, save, then keep training to STEPS (the uninterrupted run)."""
+    model, opt, sched = _setup(stage=2, seed=0)
+    train_zero(model, opt, range(SAVE_AT), rank, world, scheduler=sched)
+    at_save = _numpy(model)
+    core_parallel.save_checkpoint(folder, model, opt, extra={"step": SAVE_AT, "scheduler": sched.state_dict()})
+    train_zero(model, opt, range(SAVE_AT, STEPS), rank, world, scheduler=sched)
+    return {"at_save": at_save, "final": _numpy(model)}
+
+
+def resume_worker(rank: int, world: int, folder: str, stage: int) -> dict:
+    """A fresh model (other seed) loads the checkpoint and trains the remaining steps."""
+    model, opt, sched = _setup(stage=stage, seed=123)
+    extra = core_parallel.load_checkpoint(folder, model, opt)
+    sched.load_state_dict(extra["scheduler"])
+    loaded = _numpy(model)
+    train_zero(model, opt, range(extra["step"], STEPS), rank, world, scheduler=sched)
+    return {"loaded": loaded, "final": _numpy(model), "lrs": [g["lr"] for g in opt.param_groups]}
+
+
+def _assert_close(got: dict, want: dict, rtol: float) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        err = np.abs(got[k].astype(np.float64) - want[k]).max() / max(np.abs(want[k]).max(), 1e-12)
+        assert err <= rtol, f"{k}: relative error {err:.3e}"
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("ckpt") / "run")
+    results = core_parallel.run_on_ranks(save_worker, 2, folder, timeout=300)
+    return folder, results[0]
+
+
+@pytest.mark.distributed
+def test_resume_on_four_ranks_with_stage_one(saved_on_two_ranks):
+    folder, saved = saved_on_two_ranks
+    index = json.loads(open(os.path.join(folder, checkpoint.INDEX)).read())
+    assert index["world_size"] == 2 and len(index["shards"]) == 2
+    for res in core_parallel.run_on_ranks(resume_worker, 4, folder, 1, timeout=300):
+        _assert_close(res["loaded"], saved["at_save"], 0.0)
+        _assert_close(res["final"], saved["final"], 1e-6)
+
+
+@pytest.mark.distributed
+def test_resume_on_one_process_and_consolidate(saved_on_two_ranks, tmp_path):
+    folder, saved = saved_on_two_ranks
+    res = resume_worker(0, 1, folder, 2)
+    _assert_close(res["loaded"], saved["at_save"], 0.0)
+    _assert_close(res["final"], saved["final"], 1e-6)
+    # consolidate through the CLI; a plain model loads the file without this library
+    out = tmp_path / "model.safetensors"
+    assert suite_main(["checkpoint", "consolidate", folder, str(out)]) == 0
+    plain = make_model(seed=7)
+    plain.load_state_dict(load_file(str(out)))
+    _assert_close(_numpy(plain), saved["at_save"], 0.0)
+    assert suite_main(["checkpoint", "consolidate", str(tmp_path / "missing"), str(out)]) == 2
+
+
+def test_fp16_scaler_state_resumes_exactly(tmp_path):
+    scaler = LossScalerConfig(initial_scale=2.0**24, growth_interval=2)
+    model, opt, sched = _setup(stage=2, seed=0, precision="fp16", scaler=scaler)
+    train_zero(model, opt, range(3), 0, 1, scheduler=sched)
+    assert opt.loss_scaler.overflows > 0  # 2**24 overflows fp16 gradients: the state is non-trivial
+    core_parallel.save_checkpoint(tmp_path / "c", model, opt)
+    model2, opt2, _ = _setup(stage=1, seed=5, precision="fp16", scaler=scaler)
+    core_parallel.load_checkpoint(tmp_path / "c", model2, opt2)
+    assert opt2.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+    opt2.param_groups[0]["lr"], opt2.param_groups[1]["lr"] = (g["lr"] for g in opt.param_groups)
+    train_zero(model, opt, range(3, STEPS), 0, 1)
+    train_zero(model2, opt2, range(3, STEPS), 0, 1)
+    assert max_rel_err(model2, model) == 0.0
+    assert opt2.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+    # consolidated as fp16 (the working dtype) or as the fp32 masters
+    checkpoint.consolidate_checkpoint(tmp_path / "c", tmp_path / "h.safetensors")
+    checkpoint.consolidate_checkpoint(tmp_path / "c", tmp_path / "f.safetensors", dtype="float32")
+    assert load_file(str(tmp_path / "h.safetensors"))["a.weight"].dtype == torch.float16
+    assert load_file(str(tmp_path / "f.safetensors"))["a.weight"].dtype == torch.float32
+
+
+def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, _ = _setup(stage=2, seed=0)
+    path = tmp_path / "ckpt"
+    core_parallel.save_checkpoint(path, model, opt)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "_write_model_file", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        core_parallel.save_checkpoint(path, model, opt)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left behind
+
+
+def test_model_only_path_and_reader_errors(tmp_path):
+    model = make_model(seed=3)
+    core_parallel.save_checkpoint(tmp_path / "m", model)
+    fresh = make_model(seed=4)
+    core_parallel.load_checkpoint(tmp_path / "m", fresh)
+    _assert_close(_numpy(fresh), _numpy(model), 0.0)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        checkpoint.CheckpointReader(tmp_path)
+    model, opt, _ = _setup(stage=2, seed=0)
+    core_parallel.save_checkpoint(tmp_path / "z", model, opt)
+    other = nn.Linear(3, 3)
+    with pytest.raises(ValueError):
+        core_parallel.load_checkpoint(tmp_path / "z", other, torch.optim.SGD(other.parameters(), lr=0.1))
+    reader = checkpoint.CheckpointReader(tmp_path / "z")
+    with pytest.raises(ValueError, match="shape"):
+        reader.check_param("a.weight", (2, 2))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def test_tied_weights_consolidate_into_a_strict_state_dict(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    model, opt = core_parallel.setup(model, torch.optim.Adam(model.parameters(), lr=0.1), ZeroConfig())
+    opt.backward(model(torch.arange(11)).logsumexp(-1).mean())
+    opt.step()
+    core_parallel.save_checkpoint(tmp_path / "t", model, opt)
+    core_parallel.consolidate_checkpoint(tmp_path / "t", tmp_path / "t.safetensors")
+    fresh = Tied()
+    fresh.load_state_dict(load_file(str(tmp_path / "t.safetensors")))
+    torch.testing.assert_close(fresh.head.weight, model.head.weight, rtol=0, atol=0)
