@@ -52,7 +52,7 @@ def test_fasta_errors_name_record_and_position(text, message):
 
 
 def test_fasta_ambiguous_residues_warn_and_become_unknown(caplog):
-    (name, seq), = parse_fasta(">x\nMXBZUO\n")
+    ((name, seq),) = parse_fasta(">x\nMXBZUO\n")
     assert seq == "MXBZUO"
     assert "modelled as unknown" in caplog.text
     aatype = make_sequence_features(seq)["aatype"]
@@ -137,11 +137,13 @@ def test_mmcif_chain_and_release_date():
 
 
 def test_mmcif_quoted_values_that_look_like_names():
-    text = ("data_x\nloop_\n_a.k\n_a.v\n1 '_not_a_name'\n#\nloop_\n_atom_site.id\n_atom_site.auth_asym_id\n"
-            "_atom_site.label_seq_id\n_atom_site.label_atom_id\n_atom_site.label_comp_id\n_atom_site.Cartn_x\n"
-            "_atom_site.Cartn_y\n_atom_site.Cartn_z\n1 A 1 CA GLY 1.0 2.0 3.0\n#\n"
-            "loop_\n_pdbx_poly_seq_scheme.pdb_strand_id\n"
-            "_pdbx_poly_seq_scheme.seq_id\n_pdbx_poly_seq_scheme.mon_id\nA 1 GLY\n#\n")
+    text = (
+        "data_x\nloop_\n_a.k\n_a.v\n1 '_not_a_name'\n#\nloop_\n_atom_site.id\n_atom_site.auth_asym_id\n"
+        "_atom_site.label_seq_id\n_atom_site.label_atom_id\n_atom_site.label_comp_id\n_atom_site.Cartn_x\n"
+        "_atom_site.Cartn_y\n_atom_site.Cartn_z\n1 A 1 CA GLY 1.0 2.0 3.0\n#\n"
+        "loop_\n_pdbx_poly_seq_scheme.pdb_strand_id\n"
+        "_pdbx_poly_seq_scheme.seq_id\n_pdbx_poly_seq_scheme.mon_id\nA 1 GLY\n#\n"
+    )
     f = parse_mmcif(text)
     assert f.chains["A"].sequence == "G"
     assert f.chains["A"].positions[0, rc.atom_order["CA"]].tolist() == [1.0, 2.0, 3.0]
@@ -158,7 +160,7 @@ def test_templates_from_hits_with_missing_files_and_date_cutoff(caplog):
     covered = np.nonzero(out["template_all_atom_mask"][k].sum(-1))[0]
     assert set(covered) <= {q for q in hit.indices_query if q >= 0} and len(covered) > 10
     seq = "".join(rc.restypes_with_x[a] if a < 21 else "-" for a in out["template_aatype"][k])
-    assert seq[covered[0]:covered[0] + 5] == hit.hit_sequence.replace("-", "")[:5]
+    assert seq[covered[0] : covered[0] + 5] == hit.hit_sequence.replace("-", "")[:5]
     early = TemplateFeaturizer(TemplateConfig(mmcif_dir=str(ASSETS / "mmcifs"), max_template_date="2014-01-01"))
     assert early.get(QUERY, hits)["template_aatype"].shape[0] == 2  # 4ZEY (2015) is after the cut-off
 
@@ -167,8 +169,11 @@ def test_templates_from_hits_with_missing_files_and_date_cutoff(caplog):
 
 
 def _raw(msas=()):
-    return {**make_sequence_features(QUERY), **make_msa_features(QUERY, list(msas)),
-            **empty_template_features(len(QUERY))}
+    return {
+        **make_sequence_features(QUERY),
+        **make_msa_features(QUERY, list(msas)),
+        **empty_template_features(len(QUERY)),
+    }
 
 
 def test_processed_batch_shapes_and_recycling_axis():
@@ -177,12 +182,23 @@ def test_processed_batch_shapes_and_recycling_axis():
     batch = process_features(_raw([msa]), cfg, seed=1)
     n, r = len(QUERY), 3
     expected = {
-        "aatype": (n, r), "residue_index": (n, r), "seq_mask": (n, r), "target_feat": (n, 22, r),
-        "msa_feat": (16, n, 49, r), "msa_mask": (16, n, r), "extra_msa": (40, n, r), "extra_msa_mask": (40, n, r),
-        "extra_has_deletion": (40, n, r), "extra_deletion_value": (40, n, r), "template_aatype": (0, n, r),
-        "template_all_atom_positions": (0, n, 37, 3, r), "template_mask": (0, r),
-        "atom14_atom_exists": (n, 14, r), "residx_atom14_to_atom37": (n, 14, r),
-        "residx_atom37_to_atom14": (n, 37, r), "atom37_atom_exists": (n, 37, r),
+        "aatype": (n, r),
+        "residue_index": (n, r),
+        "seq_mask": (n, r),
+        "target_feat": (n, 22, r),
+        "msa_feat": (16, n, 49, r),
+        "msa_mask": (16, n, r),
+        "extra_msa": (40, n, r),
+        "extra_msa_mask": (40, n, r),
+        "extra_has_deletion": (40, n, r),
+        "extra_deletion_value": (40, n, r),
+        "template_aatype": (0, n, r),
+        "template_all_atom_positions": (0, n, 37, 3, r),
+        "template_mask": (0, r),
+        "atom14_atom_exists": (n, 14, r),
+        "residx_atom14_to_atom37": (n, 14, r),
+        "residx_atom37_to_atom14": (n, 37, r),
+        "atom37_atom_exists": (n, 37, r),
     }
     for key, shape in expected.items():
         assert batch[key].shape == shape, key
@@ -226,8 +242,10 @@ def test_jackhmmer_on_a_database_the_test_builds(tmp_path):
         homologs.append("".join(seq))
     decoys = ["".join(rng.choice(letters, 80)) for _ in range(20)]
     db = tmp_path / "db.fasta"
-    db.write_text("".join(f">hom{k}\n{s}\n" for k, s in enumerate(homologs)) +
-                  "".join(f">decoy{k}\n{s}\n" for k, s in enumerate(decoys)))
+    db.write_text(
+        "".join(f">hom{k}\n{s}\n" for k, s in enumerate(homologs))
+        + "".join(f">decoy{k}\n{s}\n" for k, s in enumerate(decoys))
+    )
     out = tmp_path / "uniref90_hits.sto"
     run_jackhmmer("jackhmmer", QUERY, str(db), out, cpus=1)
     msa = parse_stockholm(out.read_text())

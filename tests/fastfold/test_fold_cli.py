@@ -43,8 +43,17 @@ def test_relaxed_outputs(finished, capsys):
     out, _ = finished
     folder = out / "pep"
     names = {p.name for p in folder.iterdir()}
-    expected = {"pep_unrelaxed.pdb", "pep_unrelaxed.cif", "pep_relaxed.pdb", "pep_relaxed.cif",
-                "pep_confidence.json", "pep_plddt.png", "pep_pae.png", "timings.json", "ranking.json"}
+    expected = {
+        "pep_unrelaxed.pdb",
+        "pep_unrelaxed.cif",
+        "pep_relaxed.pdb",
+        "pep_relaxed.cif",
+        "pep_confidence.json",
+        "pep_plddt.png",
+        "pep_pae.png",
+        "timings.json",
+        "ranking.json",
+    }
     assert expected <= names
     record = json.loads((folder / "timings.json").read_text())
     relax = record["relax"]

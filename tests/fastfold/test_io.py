@@ -21,8 +21,13 @@ def protein() -> Protein:
     aatype = torch.tensor([rc.restype_order[a] for a in SEQUENCE])
     pos, mask = random_atom37(aatype, torch.Generator().manual_seed(0))
     plddt = np.linspace(20.0, 95.0, len(SEQUENCE))
-    return Protein(pos.numpy(), mask.numpy(), aatype.numpy(), np.arange(1, len(SEQUENCE) + 1),
-                   np.repeat(plddt[:, None], 37, axis=1))
+    return Protein(
+        pos.numpy(),
+        mask.numpy(),
+        aatype.numpy(),
+        np.arange(1, len(SEQUENCE) + 1),
+        np.repeat(plddt[:, None], 37, axis=1),
+    )
 
 
 def _expected_atoms(aatype: int) -> set[str]:

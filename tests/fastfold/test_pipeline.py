@@ -33,8 +33,11 @@ def _config(out: Path, **kw) -> FoldConfig:
 
 
 def test_precomputed_alignments_templates_two_models(tmp_path):
-    alignment = AlignmentConfig(precomputed_dir=str(ASSETS / "alignments"), template_mmcif_dir=str(ASSETS / "mmcifs"),
-                                max_template_date="2021-01-01")
+    alignment = AlignmentConfig(
+        precomputed_dir=str(ASSETS / "alignments"),
+        template_mmcif_dir=str(ASSETS / "mmcifs"),
+        max_template_date="2021-01-01",
+    )
     models = [ModelSpec(model_name="model_1", tiny=True), ModelSpec(model_name="model_3", tiny=True, seed=1)]
     (result,) = fold_targets([QUERY], _config(tmp_path, models=models, alignment=alignment))
     assert result.status == "done", result.error
