@@ -1,0 +1,123 @@
+"""`suite bench fold`: per-stage time of `suite fold` (features, model, relax) for one target, and the wall
+time of N targets with Ray feature jobs against one after another.
+
+Features run jackhmmer against a synthetic database the benchmark writes (homologs of each target among
+random decoys), so the alignment stage does real work; without jackhmmer the targets are single-sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n_res", type=int, default=64, help="residues per target")
+    parser.add_argument("--targets", type=int, default=8, help="targets of the Ray vs sequential comparison")
+    parser.add_argument("--num_workers", type=int, default=2, help="Ray CPUs for the feature jobs")
+    parser.add_argument("--db_size", type=int, default=30000, help="sequences in the synthetic jackhmmer database")
+    parser.add_argument("--model_name", default="model_1_ptm", help="model preset")
+    parser.add_argument("--param_path", default=None, help="parameters (default: random weights)")
+    parser.add_argument("--random_model_size", choices=["tiny", "full"], default="tiny",
+                        help="size of the random model without --param_path")
+    parser.add_argument("--relax", action=argparse.BooleanOptionalAction, default=True,
+                        help="include relaxation (stage timing and the N-target runs)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic targets")
+
+
+def _targets(n: int, n_res: int, seed: int):
+    import numpy as np
+
+    from fastfold.pipeline import Target
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+    return [Target(f"t{i}", "".join(rng.choice(letters, n_res))) for i in range(n)]
+
+
+def _database(path, targets, size: int, seed: int) -> None:
+    """Ten mutated copies of each target among random decoys (FASTA)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 1)
+    letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+    with open(path, "w") as f:
+        for t in targets:
+            for k in range(10):
+                seq = np.array(list(t.sequence))
+                flip = rng.random(len(seq)) < 0.05 * (k + 1)
+                seq[flip] = rng.choice(letters, int(flip.sum()))
+                f.write(f">{t.name}_hom{k}\n{''.join(seq)}\n")
+        for k in range(size):
+            f.write(f">decoy{k}\n{''.join(rng.choice(letters, len(targets[0].sequence)))}\n")
+
+
+def _stage_rows(target, cfg):
+    import time
+    from pathlib import Path
+
+    from fastfold import pipeline as fp
+    from fastfold.relax import relax_protein
+
+    spec = cfg.models[0]
+    t0 = time.perf_counter()
+    raw = fp.target_raw_features(target, cfg.alignment, Path(cfg.output_dir) / "stage", True)
+    t1 = time.perf_counter()
+    model, fcfg = fp.load_model(spec)
+    batch = fp.features_for_model(raw, fcfg, 0)
+    t2 = time.perf_counter()
+    pred = fp.predict(model, batch, spec)
+    t3 = time.perf_counter()
+    rows = [{"stage": "features", "seconds": t1 - t0, "detail": f"MSA depth {len(raw['msa'])}"},
+            {"stage": "model", "seconds": t3 - t2, "detail": f"{spec.model_name}, {len(target.sequence)} residues"}]
+    if cfg.relax is not None:
+        result = relax_protein(fp._protein(target, pred), cfg.relax)
+        rows.append({"stage": "relax", "seconds": result.seconds,
+                     "detail": f"violations {result.violations_before}->{result.violations_after}"})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
+    from fastfold.relax import RelaxConfig
+    from suite.bench.common import print_table, write_json
+    from suite.errors import UsageError
+
+    if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
+        raise UsageError("--n_res, --targets and --num_workers must be >= 1")
+    targets = _targets(args.targets, args.n_res, args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_fold_"))
+    try:
+        jackhmmer = shutil.which("jackhmmer") is not None
+        if jackhmmer:
+            _database(tmp / "db.fasta", targets, args.db_size, args.seed)
+            alignment = AlignmentConfig(uniref90_database_path=str(tmp / "db.fasta"), cpus=1)
+        else:
+            alignment = AlignmentConfig(single_sequence=True)
+        spec = ModelSpec(model_name=args.model_name, param_path=args.param_path,
+                         tiny=args.param_path is None and args.random_model_size == "tiny")
+        base = FoldConfig(output_dir=str(tmp / "stage"), models=[spec], alignment=alignment,
+                          relax=RelaxConfig(platform="auto") if args.relax else None)
+        stages = _stage_rows(targets[0], base)
+        print_table(stages, title=f"suite fold stages, one target ({'jackhmmer' if jackhmmer else 'single sequence'})")
+        runs = []
+        for label, workers in (("one after another", 0), (f"Ray, {args.num_workers} workers", args.num_workers)):
+            cfg = dataclasses.replace(base, output_dir=str(tmp / f"run{workers}"), num_workers=workers)
+            t0 = time.perf_counter()
+            results = fold_targets(targets, cfg)
+            runs.append({"mode": label, "targets": len(targets), "seconds": time.perf_counter() - t0,
+                         "done": sum(r.status == "done" for r in results)})
+        runs[1]["speedup"] = runs[0]["seconds"] / runs[1]["seconds"]
+        print_table(runs, title=f"{len(targets)} targets of {args.n_res} residues")
+        write_json(args.json, {"benchmark": "fold", "args": {k: v for k, v in vars(args).items() if k != "func"},
+                               "stages": stages, "runs": runs, "jackhmmer": jackhmmer})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
