@@ -17,7 +17,7 @@ STEPS: list[tuple[str, list[str]]] = [
         "diffusion", "finetune", "--output_dir", "{out}/diffusion_lora", "--rank", "4", "--max_train_steps", "20"]),
     ("diffusion: full fine-tune with zero2 strategy off, ddp on 1 process", [
         "diffusion", "finetune", "--output_dir", "{out}/diffusion_full", "--max_train_steps", "10"]),
-    ("fold: bundled example, single-sequence, tiny random model", ["fold", "--output_dir", "{out}/fold"]),
+    ("fold: bundled example, single-sequence, tiny random model, Amber relax", ["fold", "--output_dir", "{out}/fold"]),
 ]
 
 
