@@ -1,0 +1,226 @@
+"""`suite bench gemini`: Gemini against torch FSDP2, DDP and ZeRO-2 (per-rank peak memory, step time), and
+`--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier.
+
+Each strategy runs in freshly spawned ranks, so the peak resident memory of a rank is its own. The peak is
+read from the kernel (VmHWM) after resetting it once the model is set up, so it measures training, not
+model construction; the resident memory right after the imports (torch alone is ~0.4 GiB) is subtracted,
+so `peak` is what training itself holds. On a GPU the same code reports CUDA peaks instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+STRATEGIES = ("gemini", "fsdp2", "ddp", "zero2")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU, nccl on GPU)")
+    parser.add_argument("--params", default="8M", help="model size for the comparison, e.g. 8M, 200M")
+    parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP stack")
+    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " +
+                        ",".join(STRATEGIES))
+    parser.add_argument("--ram-budget", default=None, help="instead: largest model trainable within this RAM, "
+                        "e.g. 4GB (Gemini auto placement + NVMe tier)")
+    parser.add_argument("--sizes", default="16M,32M,64M", help="--ram-budget: model sizes to try, ascending")
+    parser.add_argument("--offload-dir", default=None, help="--ram-budget: NVMe folder (default: a temp folder)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned run")
+
+
+def _count(text: str) -> int:
+    from suite.errors import UsageError
+
+    units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+    t = text.strip().upper()
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (KeyError, ValueError):
+        raise UsageError(f"--params/--sizes: {text!r} is not a parameter count like 200M") from None
+
+
+def _mlp(params: int, width: int):
+    import torch.nn as nn
+
+    layers = max(1, round(params / (width * width + width)))
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*mods)
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    from suite.bench.common import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def _wrap(strategy: str, model, opt, extra: dict):
+    import torch
+
+    import core_parallel
+
+    if strategy == "gemini":
+        return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra))
+    if strategy == "zero2":
+        return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=2))
+    if strategy == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model), opt
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
+              extra: dict) -> dict:
+    import time
+
+    import torch
+
+    import core_parallel  # noqa: F401 - imported before the baseline is taken
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    baseline = 0 if device.type == "cuda" else _rss_bytes()
+    model = _mlp(params, width).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, opt = _wrap(strategy, model, opt, extra)
+    x = torch.randn(batch // world, width, device=device)
+    backward = getattr(opt, "backward", lambda loss: loss.backward())
+
+    def step() -> None:
+        loss = model(x).pow(2).mean()
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    _reset_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    report = model.memory_report() if hasattr(model, "memory_report") else None
+    return {"peak": _peak_bytes() - baseline, "step_s": sorted(times)[len(times) // 2], "report": report}
+
+
+def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, extra: dict) -> dict:
+    import torch
+
+    from core_parallel import run_on_ranks
+    from core_parallel.topology import default_backend
+
+    backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
+    outs = run_on_ranks(_rank_run, ranks, strategy, params, args.width, args.batch, args.steps, extra,
+                        timeout=args.timeout, backend=backend)
+    return {"peak": max(o["peak"] for o in outs), "step_s": max(o["step_s"] for o in outs), "report": outs[0]["report"]}
+
+
+def _compare(args: argparse.Namespace) -> dict:
+    from suite.bench.common import print_table
+    from suite.errors import UsageError
+
+    wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in wanted if s not in STRATEGIES]
+    if bad:
+        raise UsageError(f"--strategies: unknown {bad}; choose from {list(STRATEGIES)}")
+    params = _count(args.params)
+    results = {}
+    for s in wanted:
+        try:
+            results[s] = _spawn(s, args.ranks, params, args, {})
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
+            results[s] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"}
+    base = results.get("fsdp2", {})
+    rows = []
+    for s, r in results.items():
+        if "error" in r:
+            rows.append({"strategy": s, "train_peak_MiB": "n/a", "step_s": "n/a", "note": r["error"]})
+            continue
+        row = {"strategy": s, "train_peak_MiB": r["peak"] / 2**20, "step_s": r["step_s"]}
+        if "peak" in base:
+            row["peak_vs_fsdp2"] = r["peak"] / base["peak"]
+            row["time_vs_fsdp2"] = r["step_s"] / base["step_s"]
+        rows.append(row)
+    print_table(rows, title=f"gemini vs baselines: {params / 1e6:.1f}M params, {args.ranks} ranks, per-rank peak")
+    return {"params": params, "ranks": args.ranks, "rows": rows}
+
+
+def _ram_budget(args: argparse.Namespace) -> dict:
+    import tempfile
+
+    from core_parallel.gemini import parse_bytes
+    from suite.bench.common import print_table
+    from suite.errors import UsageError
+
+    try:
+        budget = parse_bytes(args.ram_budget, "--ram-budget")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    rows, best = [], None
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
+        for size in (_count(s) for s in args.sizes.split(",")):
+            extra = {"placement": "auto", "offload_dir": folder, "device_memory_budget": budget // 2}
+            try:
+                r = _spawn("gemini", args.ranks, size, args, extra)
+            except Exception as exc:  # noqa: BLE001 - the first failure ends the search
+                rows.append({"params_M": size / 1e6, "note": f"failed: {str(exc).splitlines()[0][:80]}"})
+                break
+            states = 16 * size  # fp32 Adam: parameter, gradient, two moments
+            ok = r["peak"] <= budget
+            rows.append({"params_M": size / 1e6, "model_states_GiB": states / 2**30,
+                         "states_vs_budget": states / budget, "train_peak_GiB": r["peak"] / 2**30,
+                         "step_s": r["step_s"], "within_budget": ok})
+            if not ok:
+                break
+            best = rows[-1]
+    print_table(rows, title=f"largest model within --ram-budget {args.ram_budget} (Gemini auto + NVMe), per rank")
+    return {"budget_bytes": budget, "rows": rows, "largest": best}
+
+
+def run(args: argparse.Namespace) -> int:
+    from suite.bench.common import write_json
+
+    if args.ranks < 1:
+        from suite.errors import UsageError
+
+        raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
+    payload = _ram_budget(args) if args.ram_budget else _compare(args)
+    write_json(args.json, {"benchmark": "gemini", **payload})
+    return 0
