@@ -49,6 +49,7 @@ __all__ = [
     "Prediction",
     "Target",
     "TargetResult",
+    "feature_stream",
     "features_for_model",
     "fold_targets",
     "is_complete",
@@ -557,8 +558,9 @@ def _features_job(target: Target, cfg: AlignmentConfig, work_dir: str, with_temp
     return raw, time.perf_counter() - t0
 
 
-def _feature_stream(targets: list[Target], cfg: FoldConfig, with_templates: bool):
-    """Yield (target, raw features or exception, seconds) as features become ready."""
+def feature_stream(targets: list[Target], cfg: FoldConfig, with_templates: bool):
+    """Yield (target, raw features or the exception it raised, seconds) as each target's features are ready:
+    Ray tasks when `cfg.ray_address` or `cfg.num_workers > 0` with several targets, else in this process."""
     def work_dir(t: Target) -> str:
         return str(Path(cfg.output_dir) / t.name)
 
@@ -572,6 +574,9 @@ def _feature_stream(targets: list[Target], cfg: FoldConfig, with_templates: bool
                 yield t, exc, 0.0
         return
     yield from _ray_feature_stream(targets, cfg, with_templates, work_dir)
+
+
+_feature_stream = feature_stream  # the name recipes.fold first used
 
 
 def _ray_feature_stream(targets, cfg: FoldConfig, with_templates: bool, work_dir):
@@ -619,7 +624,7 @@ def fold_targets(
             todo.append(t)
     models = _Models(cfg.models)
     with_templates = any(models.feature_config(s).max_templates > 0 for s in cfg.models) if todo else False
-    for target, raw, seconds in _feature_stream(todo, cfg, with_templates):
+    for target, raw, seconds in feature_stream(todo, cfg, with_templates):
         if isinstance(raw, BaseException):
             results[target.name] = _failed(target, raw, emit)
             continue

@@ -66,6 +66,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "targets)")
     parser.add_argument("--overwrite", action="store_true", help="redo targets that are already complete")
     parser.add_argument("--seed", type=int, default=0, help="seed of MSA sampling and of random weights")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML of these flags (the recipe file, recipes/configs/fold.yaml); the command line wins")
+
+
+_RECIPE_ONLY = {"accelerator"}
+"""Keys of the recipe YAML that only the Lightning recipe uses."""
+
+
+def _apply_config(args: argparse.Namespace) -> None:
+    """Fill flags not given on the command line from the `--config` YAML (unknown keys are an error)."""
+    import yaml
+
+    path = args.config
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise _usage(f"--config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise _usage(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise _usage(f"--config {path}: expected a mapping of flag names to values")
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    default_values = vars(defaults.parse_args([]))
+    for key, value in values.items():
+        if key in _RECIPE_ONLY:
+            continue
+        dest = "template_mmcif_dir_flag" if key == "template_mmcif_dir" else key
+        if dest not in default_values or dest == "config":
+            raise _usage(f"--config {path}: key {key!r} is not a suite fold flag")
+        if getattr(args, dest) == default_values[dest]:
+            setattr(args, dest, value)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -248,6 +281,8 @@ def _summary(results, output_dir: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config:
+        _apply_config(args)
     targets = _read_targets(args)
     cfg = _build_config(args, targets)
     _warn_mode(cfg, args)
