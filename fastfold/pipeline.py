@@ -55,6 +55,7 @@ __all__ = [
     "is_complete",
     "load_model",
     "predict",
+    "prediction_to_protein",
     "read_targets",
     "target_raw_features",
     "write_target_outputs",
@@ -415,7 +416,8 @@ def predict_dap(spec: ModelSpec, batch: dict[str, np.ndarray], devices: int, scr
 # --------------------------------------------------------------------------------------------------- outputs
 
 
-def _protein(target: Target, prediction: Prediction, b_factors: np.ndarray | None = None) -> Protein:
+def prediction_to_protein(target: Target, prediction: Prediction, b_factors: np.ndarray | None = None) -> Protein:
+    """The predicted structure as a `Protein` (1-based residue numbers, pLDDT as B-factors by default)."""
     raw = make_sequence_features(target.sequence)
     plddt = np.repeat(prediction.plddt[:, None], 37, axis=1) if b_factors is None else b_factors
     return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"],
@@ -465,15 +467,16 @@ def write_target_outputs(
     folder.mkdir(parents=True, exist_ok=True)
     timings = timings if timings is not None else {}
     files = []
-    for label, pred in predictions.items():
-        from fastfold.io.protein import to_pdb
+    from fastfold.io.protein import to_pdb
 
-        _write_text(folder / f"{target.name}_{label}_unrelaxed.pdb", to_pdb(_protein(target, pred), remark=remark))
+    for label, pred in predictions.items():
+        text = to_pdb(prediction_to_protein(target, pred), remark=remark)
+        _write_text(folder / f"{target.name}_{label}_unrelaxed.pdb", text)
         files.append(f"{target.name}_{label}_unrelaxed.pdb")
     metric = "ptm" if all(p.ptm is not None for p in predictions.values()) else "mean_plddt"
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
-    unrelaxed = _protein(target, best)
+    unrelaxed = prediction_to_protein(target, best)
     files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip())
     relax_summary = None
     if relax_config is not None:

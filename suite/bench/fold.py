@@ -72,7 +72,7 @@ def _stage_rows(target, cfg):
     rows = [{"stage": "features", "seconds": t1 - t0, "detail": f"MSA depth {len(raw['msa'])}"},
             {"stage": "model", "seconds": t3 - t2, "detail": f"{spec.model_name}, {len(target.sequence)} residues"}]
     if cfg.relax is not None:
-        result = relax_protein(fp._protein(target, pred), cfg.relax)
+        result = relax_protein(fp.prediction_to_protein(target, pred), cfg.relax)
         rows.append({"stage": "relax", "seconds": result.seconds,
                      "detail": f"violations {result.violations_before}->{result.violations_after}"})
     return rows
