@@ -1,0 +1,255 @@
+"""Run any Lightning recipe on a Ray cluster through Ray Train's `TorchTrainer`.
+
+This is what the app commands call for `--ray_address ADDRESS --num_workers N`:
+
+```python
+from recipes.ray import FitJob, RayConfig, add_ray_arguments, fit_on_ray
+
+add_ray_arguments(parser)                          # --ray_address, --num_workers, --ray_storage_path
+...
+def build_job() -> FitJob:                         # runs on every worker; must be picklable by cloudpickle
+    return FitJob(
+        module=StableDiffusionFineTune(...),       # any LightningModule
+        datamodule=ImageCaptionData(...),          # optional
+        strategy="zero2",                          # a registered name (ddp, zero1, ..., gemini_auto)
+        trainer_kwargs={"max_steps": 100, "precision": "bf16-mixed", "accumulate_grad_batches": 4},
+        ckpt_path=None,                            # resume from a checkpoint folder
+    )
+
+config = RayConfig.from_args(args)                 # or RayConfig(address="auto", num_workers=4, use_gpu=True)
+if config is not None:                             # None when --ray_address was not given
+    result = fit_on_ray(build_job, config)
+    result.metrics                                 # trainer.callback_metrics of rank 0, plus epoch and step
+    result.checkpoint_path                         # the final sharded checkpoint folder (or None)
+```
+
+How it works: `fit_on_ray` connects to the cluster (`address="local"` starts a private local Ray with
+`num_workers * cpus_per_worker` CPUs, no dashboard), then a `TorchTrainer` starts `num_workers` workers,
+Ray creates the torch process group (gloo on CPU, NCCL on GPU, with `collective_timeout_s`), and each
+worker builds the job and a `Trainer` with the Ray cluster environment and a Ray-compatible subclass of
+the named strategy (it also derives from Ray's `RayDDPStrategy`, so `ray.train.lightning.prepare_trainer`
+accepts it). At the end of training every rank writes its part of the final checkpoint into
+`checkpoint_dir` (default: `<storage_path or a temporary folder>/<name>/final.ckpt`), and rank 0
+reports it with the metrics. For more than one node `checkpoint_dir` and `storage_path` must be on a
+filesystem all nodes share.
+
+`trainer_kwargs` may not set `strategy`, `devices`, `num_nodes` or `plugins`: Ray decides those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FitJob", "RayConfig", "RayFitResult", "add_ray_arguments", "fit_on_ray", "ray_strategy"]
+
+logger = logging.getLogger(__name__)
+
+_RESERVED = ("strategy", "devices", "num_nodes", "plugins")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    """Where and how wide to run a recipe on Ray."""
+
+    address: str = "local"
+    """Ray address: "auto" (the running cluster), "ray://host:10001", or "local" to start a private local Ray."""
+    num_workers: int = 2
+    """Number of training processes (ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker."""
+    storage_path: str | None = None
+    """Ray Train's storage folder (shared across nodes for multi-node runs); None: a temporary folder."""
+    name: str = "suite"
+    """Name of the run under `storage_path`."""
+    checkpoint_dir: str | None = None
+    """Folder of the final sharded checkpoint; None: `<storage_path>/<name>/final.ckpt`."""
+    collective_timeout_s: float = 1800.0
+    """Seconds before a collective waiting for a dead worker raises instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if not self.address or not str(self.address).strip():
+            raise ValueError("address must be 'local', 'auto' or a Ray address, got an empty string")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if not self.cpus_per_worker > 0:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if not self.name:
+            raise ValueError("name must not be empty")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RayConfig | None:
+        """The config from `add_ray_arguments` flags; None when `--ray_address` was not given."""
+        if not getattr(args, "ray_address", None):
+            return None
+        return cls(
+            address=args.ray_address,
+            num_workers=args.num_workers,
+            use_gpu=bool(getattr(args, "ray_use_gpu", False)),
+            storage_path=getattr(args, "ray_storage_path", None),
+        )
+
+
+@dataclass(kw_only=True)
+class FitJob:
+    """What one worker trains: built on the worker by the `build` function given to `fit_on_ray`."""
+
+    module: Any
+    """The LightningModule."""
+    datamodule: Any = None
+    """An optional LightningDataModule."""
+    strategy: str = "ddp"
+    """A registered strategy name: ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ..."""
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra constructor arguments of the strategy (e.g. {"bucket_mb": 50})."""
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `lightning.pytorch.Trainer` (max_steps, precision, callbacks, ...)."""
+    ckpt_path: str | None = None
+    """Checkpoint folder to resume from."""
+
+    def __post_init__(self) -> None:
+        reserved = sorted(set(self.trainer_kwargs) & set(_RESERVED))
+        if reserved:
+            raise ValueError(f"trainer_kwargs may not set {reserved}: Ray decides them (use FitJob.strategy)")
+
+
+@dataclass(frozen=True)
+class RayFitResult:
+    """Outcome of `fit_on_ray`."""
+
+    metrics: dict[str, float]
+    """Rank 0's final `trainer.callback_metrics`, plus `epoch` and `step`."""
+    checkpoint_path: str | None
+    """The final sharded checkpoint folder, or None when none was written."""
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--ray_address`, `--num_workers`, `--ray_use_gpu` and `--ray_storage_path` to an app command."""
+    group = parser.add_argument_group("Ray")
+    group.add_argument("--ray_address", default=None, metavar="ADDRESS",
+                       help="run on Ray: 'auto', 'ray://host:10001', or 'local' for a private local Ray")
+    group.add_argument("--num_workers", type=int, default=2, help="number of Ray training workers (ranks)")
+    group.add_argument("--ray_use_gpu", action="store_true", help="one GPU per Ray worker")
+    group.add_argument("--ray_storage_path", default=None, metavar="DIR",
+                       help="Ray Train storage folder (shared by all nodes for multi-node runs)")
+
+
+@functools.cache
+def _ray_class(base: type) -> type:
+    from ray.train.lightning import RayDDPStrategy
+
+    if issubclass(base, RayDDPStrategy):
+        return base
+    return type(f"Ray{base.__name__}", (base, RayDDPStrategy), {"__module__": __name__})
+
+
+def ray_strategy(name: str, **kwargs: Any) -> Any:
+    """A Ray-compatible instance of the registered strategy `name` (device and sampler from Ray)."""
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    import recipes  # noqa: F401  (registers zero*/gemini*)
+
+    if name not in StrategyRegistry:
+        raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(sorted(StrategyRegistry))}")
+    entry = StrategyRegistry[name]
+    cls = entry["strategy"]
+    if not issubclass(cls, DDPStrategy):
+        raise ValueError(f"strategy {name!r} ({cls.__name__}) does not run under Ray: it is not DDP-based")
+    init = {**entry["init_params"], **kwargs}
+    init.pop("start_method", None)  # Ray starts the processes
+    return _ray_class(cls)(**init)
+
+
+def _report_callback(checkpoint_dir: str) -> Any:
+    import lightning.pytorch as pl
+    import ray.train
+    from ray.train import Checkpoint
+
+    class _ReportAtEnd(pl.Callback):
+        """Write the final sharded checkpoint on all ranks; rank 0 reports it with the metrics."""
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
+            trainer.save_checkpoint(checkpoint_dir)
+            checkpoint = Checkpoint.from_directory(checkpoint_dir) if trainer.is_global_zero else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+    return _ReportAtEnd()
+
+
+def _train_worker(config: dict[str, Any]) -> None:
+    """The function every Ray worker runs."""
+    import lightning.pytorch as pl
+    from ray.train.lightning import RayLightningEnvironment, prepare_trainer
+
+    job: FitJob = config["build"]()
+    kwargs = dict(job.trainer_kwargs)
+    callbacks = [*kwargs.pop("callbacks", []), _report_callback(config["checkpoint_dir"])]
+    kwargs.setdefault("enable_progress_bar", False)
+    kwargs.setdefault("accelerator", "gpu" if config["use_gpu"] else "cpu")
+    trainer = pl.Trainer(
+        strategy=ray_strategy(job.strategy, **job.strategy_kwargs),
+        devices="auto",
+        plugins=[RayLightningEnvironment()],
+        callbacks=callbacks,
+        **kwargs,
+    )
+    trainer = prepare_trainer(trainer)
+    trainer.fit(job.module, datamodule=job.datamodule, ckpt_path=job.ckpt_path)
+
+
+def _connect(config: RayConfig) -> bool:
+    """Connect to (or start) Ray; True when this call started it (and should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if config.address == "local":
+        cpus = max(1, int(round(config.num_workers * config.cpus_per_worker)))
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def fit_on_ray(build: Callable[[], FitJob], config: RayConfig) -> RayFitResult:
+    """Train the job `build()` returns on `config.num_workers` Ray workers; see the module docstring."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    storage = config.storage_path or tempfile.mkdtemp(prefix="suite-ray-")
+    storage = os.path.abspath(storage)
+    checkpoint_dir = config.checkpoint_dir or os.path.join(storage, config.name, "final.ckpt")
+    started = _connect(config)
+    try:
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config={"build": build, "use_gpu": config.use_gpu, "checkpoint_dir": checkpoint_dir},
+            torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo",
+                                     timeout_s=int(config.collective_timeout_s)),
+            scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                         resources_per_worker={"CPU": config.cpus_per_worker}),
+            run_config=RunConfig(name=config.name, storage_path=storage),
+        )
+        result = trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    if result.error is not None:
+        raise RuntimeError(f"Ray training failed: {result.error}") from result.error
+    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}
+    written = os.path.isdir(checkpoint_dir)
+    logger.info("Ray run %s finished: checkpoint %s", config.name, checkpoint_dir if written else "none")
+    return RayFitResult(metrics=metrics, checkpoint_path=checkpoint_dir if written else None)

@@ -1,0 +1,41 @@
+"""One Ray Train run on a private local Ray with 2 CPU workers (Ray start is slow: one run only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipes.ray import FitJob, RayConfig, fit_on_ray
+from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
+
+pytest.importorskip("ray.train.lightning")
+
+
+def _build_job() -> FitJob:
+    kwargs = trainer_defaults(max_epochs=2)
+    kwargs.pop("default_root_dir")
+    return FitJob(module=make_module(), strategy="zero2", trainer_kwargs=kwargs)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_workers"):
+        RayConfig(num_workers=0)
+    with pytest.raises(ValueError, match="trainer_kwargs may not set"):
+        FitJob(module=None, trainer_kwargs={"devices": 2})
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):
+    import core_parallel
+
+    # Local Ray workers inherit the driver's environment: make `tests` importable there.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
+    result = fit_on_ray(_build_job, config)
+    assert result.metrics["step"] == 4, result.metrics
+    assert result.checkpoint_path is not None
+    out = core_parallel.consolidate_checkpoint(result.checkpoint_path, tmp_path / "model.safetensors")
+    assert_close(load(str(out)), reference_weights(epochs=2), "zero2 on Ray")
