@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from core_parallel.loss_scaler import LossScalerConfig
 
 __all__ = ["GeminiConfig", "parse_bytes"]
 
@@ -54,6 +56,8 @@ class GeminiConfig:
     """Number of chunks all-gathered ahead of use, following the order recorded in the first step."""
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm inside `step()`; None disables clipping."""
+    loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
+    """Dynamic loss scaler settings, used when precision is fp16."""
 
     def __post_init__(self) -> None:
         if self.placement not in _PLACEMENTS:
@@ -76,6 +80,8 @@ class GeminiConfig:
             raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if not isinstance(self.loss_scaler, LossScalerConfig):
+            raise ValueError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
 
     @property
     def budget_bytes(self) -> int | None:

@@ -73,8 +73,6 @@ def setup_gemini(
     params, infos = _param_infos(model, optimizer)
     device = params[0].device
     dtype = _DTYPES[config.precision]
-    if config.precision == "fp16":
-        raise NotImplementedError("precision='fp16' needs a loss scaler; use 'bf16' or 'fp32' with Gemini")
     elems = None if config.chunk_mb is None else chunk_elems_from_mb(config.chunk_mb, dtype.itemsize)
     specs = plan_chunks(infos, world, elems)
     manager = ChunkManager(
@@ -91,4 +89,4 @@ def setup_gemini(
     padding = sum(s.size for s in specs) - sum(i.numel for i in infos)
     logger.info("gemini: %d parameters in %d chunks of %d elements (%d padding) on %d rank(s)",
                 len(params), len(specs), specs[0].size, padding, world)
-    return model, GeminiOptimizer(optimizer, manager, index_of, max_grad_norm=config.max_grad_norm)
+    return model, GeminiOptimizer(optimizer, manager, index_of, config)

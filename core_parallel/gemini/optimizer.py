@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
 from core_parallel.gemini.chunk import Chunk
+from core_parallel.gemini.config import GeminiConfig
 from core_parallel.gemini.manager import ChunkManager
 from core_parallel.loss_scaler import DynamicLossScaler
 
@@ -57,9 +58,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
     """Sharded optimizer over Gemini chunks: backward, step, zero_grad, no_sync, clip_grad_norm."""
 
     def __init__(self, inner: torch.optim.Optimizer, manager: ChunkManager, index_of: dict[int, int],
-                 max_grad_norm: float | None = None) -> None:
+                 config: GeminiConfig) -> None:
         super().__init__([torch.zeros(1)], {})
-        self.inner, self.manager, self.max_grad_norm = inner, manager, max_grad_norm
+        self.inner, self.manager, self.max_grad_norm = inner, manager, config.max_grad_norm
         self.kind = optimizer_kind(inner)
         self.decoupled = isinstance(inner, torch.optim.AdamW)
         self.defaults = inner.defaults
@@ -73,14 +74,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.steps: dict[int, int] = dict.fromkeys(self.group_of, 0)
         self.last_grad_norm: torch.Tensor | None = None
         self.process_group = manager.group
-        self.loss_scaler = DynamicLossScaler(enabled=False)
+        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self._prepared: bool | None = None  # None: not yet; else whether this step overflowed
 
     # ---- the training-loop interface ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, then make sure every rank has run its gradient reductions."""
         self.manager.placeholder_state_dict = False
         passes = self.manager.passes
-        loss.backward()
+        (loss * self.loss_scaler.scale if self.loss_scaler.enabled else loss).backward()
         if self.manager.passes == passes:  # no hook fired on this rank: still take part in the reductions
             self.manager.begin_backward(queue=False)
             self.manager.end_backward()
@@ -96,12 +98,40 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.placeholder_state_dict = False
+        self._prepared = None
         self.manager.zero_grad()
+
+    def _grad_shards(self) -> Iterator[torch.Tensor]:
+        for c in self.manager.trainable_chunks:
+            if c.grad.allocated:
+                yield c.grad.view()
+                c.grad.done()
+
+    def _prepare(self) -> bool:
+        """Once per step under fp16: agree on overflow across ranks, unscale. Returns True on overflow."""
+        if self._prepared is None:
+            overflow = False
+            if self.loss_scaler.enabled:
+                flag = torch.tensor([0.0])
+                for g in self._grad_shards():
+                    if not torch.isfinite(g).all():
+                        flag[0] = 1.0
+                if self.manager.world > 1:
+                    flag = flag.to(self.manager.device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.manager.group)
+                overflow = bool(flag.item())
+                if not overflow:
+                    for g in self._grad_shards():
+                        g.mul_(1.0 / self.loss_scaler.scale)
+            self._prepared = overflow
+        return self._prepared
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so their global L2 norm is at most `max_norm`; returns the norm."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (global L2 norm over shards), got {norm_type}")
+        if self._prepare():
+            return torch.tensor(float("inf"))
         total = self._grad_norm()
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
@@ -131,6 +161,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.manager.placeholder_state_dict = False
         used = self.manager.used_params()
+        overflow = self._prepare()
+        self.loss_scaler.update(overflow)
+        self._prepared = None
+        if overflow:  # every rank agreed: skip the step, keep the states
+            self.manager.end_step()
+            return loss
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
         for p in used:

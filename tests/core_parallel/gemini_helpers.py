@@ -146,3 +146,34 @@ def tensors(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(tensors(v) for v in tree)
     return tree
+
+
+def fp16_overflow(rank: int, world: int) -> dict:
+    """fp16 Gemini; at step 1 only the last rank sees an inf loss: every rank must skip that step."""
+    model, opt = build("adam")
+    from core_parallel.loss_scaler import LossScalerConfig
+
+    cfg = GeminiConfig(precision="fp16", chunk_mb=40 * 2 / 2**20, loss_scaler=LossScalerConfig(initial_scale=16.0))
+    model, opt = core_parallel.setup(model, opt, cfg)
+    per = GLOBAL_BATCH // world
+    before = after = None
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = ((model(x, True).float() - y) ** 2).mean()
+        if step == 1 and rank == world - 1:
+            loss = loss * float("inf")
+        if step == 1:
+            before = model.state_dict()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            after = model.state_dict()
+    final = model.state_dict()
+    return {
+        "skipped_unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "trained_after": any(not torch.equal(after[k], final[k]) for k in after),
+        "scaler": opt.loss_scaler.state_dict(),
+        "dtype": str(model.l1.weight.dtype),
+    }

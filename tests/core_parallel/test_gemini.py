@@ -18,7 +18,7 @@ from core_parallel.gemini.layout import ParamInfo, padding_waste, plan_chunks, s
 from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GeminiStateError
 from core_parallel.gemini.storage import NvmeFile, TieredBuffer
-from tests.core_parallel.gemini_helpers import batch, build
+from tests.core_parallel.gemini_helpers import batch, build, fp16_overflow
 
 
 # ---- config ------------------------------------------------------------------------------------------
@@ -213,6 +213,11 @@ def test_budget_too_small_for_the_chunks_in_use(tmp_path):
     x, y = batch(0)
     with pytest.raises(RuntimeError, match="device_memory_budget=200 bytes cannot hold"):
         model(x, True)
+
+
+def test_fp16_overflow_skips_the_step_on_one_process():
+    out = fp16_overflow(0, 1)
+    assert out["skipped_unchanged"] and out["trained_after"] and out["scaler"]["overflows"] == 1
 
 
 def test_unsupported_optimizers_and_parameters_are_refused():

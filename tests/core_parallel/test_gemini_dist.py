@@ -13,6 +13,7 @@ from tests.core_parallel.gemini_helpers import (
     SCENARIOS,
     assert_close_dicts,
     build,
+    fp16_overflow,
     portable,
     reference,
     run_scenario,
@@ -65,6 +66,7 @@ def _check_scenarios(results: list[dict]) -> None:
 
 def _two(rank: int, world: int, tmp: str) -> dict:
     out = _all_scenarios(rank, world, tmp)
+    out["fp16"] = fp16_overflow(rank, world)
     _save(rank, world, tmp)
     return out
 
@@ -84,6 +86,10 @@ def test_gemini_one_process(tmp_path):
 def test_gemini_two_ranks_and_checkpoint_onto_one(two_ranks):
     tmp, results = two_ranks
     _check_scenarios(results)
+    for out in results:  # the inf seen by rank 1 alone skipped the step on both ranks
+        fp16 = out["fp16"]
+        assert fp16["skipped_unchanged"] and fp16["trained_after"] and fp16["dtype"] == "torch.float16"
+        assert fp16["scaler"]["overflows"] == 1
     want, _ = train_reference("adam", range(5))
     assert_close_dicts(_resume(0, 1, tmp, "gemini", "gemini"), want.state_dict())
     assert_close_dicts(_resume(0, 1, tmp, "gemini", "zero"), want.state_dict())  # Gemini checkpoint into ZeRO-2
