@@ -337,7 +337,7 @@ def _launch_config(q: torch.Tensor, d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps); tl.dot needs every block dim >= 16."""
     block_d = max(16, triton.next_power_of_2(d))
     if not q.is_cuda:
-        return 32, 32, block_d, 4  # the interpreter: larger tiles mean fewer (slow) Python-level steps
+        return 64, 64, block_d, 4  # the interpreter: larger tiles mean fewer (slow) Python-level steps
     if block_d >= 128:
         return 64, 32, block_d, 4
     return 64, 64, block_d, 4
