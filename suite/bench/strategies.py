@@ -1,0 +1,169 @@
+"""`suite bench strategies`: Lightning strategies side by side on one LightningModule.
+
+Runs the same MLP LightningModule (AdamW, fixed sizes from the flags) under `ddp`, Lightning's `fsdp`
+(where it runs), `zero2` and `gemini`, each in a fresh group of `--ranks` processes, and reports per-rank
+peak memory (CUDA peak allocated on GPU; on CPU the growth of peak RSS during fit, which is what training
+added on top of the imports) and the median step time after warm-up.
+
+    suite bench strategies --ranks 2 --hidden 1024 --layers 8 --batch 16 --steps 6 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STRATEGIES = "ddp,fsdp,zero2,gemini"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="processes per strategy (default 2)")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                        help=f"comma-separated strategy names (default {DEFAULT_STRATEGIES})")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--layers", type=int, default=8, help="MLP depth (default 8)")
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch size (default 16)")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps (default 6)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--precision", default="32-true", help="Trainer precision (default 32-true)")
+    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"],
+                        help="cpu (gloo) or gpu (NCCL); auto picks gpu when CUDA is there")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
+
+
+def _module(hidden: int, layers: int, batch: int, n_batches: int):
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            blocks = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(layers)]
+            self.net = nn.Sequential(*blocks, nn.Linear(hidden, hidden))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(self.global_rank)
+            x = torch.randn(batch * n_batches, hidden, generator=g)
+            return DataLoader(TensorDataset(x, x.clone()), batch_size=batch)
+
+    return MLP()
+
+
+def _timer(cuda: bool):
+    import time
+
+    import lightning.pytorch as pl
+    import torch
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, *args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+
+    return StepTimer()
+
+
+def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
+    """One rank of one strategy: fit for warmup + steps, return peak memory and step times."""
+    import lightning.pytorch as pl
+    import torch
+
+    import recipes  # noqa: F401  (registers zero2, gemini, ...)
+    from suite.bench.common import peak_rss_bytes
+
+    cuda = args["accelerator"] == "gpu"
+    n_steps = args["warmup"] + args["steps"]
+    timer = _timer(cuda)
+    trainer = pl.Trainer(
+        strategy=name, accelerator=args["accelerator"], devices=world, max_steps=n_steps,
+        precision=args["precision"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer],
+    )
+    module = _module(args["hidden"], args["layers"], args["batch"], n_steps)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = peak_rss_bytes()
+    trainer.fit(module)
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - before
+    times = sorted(timer.times[args["warmup"]:])
+    return {"peak_bytes": int(peak), "step_s": times[len(times) // 2] if times else float("nan")}
+
+
+def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
+    from core_parallel import RankError, run_on_ranks
+
+    env = {"OMP_NUM_THREADS": "1"}
+    try:
+        per_rank = run_on_ranks(_bench_rank, args.ranks, name, shared, backend="none", timeout=args.timeout, env=env)
+    except (RankError, TimeoutError) as exc:
+        reason = str(exc).splitlines()[0][:160]
+        logger.warning("%s did not run: %s", name, reason)
+        return {"strategy": name, "status": f"n/a: {reason}"}
+    peaks = [r["peak_bytes"] for r in per_rank]
+    return {
+        "strategy": name,
+        "status": "ok",
+        "peak_mb_max": max(peaks) / 2**20,
+        "peak_mb_per_rank": [round(p / 2**20, 1) for p in peaks],
+        "step_ms": 1e3 * max(r["step_s"] for r in per_rank),
+    }
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    base = next((r for r in rows if r["strategy"] == "ddp" and r["status"] == "ok"), None)
+    for r in rows:
+        if base and r["status"] == "ok":
+            r["mem_vs_ddp"] = r["peak_mb_max"] / base["peak_mb_max"] if base["peak_mb_max"] else float("nan")
+            r["time_vs_ddp"] = r["step_ms"] / base["step_ms"]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from suite.bench.common import print_table, write_json
+    from suite.errors import UsageError
+
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.ranks < 1 or args.steps < 1 or args.hidden < 1 or args.layers < 1 or args.batch < 1:
+        raise UsageError("--ranks, --steps, --hidden, --layers and --batch must be >= 1")
+    if not names:
+        raise UsageError("--strategies names no strategy")
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    shared = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "steps", "warmup", "precision")}
+    shared["accelerator"] = accelerator
+    params = args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * (args.hidden + 1)
+    rows = [_run_strategy(name, args, shared) for name in names]
+    _add_ratios(rows)
+    columns = ["strategy", "status", "peak_mb_max", "peak_mb_per_rank", "step_ms", "mem_vs_ddp", "time_vs_ddp"]
+    title = (f"Lightning strategies: {params / 1e6:.1f}M params, {args.ranks} ranks on {accelerator}, "
+             f"batch {args.batch}/rank, {args.precision}")
+    print_table(rows, columns, title=title)
+    write_json(args.json, {"benchmark": "strategies", "params": params, "settings": {**shared, "ranks": args.ranks},
+                           "results": rows})
+    return 0
