@@ -6,8 +6,6 @@ bias or mask that broadcasts (stride 0 along a dim) is read in place and never c
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["LEAD_DIMS", "lead_sizes", "lead_strides", "reduce_to"]
@@ -44,7 +42,3 @@ def reduce_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if dims:
         grad = grad.sum(dim=dims, keepdim=True)
     return grad.reshape(shape)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
