@@ -165,9 +165,10 @@ class ChunkManager(_StateDictIO):
 
     def done(self, ids: Iterable[int]) -> None:
         """Modules are done with chunks `ids`; chunks nobody uses are released."""
+        soon = self.trace.upcoming(self.config.prefetch + 1) if self.trace.frozen else ()
         for i in ids:
             c = self.chunks[i]
-            if c.sm.release_use():
+            if c.sm.release_use() and i not in soon:  # a chunk needed again right away stays gathered
                 self._release(c)
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
@@ -301,7 +302,9 @@ class ChunkManager(_StateDictIO):
         return {k for k, f in zip(keys, flags.tolist()) if f}
 
     def end_step(self) -> None:
-        """After the optimizer step: freeze the traced order (first step) and start a new step's ledger."""
+        """After the optimizer step: drop gathered copies (now stale), freeze the traced order (first step),
+        start a new step's ledger."""
+        self.release_idle()
         self.trace.freeze()
         self.trace.new_step()
         self.ledger.new_step()
