@@ -1,7 +1,8 @@
 """ZeRO-1/2 against single-process training on the same global batch, on 1, 2 and 4 gloo ranks.
 
 The model has odd sizes (padding), a frozen layer (not in the optimizer), a never-used layer (in the
-optimizer), a layer used only by rank 0's slice on even steps (gradient on some ranks only), a buffer, and
+optimizer), a layer used only by two rows of the global batch on even steps (so it gets a gradient on
+some ranks only, and none at all on odd steps), a buffer, and
 two param groups with their own hyperparameters. The reference runs the same per-rank slices one after
 another on one process, so it computes exactly the global-batch loss.
 """
@@ -38,11 +39,12 @@ class Net(nn.Module):
         self.unused = nn.Linear(3, 3)
         self.register_buffer("gain", torch.tensor(1.5))
 
-    def forward(self, x: torch.Tensor, use_sometimes: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, 7]; rows: [B] bool, the rows that go through `sometimes` (skipped when none do)."""
         y = self.b(torch.tanh(self.a(x))) * self.gain
         y = self.frozen(y)
-        if use_sometimes:
-            y = y + self.sometimes(y)
+        if rows is not None and bool(rows.any()):
+            y = y + rows[:, None].to(y.dtype) * self.sometimes(y)
         return y
 
 
@@ -76,8 +78,9 @@ def slice_loss(model: nn.Module, step: int, micro: int, rank: int, world: int) -
         x, t = x.double(), t.double()
     n = GLOBAL_BATCH // world
     x, t = x[rank * n : (rank + 1) * n], t[rank * n : (rank + 1) * n]
-    use = step % 2 == 0 and rank == 0
-    out = model(x, use_sometimes=use)
+    # rows 0 and 1 of the global batch use `sometimes` on even steps: only the rank(s) holding them see it
+    rows = (torch.arange(rank * n, (rank + 1) * n) < 2) & (step % 2 == 0)
+    out = model(x, rows)
     return (out.to(t.dtype) - t).pow(2).mean() / ACCUM
 
 

@@ -1,0 +1,175 @@
+"""`suite bench zero`: per-rank memory and step time of torch DDP, torch FSDP2 (`fully_shard`), ZeRO-1, ZeRO-2.
+
+Same model (a stack of square Linear layers), same batch, Adam, on `--ranks` local processes (gloo on CPU,
+NCCL with one GPU per rank when CUDA is present). Each variant runs in fresh processes, so its peak is
+its own. Memory is the peak resident set size on CPU (the CUDA peak on GPU); "states" is the peak minus
+what the process held before the model was built, i.e. parameters, gradients, optimizer state and
+communication buffers (plus the small activations). Theory for fp32 Adam, bytes per parameter:
+DDP 16; ZeRO-1 4 + 4 + 8/N during backward; ZeRO-2 4 + 12/N.
+
+    suite bench zero --ranks 2 --params 200M --json zero.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+VARIANTS = ("ddp", "fsdp2", "zero1", "zero2")
+
+
+def _parse_count(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+    t = text.strip().upper()
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--params: {text!r} is not a count like 20M or 1.5B") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="number of local processes (default 2)")
+    parser.add_argument("--params", type=_parse_count, default=_parse_count("20M"),
+                        help="model size, e.g. 20M or 200M (default 20M, quick on a laptop CPU)")
+    parser.add_argument("--width", type=int, default=None, help="hidden size of the Linear stack (default: chosen)")
+    parser.add_argument("--batch", type=int, default=8, help="rows per rank per step (default 8)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list out of {','.join(VARIANTS)}")
+    parser.add_argument("--bucket_mb", type=float, default=25.0, help="ZeRO bucket size in MiB (default 25)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before giving up")
+
+
+def _current_rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _build(width: int, layers: int, device):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*blocks).to(device)
+
+
+def _wrap(variant: str, model, bucket_mb: float):
+    import torch
+
+    import core_parallel
+
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+    stage = 1 if variant == "zero1" else 2
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=stage, bucket_mb=bucket_mb))
+
+
+def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int, cuda: bool) -> list[float]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    model, opt = _wrap(variant, model, bucket_mb)
+    x = torch.randn(batch, width, device=next(model.parameters()).device)
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        if hasattr(opt, "backward"):
+            opt.backward(loss)
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
+                 bucket_mb: float) -> dict:
+    """One variant on one rank: returns peak memory and the median step time."""
+    import torch
+
+    from suite.bench.common import peak_rss_bytes
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # A tiny run first, so one-off runtime allocations (thread pools, comm buffers) are not counted.
+    _steps(variant, _build(8, 1, device), 8, 1, bucket_mb, batch, cuda)
+    base = torch.cuda.memory_allocated() if cuda else _current_rss()
+    times = _steps(variant, _build(width, layers, device), width, steps + 1, bucket_mb, batch, cuda)[1:]
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    times.sort()
+    return {"peak_bytes": peak, "base_bytes": base, "step_s": times[len(times) // 2]}
+
+
+def _shape(params: int, width: int | None) -> tuple[int, int]:
+    if width is None:
+        width = min(2048, max(64, int((params / 8) ** 0.5)))
+    layers = max(1, round(params / (width * width + width)))
+    return width, layers
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from core_parallel import run_on_ranks
+    from suite.bench.common import print_table, write_json
+    from suite.errors import UsageError
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        raise UsageError(f"--variants: unknown {bad or args.variants!r}; choose from {','.join(VARIANTS)}")
+    if args.ranks < 1 or args.batch < 1 or args.steps < 1:
+        raise UsageError("--ranks, --batch and --steps must be >= 1")
+    width, layers = _shape(args.params, args.width)
+    n_params = layers * (width * width + width)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rows = []
+    for variant in variants:
+        res = run_on_ranks(bench_worker, args.ranks, variant, width, layers, args.batch, args.steps, args.bucket_mb,
+                           timeout=args.timeout, backend=backend, env={"OMP_NUM_THREADS": "1"})
+        states = max(r["peak_bytes"] - r["base_bytes"] for r in res)
+        rows.append({
+            "variant": variant,
+            "peak_MiB": max(r["peak_bytes"] for r in res) / 2**20,
+            "states_MiB": states / 2**20,
+            "bytes_per_param": states / n_params,
+            "step_s": max(r["step_s"] for r in res),
+        })
+    ddp = next((r for r in rows if r["variant"] == "ddp"), None)
+    for r in rows:
+        r["mem_vs_ddp"] = r["states_MiB"] / ddp["states_MiB"] if ddp else float("nan")
+        r["time_vs_ddp"] = r["step_s"] / ddp["step_s"] if ddp else float("nan")
+    title = (f"zero bench: {args.ranks} ranks ({backend}), {n_params / 1e6:.1f}M params ({layers} x Linear({width})), "
+             f"batch {args.batch}/rank, Adam fp32; per-rank maxima")
+    print_table(rows, ["variant", "peak_MiB", "states_MiB", "bytes_per_param", "mem_vs_ddp", "step_s", "time_vs_ddp"],
+                title=title)
+    write_json(args.json, {"benchmark": "zero", "ranks": args.ranks, "params": n_params, "width": width,
+                           "layers": layers, "batch": args.batch, "steps": args.steps, "rows": rows})
+    return 0
