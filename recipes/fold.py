@@ -1,0 +1,246 @@
+"""Protein structure prediction as a Lightning recipe, on `suite fold`'s own functions (`fastfold.pipeline`).
+
+    from recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
+    trainer = Trainer(strategy="dap", accelerator="cpu", devices=2, callbacks=[FoldPredictionWriter("out")])
+    trainer.predict(AlphaFoldPredictor("params_model_1_ptm.npz"), datamodule=FoldDataModule("targets.fasta"))
+
+- `FoldDataModule` reads and validates the FASTA at construction (a bad record fails before any model work)
+  and streams one processed feature batch per target, built by `fastfold.pipeline` exactly as `suite fold`
+  builds them (Ray tasks when `num_workers > 0` or `ray_address` is given). Targets the writer already
+  finished are skipped. Only global rank 0 builds features; with `strategy="dap"` the other ranks receive
+  rank 0's batch (`recipes.DAPStrategy`).
+- `AlphaFoldPredictor` holds the model `fastfold.pipeline.load_model` builds and runs `fastfold.pipeline.predict`.
+- `FoldPredictionWriter` writes the files `suite fold` writes (`fastfold.pipeline.write_target_outputs`).
+
+`load_recipe(path)` reads a YAML recipe (`recipes/configs/fold.yaml`: keys are `suite fold`'s flag names) and
+returns the three objects' keyword arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader, IterableDataset
+
+from fastfold import pipeline
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AlphaFoldPredictor", "FoldDataModule", "FoldPredictionWriter", "load_recipe"]
+
+_NAME, _SEQUENCE, _SECONDS, _ERROR = "_target_name", "_target_sequence", "_features_seconds", "_error"
+"""Batch keys that are not model features: the target (plain strings: Lightning walks batches and refuses
+frozen dataclasses), the feature-building time, a feature failure."""
+
+
+def _target_keys(target: pipeline.Target) -> dict[str, str]:
+    return {_NAME: target.name, _SEQUENCE: target.sequence}
+_RANDOM_REMARK = "RANDOM WEIGHTS: structure is meaningless"
+
+
+def _model_name_from_path(path: str | None) -> str | None:
+    match = re.search(r"(model_[1-5](?:_ptm)?)", Path(path).name) if path else None
+    return match.group(1) if match else None
+
+
+class AlphaFoldPredictor(pl.LightningModule):
+    """`predict_step` folds one target's feature batch with the fastfold AlphaFold model.
+
+    Without `param_path` the weights are random (seeded by `seed`; the tiny configuration unless
+    `tiny=False`), as in `suite fold` without `--param_path`. `model_name` defaults to the name in the
+    parameter file's name, else "model_1_ptm". `precision` is "fp32", "bf16" or "fp64" (`--precision`).
+    """
+
+    def __init__(
+        self,
+        param_path: str | None = None,
+        model_name: str | None = None,
+        *,
+        precision: str = "fp32",
+        chunk_size: int | str | None = None,
+        seed: int = 0,
+        tiny: bool | None = None,
+    ) -> None:
+        super().__init__()
+        name = model_name or _model_name_from_path(param_path) or "model_1_ptm"
+        self.spec = pipeline.ModelSpec(
+            model_name=name,
+            param_path=param_path,
+            tiny=(param_path is None) if tiny is None else tiny,
+            precision=precision,
+            chunk_size=chunk_size,
+            seed=seed,
+        )
+        self.model, self.feature_config = pipeline.load_model(self.spec)
+        if param_path is None:
+            logger.warning("AlphaFoldPredictor: no param_path, RANDOM weights: the structures are meaningless")
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
+        """batch: one target's processed features plus `_target_name` and `_target_sequence`. Returns the
+        target's name and sequence, its `Prediction` and the timings; None when its features failed."""
+        if batch.get(_ERROR) is not None:
+            return None
+        t0 = time.perf_counter()
+        features = {k: v for k, v in batch.items() if not k.startswith("_")}
+        prediction = pipeline.predict(self.model, features, self.spec)
+        timings = {"features": float(batch.get(_SECONDS, 0.0)), f"model_{self.spec.label}": time.perf_counter() - t0}
+        remark = "" if self.spec.param_path else _RANDOM_REMARK
+        return {"name": batch[_NAME], "sequence": batch[_SEQUENCE], "label": self.spec.label,
+                "prediction": prediction, "timings": timings, "remark": remark}
+
+
+class _TargetStream(IterableDataset):
+    """One item per target still to fold, in the order features become ready (rank 0) or placeholders."""
+
+    def __init__(self, module: FoldDataModule, todo: list[pipeline.Target], feature_config: Any, rank: int) -> None:
+        self.module, self.todo, self.feature_config, self.rank = module, todo, feature_config, rank
+
+    def __iter__(self):
+        if self.rank != 0:  # DAP ranks receive rank 0's batches: keep in step without building features
+            yield from (_target_keys(t) for t in self.todo)
+            return
+        cfg = self.module.fold_config(self.feature_config)
+        with_templates = self.feature_config.max_templates > 0
+        for target, raw, seconds in pipeline._feature_stream(self.todo, cfg, with_templates):
+            if isinstance(raw, BaseException):
+                logger.error("target %s failed: %s: %s", target.name, type(raw).__name__, raw)
+                self.module.failures[target.name] = f"{type(raw).__name__}: {raw}"
+                yield {**_target_keys(target), _ERROR: str(raw)}
+                continue
+            batch = pipeline.features_for_model(raw, self.feature_config, self.module.seed)
+            from fastfold.data.features import to_torch
+
+            yield {**_target_keys(target), _SECONDS: seconds, **to_torch(batch)}
+
+
+class FoldDataModule(pl.LightningDataModule):
+    """Targets of a FASTA file -> processed feature batches (one per target), as `suite fold` builds them.
+
+    `alignments_dir` is `--use_precomputed_alignments` (one sub-folder per target); `single_sequence`
+    uses the query alone. Further keywords take `suite fold`'s flag names: `template_mmcif_dir`,
+    `max_template_date`, `uniref90_database_path`, ..., `jackhmmer_binary_path`, ..., `cpus`, `seed`,
+    `num_workers` (Ray CPUs; 0: no Ray), `ray_address`. `failures` maps target name -> error afterwards.
+    """
+
+    def __init__(
+        self,
+        fasta: str | Path,
+        alignments_dir: str | Path | None = None,
+        single_sequence: bool = False,
+        *,
+        seed: int = 0,
+        num_workers: int = 0,
+        ray_address: str | None = None,
+        output_dir: str | Path | None = None,
+        **alignment: Any,
+    ) -> None:
+        super().__init__()
+        self.targets = pipeline.read_targets(fasta)  # InputError naming the record, before any model work
+        if not single_sequence and alignments_dir is None and not any(k.endswith("_database_path") for k in alignment):
+            logger.warning("FoldDataModule: no alignments and no databases: single-sequence mode")
+            single_sequence = True
+        self.alignment = pipeline.AlignmentConfig(
+            precomputed_dir=None if alignments_dir is None else str(alignments_dir),
+            single_sequence=single_sequence,
+            **alignment,
+        )
+        if num_workers < 0:
+            raise ValueError(f"FoldDataModule.num_workers must be >= 0, got {num_workers}")
+        self.seed, self.num_workers, self.ray_address = seed, num_workers, ray_address
+        self.output_dir = None if output_dir is None else str(output_dir)
+        self.failures: dict[str, str] = {}
+
+    def _writer(self) -> FoldPredictionWriter | None:
+        trainer = getattr(self, "trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return next((cb for cb in callbacks if isinstance(cb, FoldPredictionWriter)), None)
+
+    def fold_config(self, feature_config: Any) -> pipeline.FoldConfig:
+        """The `suite fold` run configuration the feature stream uses (work dirs under the output dir)."""
+        writer = self._writer()
+        output_dir = self.output_dir or (writer.output_dir if writer else "fold_outputs")
+        spec = getattr(self.trainer.lightning_module, "spec", None) or pipeline.ModelSpec()
+        return pipeline.FoldConfig(output_dir=str(output_dir), models=[spec], alignment=self.alignment,
+                                   seed=self.seed, num_workers=self.num_workers, ray_address=self.ray_address)
+
+    def predict_dataloader(self) -> DataLoader:
+        writer = self._writer()
+        todo = [t for t in self.targets if writer is None or not writer.is_complete(t)]
+        skipped = len(self.targets) - len(todo)
+        if skipped:
+            logger.info("FoldDataModule: %d target(s) already complete, skipped", skipped)
+        feature_config = self.trainer.lightning_module.feature_config
+        stream = _TargetStream(self, todo, feature_config, self.trainer.global_rank)
+        return DataLoader(stream, batch_size=None, num_workers=0)
+
+
+class FoldPredictionWriter(BasePredictionWriter):
+    """Writes each target's `suite fold` outputs under `output_dir/<name>/` (global rank 0 only).
+
+    `relax=True` Amber-relaxes the prediction (`relax_config`, default `fastfold.relax.RelaxConfig()`).
+    Targets already complete are skipped by `FoldDataModule` unless `overwrite`.
+    """
+
+    def __init__(self, output_dir: str | Path, relax: bool = True, *, overwrite: bool = False,
+                 relax_config: Any = None) -> None:
+        super().__init__(write_interval="batch")
+        self.output_dir = str(output_dir)
+        self.overwrite = overwrite
+        if relax and relax_config is None:
+            from fastfold.relax import RelaxConfig
+
+            relax_config = RelaxConfig()
+        self.relax_config = relax_config if relax else None
+
+    def is_complete(self, target: pipeline.Target) -> bool:
+        return not self.overwrite and pipeline.is_complete(target, self.output_dir)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        if prediction is None or trainer.global_rank != 0:
+            return
+        target, label = pipeline.Target(prediction["name"], prediction["sequence"]), prediction["label"]
+        folder = Path(self.output_dir) / target.name
+        folder.mkdir(parents=True, exist_ok=True)
+        prediction["prediction"].save(folder / f"{target.name}_{label}_prediction.npz")
+        files = pipeline.write_target_outputs(target, {label: prediction["prediction"]}, folder, self.relax_config,
+                                              dict(prediction["timings"]), prediction["remark"])
+        logger.info("%s: wrote %d files to %s", target.name, len(files), folder)
+
+
+_PREDICTOR_KEYS = ("param_path", "model_name", "precision", "chunk_size", "seed")
+_WRITER_KEYS = ("output_dir", "relax", "overwrite")
+_TRAINER_KEYS = ("devices", "accelerator")
+
+
+def load_recipe(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A fold recipe YAML (`suite fold` flag names as keys) -> keyword arguments of `AlphaFoldPredictor`
+    ("predictor"), `FoldDataModule` ("data"), `FoldPredictionWriter` ("writer") and `Trainer` ("trainer")."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a fold recipe is a mapping of flag names to values")
+    raw = dict(raw)
+    out: dict[str, dict[str, Any]] = {"predictor": {}, "writer": {}, "trainer": {"strategy": "dap"}, "data": {}}
+    for key, value in raw.items():
+        if key in _PREDICTOR_KEYS:
+            out["predictor"][key] = value
+        elif key in _WRITER_KEYS:
+            out["writer"][key] = value
+        elif key in _TRAINER_KEYS:
+            out["trainer"][key] = value
+        elif key == "fasta_path":
+            out["data"]["fasta"] = value
+        elif key == "use_precomputed_alignments":
+            out["data"]["alignments_dir"] = value
+        else:
+            out["data"][key] = value
+    if "seed" in out["predictor"]:
+        out["data"]["seed"] = out["predictor"]["seed"]
+    return out
