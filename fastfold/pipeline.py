@@ -20,6 +20,7 @@ that all exist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -527,8 +528,9 @@ class _Models:
         return self.get(spec)[1]
 
 
-def _fold_one(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, models: _Models,
-              timings: dict[str, float], emit: Callable[[str, Target], None]) -> TargetResult:
+def _predict_all(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, models: _Models,
+                 timings: dict[str, float]) -> dict[str, Prediction]:
+    """Every model's prediction for one target (reusing predictions cached by an interrupted run)."""
     folder = Path(cfg.output_dir) / target.name
     folder.mkdir(parents=True, exist_ok=True)
     predictions = {}
@@ -546,12 +548,47 @@ def _fold_one(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, model
             predictions[spec.label] = predict(model, batch, spec)
         predictions[spec.label].save(cache)
         timings[f"model_{spec.label}"] = time.perf_counter() - t0
-    emit("model", target)
-    remark = "" if all(s.param_path for s in cfg.models) else "RANDOM WEIGHTS: structure is meaningless"
-    files = write_target_outputs(target, predictions, folder, cfg.relax, timings, remark)
-    emit("outputs", target)
+    return predictions
+
+
+def _remark(cfg: FoldConfig) -> str:
+    return "" if all(s.param_path for s in cfg.models) else "RANDOM WEIGHTS: structure is meaningless"
+
+
+def _outputs_job(target: Target, predictions: dict[str, Prediction], folder: str, relax: Any,
+                 timings: dict[str, float], remark: str) -> tuple[list[str], dict[str, float]]:
+    """What one Ray relax/output task runs."""
+    files = write_target_outputs(target, predictions, folder, relax, timings, remark)
+    return files, timings
+
+
+def _done(target: Target, folder: Path, files: list[str], timings: dict[str, float]) -> TargetResult:
     record = json.loads((folder / "timings.json").read_text())
     return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files)
+
+
+def _uses_ray(cfg: FoldConfig, num_targets: int) -> bool:
+    return num_targets > 0 and (cfg.ray_address is not None or (cfg.num_workers > 0 and num_targets > 1))
+
+
+@contextlib.contextmanager
+def _ray_session(cfg: FoldConfig):
+    """Ray for this run: the cluster at `cfg.ray_address`, else a local one with `cfg.num_workers` CPUs;
+    left running when the caller had already started one."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(cfg.num_workers, 1), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+    try:
+        yield ray
+    finally:
+        if started_here:
+            ray.shutdown()
 
 
 def _features_job(target: Target, cfg: AlignmentConfig, work_dir: str, with_templates: bool):
@@ -567,8 +604,7 @@ def feature_stream(targets: list[Target], cfg: FoldConfig, with_templates: bool)
     def work_dir(t: Target) -> str:
         return str(Path(cfg.output_dir) / t.name)
 
-    use_ray = cfg.ray_address is not None or (cfg.num_workers > 0 and len(targets) > 1)
-    if not use_ray:
+    if not _uses_ray(cfg, len(targets)):
         for t in targets:
             try:
                 raw, seconds = _features_job(t, cfg.alignment, work_dir(t), with_templates)
@@ -583,16 +619,7 @@ _feature_stream = feature_stream  # the name recipes.fold first used
 
 
 def _ray_feature_stream(targets, cfg: FoldConfig, with_templates: bool, work_dir):
-    import ray
-
-    started_here = not ray.is_initialized()
-    if started_here:
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=max(cfg.num_workers, 1), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-    try:
+    with _ray_session(cfg) as ray:
         remote = ray.remote(num_cpus=1, max_retries=0)(_features_job)
         pending = {remote.remote(t, cfg.alignment, work_dir(t), with_templates): t for t in targets}
         while pending:
@@ -602,11 +629,11 @@ def _ray_feature_stream(targets, cfg: FoldConfig, with_templates: bool, work_dir
                 raw, seconds = ray.get(done[0])
                 yield target, raw, seconds
             except Exception as exc:  # noqa: BLE001
-                cause = getattr(exc, "cause", None) or exc
-                yield target, cause, 0.0
-    finally:
-        if started_here:
-            ray.shutdown()
+                yield target, _ray_cause(exc), 0.0
+
+
+def _ray_cause(exc: BaseException) -> BaseException:
+    return getattr(exc, "cause", None) or exc
 
 
 def fold_targets(
@@ -627,15 +654,41 @@ def fold_targets(
             todo.append(t)
     models = _Models(cfg.models)
     with_templates = any(models.feature_config(s).max_templates > 0 for s in cfg.models) if todo else False
-    for target, raw, seconds in feature_stream(todo, cfg, with_templates):
-        if isinstance(raw, BaseException):
-            results[target.name] = _failed(target, raw, emit)
-            continue
-        emit("features", target)
-        try:
-            results[target.name] = _fold_one(target, raw, cfg, models, {"features": seconds}, emit)
-        except Exception as exc:  # noqa: BLE001
-            results[target.name] = _failed(target, exc, emit)
+    use_ray = _uses_ray(cfg, len(todo))
+    with _ray_session(cfg) if use_ray else contextlib.nullcontext() as ray:
+        # relaxation goes to Ray too (local Ray only: a cluster's workers may not see output_dir)
+        relax_remote = None
+        if use_ray and cfg.relax is not None and cfg.ray_address is None:
+            relax_remote = ray.remote(num_cpus=1, max_retries=0)(_outputs_job)
+        pending: dict[Any, Target] = {}
+        for target, raw, seconds in feature_stream(todo, cfg, with_templates):
+            if isinstance(raw, BaseException):
+                results[target.name] = _failed(target, raw, emit)
+                continue
+            emit("features", target)
+            folder = Path(cfg.output_dir) / target.name
+            try:
+                timings = {"features": seconds}
+                predictions = _predict_all(target, raw, cfg, models, timings)
+                emit("model", target)
+                if relax_remote is not None:
+                    ref = relax_remote.remote(target, predictions, str(folder), cfg.relax, timings, _remark(cfg))
+                    pending[ref] = target
+                else:
+                    files = write_target_outputs(target, predictions, folder, cfg.relax, timings, _remark(cfg))
+                    results[target.name] = _done(target, folder, files, timings)
+                    emit("outputs", target)
+            except Exception as exc:  # noqa: BLE001 - one target's failure is reported, the others go on
+                results[target.name] = _failed(target, exc, emit)
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            target = pending.pop(ref)
+            try:
+                files, timings = ray.get(ref)
+                results[target.name] = _done(target, Path(cfg.output_dir) / target.name, files, timings)
+                emit("outputs", target)
+            except Exception as exc:  # noqa: BLE001
+                results[target.name] = _failed(target, _ray_cause(exc), emit)
     return [results[t.name] for t in targets]
 
 

@@ -93,9 +93,16 @@ def test_a_failing_target_is_reported_and_the_others_go_on(tmp_path):
 @pytest.mark.slow
 def test_ray_several_targets_match_the_in_process_path(tmp_path):
     pytest.importorskip("ray")
-    targets = [Target(f"t{i}", seq) for i, seq in enumerate(["MKTAYIAKQR", "GSWLLKKAEEG", "PEPTIDEKKAV"])]
-    ray_results = fold_targets(targets, _config(tmp_path / "ray", num_workers=2))
-    assert [r.status for r in ray_results] == ["done"] * 3
+    from fastfold.relax import RelaxConfig
+
+    targets = [Target(f"t{i}", seq) for i, seq in enumerate(["MKTAYIAK", "GSWLLKKA", "PEPTIDEK"])]
+    ray_results = fold_targets(targets, _config(tmp_path / "ray", num_workers=2, relax=RelaxConfig(platform="CPU")))
+    assert [r.status for r in ray_results] == ["done"] * 3, [r.error for r in ray_results]
+    for t in targets:  # relaxed in Ray tasks
+        record = json.loads((tmp_path / "ray" / t.name / "timings.json").read_text())
+        assert (
+            record["relax"]["violations_after"] == 0 and (tmp_path / "ray" / t.name / f"{t.name}_relaxed.pdb").exists()
+        )
     (local,) = fold_targets(targets[1:2], _config(tmp_path / "local"))
     a = Prediction.load(tmp_path / "ray" / "t1" / "t1_model_1_ptm_prediction.npz")
     b = Prediction.load(tmp_path / "local" / "t1" / "t1_model_1_ptm_prediction.npz")
