@@ -116,8 +116,9 @@ def test_bad_input_exits_2_and_keeps_earlier_outputs(finished, tmp_path, capsys,
 def test_config_file_fills_flags_and_rejects_unknown_keys(tmp_path, capsys):
     fasta = _fasta(tmp_path, ">pep\nMKTAYIAK\n")
     config = tmp_path / "fold.yaml"
-    config.write_text(f"fasta_path: {fasta}\nrelax: false\nsingle_sequence: true\nmodel_name: model_3\n"
-                      "accelerator: cpu\n")
+    config.write_text(
+        f"fasta_path: {fasta}\nrelax: false\nsingle_sequence: true\nmodel_name: model_3\naccelerator: cpu\n"
+    )
     assert main(["fold", "--config", str(config), "--output_dir", str(tmp_path / "out")]) == 0
     ranking = json.loads((tmp_path / "out" / "pep" / "ranking.json").read_text())
     assert ranking["order"] == ["model_3"] and not (tmp_path / "out" / "pep" / "pep_relaxed.pdb").exists()
