@@ -182,12 +182,16 @@ def _train_all_on_2(rank: int, world: int, root: str) -> dict:
     return results
 
 
-def _resume_on_1(rank: int, world: int, root: str) -> dict:
+def _resume_on_1(rank: int, world: int, root: str, dead_ckpt: str) -> dict:
+    """Resume the 2-rank checkpoints on 1 rank, and the last checkpoint the dead-rank run left."""
     root = Path(root)
-    results = {}
+    results: dict = {}
     for name in RESUMED:
         resumed = _fit_and_save(name, root, world, 2, ckpt_path=root / f"{name}-e1-w2")
         results[name] = consolidated(resumed, root / f"{name}-resumed-on-1.safetensors")
+    trainer = make_trainer("zero2", world, root / "after-dead", 3)
+    trainer.fit(make_module(), ckpt_path=dead_ckpt)
+    results["after_dead_step"] = trainer.global_step
     return results
 
 
@@ -229,8 +233,20 @@ def test_resume_same_and_other_device_count(two_rank_run, name):
     root, results = two_rank_run
     assert (root / f"{name}-e1-w2" / "lightning_state.pt").is_file()
     assert_close(results[f"{name}-resumed"], results["ddp"], f"{name} resumed on 2 ranks")
-    on_one = run_on_ranks(_resume_on_1, 1, str(root), backend="none", timeout=90)[0]
-    assert_close(load(on_one[name]), results["ddp"], f"{name} saved on 2 ranks, resumed on 1")
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(two_rank_run, dead_rank_run):
+    root, _ = two_rank_run
+    dead_ckpt = dead_rank_run["last"]
+    return run_on_ranks(_resume_on_1, 1, str(root), str(dead_ckpt), backend="none", timeout=150)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", RESUMED)
+def test_saved_on_2_ranks_resumes_on_1(two_rank_run, one_rank_run, name):
+    _, results = two_rank_run
+    assert_close(load(one_rank_run[name]), results["ddp"], f"{name} saved on 2 ranks, resumed on 1")
 
 
 def test_registered_names_and_precision_plugin():
@@ -261,7 +277,9 @@ _DEAD_RANK_SCRIPT = textwrap.dedent(
 
     root = Path(sys.argv[1])
     ckpt = ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=1, save_top_k=-1)
-    trainer = make_trainer(ZeroStrategy(stage=2, collective_timeout_s=20), 2, root, 3, callbacks=[ckpt])
+    trainer = make_trainer(
+        ZeroStrategy(stage=2, collective_timeout_s=20), 2, root, 3, callbacks=[ckpt], enable_checkpointing=True
+    )
     trainer.fit(make_module(fail_at_step=3))
     """
 )
@@ -276,35 +294,45 @@ def _dead_rank_env(rank: int, port: int) -> dict[str, str]:
     return env
 
 
-@pytest.mark.distributed
-def test_dead_rank_stops_others_and_last_checkpoint_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def dead_rank_run(tmp_path_factory) -> dict:
+    """Two ranks under Lightning's ModelCheckpoint (every step); rank 1 dies in step 4 (global_step 3)."""
     from core_parallel.launch import free_port
 
+    root = tmp_path_factory.mktemp("dead_rank")
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _DEAD_RANK_SCRIPT, str(tmp_path)], env=_dead_rank_env(r, port),
+            [sys.executable, "-c", _DEAD_RANK_SCRIPT, str(root)], env=_dead_rank_env(r, port),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for r in range(2)
     ]
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=150) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[1].returncode == 17
-    assert procs[0].returncode != 0, "the surviving rank did not stop"
-    assert "lost contact with another rank" in outs[0][1], outs[0][1][-3000:]
-    last = sorted((tmp_path / "ckpts").glob("*step=3.ckpt"))
-    assert last and (last[0] / "lightning_state.pt").is_file(), list((tmp_path / "ckpts").iterdir())
-    assert not list((tmp_path / "ckpts").glob(".*tmp")), "a half-written checkpoint was left behind"
-    resumed = run_on_ranks(_resume_dead, 1, str(tmp_path), str(last[0]), backend="none", timeout=90)[0]
-    assert resumed == 6
+    last = sorted((root / "ckpts").glob("*step=3.ckpt"))
+    return {"root": root, "codes": [p.returncode for p in procs], "stderr": [o[1] for o in outs],
+            "last": last[0] if last else None}
 
 
-def _resume_dead(rank: int, world: int, root: str, ckpt: str) -> int:
-    trainer = make_trainer("zero2", world, Path(root), 2)
-    trainer.fit(make_module(), ckpt_path=ckpt)
-    return trainer.global_step
+@pytest.mark.distributed
+def test_dead_rank_stops_the_others_with_a_clear_error(dead_rank_run):
+    codes, stderr = dead_rank_run["codes"], dead_rank_run["stderr"]
+    assert codes[1] == 17, stderr[1][-3000:]
+    assert codes[0] != 0, "the surviving rank did not stop"
+    assert "lost contact with another rank" in stderr[0], stderr[0][-3000:]
+    assert "Last complete checkpoint:" in stderr[0] and "step=3.ckpt" in stderr[0]
+
+
+@pytest.mark.distributed
+def test_last_checkpoint_before_the_death_is_intact_and_resumes(dead_rank_run, one_rank_run):
+    ckpts = dead_rank_run["root"] / "ckpts"
+    last = dead_rank_run["last"]
+    assert last is not None and (last / "lightning_state.pt").is_file(), list(ckpts.iterdir())
+    assert not list(ckpts.glob(".*")), "a half-written checkpoint was left behind"
+    # 3 epochs of 2 optimizer steps; the run resumed from step 3 finishes the schedule.
+    assert one_rank_run["after_dead_step"] == 6
