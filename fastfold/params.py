@@ -573,8 +573,11 @@ def _openfold_key(key: str) -> str:
     return key
 
 
-def preset_for(path: str | os.PathLike, preset: str | None) -> cfgs.AlphaFoldConfig:
-    """The preset given, else the one the file name says (`params_model_1_ptm.npz`), else the defaults."""
+def preset_for(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | None) -> cfgs.AlphaFoldConfig:
+    """The preset given (a name or a config), else the one the file name says (`params_model_1_ptm.npz`),
+    else the released defaults."""
+    if isinstance(preset, cfgs.AlphaFoldConfig):
+        return preset
     if preset is None:
         m = _FILE_NAME.fullmatch(Path(path).stem)
         if m:
@@ -630,7 +633,7 @@ def _config_from_state(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldCon
     return cfgs.dataclasses.replace(base, evoformer=evo, extra_msa=extra, template=templ, heads=heads)
 
 
-def load_model(path: str | os.PathLike, preset: str | None = None) -> AlphaFold:
+def load_model(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | None = None) -> AlphaFold:
     """AlphaFold from a released `.npz` (every size read from the file) or an OpenFold `.pt` checkpoint
     (block counts from the file, other sizes from the preset). float32 parameters, eval mode."""
     path = Path(path)

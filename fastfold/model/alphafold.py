@@ -77,8 +77,12 @@ class AlphaFold(nn.Module):
     # -- parameters ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_params(cls, path: str | os.PathLike, preset: str | None = None) -> AlphaFold:
-        """Load AlphaFold's released `.npz` parameters or an OpenFold `.pt` checkpoint (see fastfold.params)."""
+    def from_params(cls, path: str | os.PathLike, preset: str | AlphaFoldConfig | None = None) -> AlphaFold:
+        """Load AlphaFold's released `.npz` parameters or an OpenFold `.pt` checkpoint (see fastfold.params).
+
+        Sizes come from the file; `preset` (a name such as "model_1_ptm" or a config; by default taken from
+        a file name like `params_model_1_ptm.npz`) supplies the rest: structure-module layers, bin edges,
+        pipeline sizes. Missing, unexpected or mis-shaped keys raise one `fastfold.params.ParamsError`."""
         from fastfold.params import load_model
 
         return load_model(path, preset)
