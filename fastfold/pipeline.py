@@ -140,8 +140,12 @@ class ModelSpec:
     """Chunk size of the low-memory inference path; None: no chunking; "auto": fit a memory budget."""
     seed: int = 0
     """Seed of the random initialisation."""
+    device: str = "auto"
+    """Where the model runs: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
 
     def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"ModelSpec.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"ModelSpec.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         c = self.chunk_size
@@ -339,7 +343,10 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
             cfg = model_config.tiny(templates=cfg.template.enabled, tm=cfg.heads.tm)
         torch.manual_seed(spec.seed)
         model = AlphaFold(cfg)
-    model = model.to(getattr(torch, PRECISIONS[spec.precision])).eval()
+    device = spec.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device=device, dtype=getattr(torch, PRECISIONS[spec.precision])).eval()
     p = cfg.pipeline
     templates = p.max_templates if cfg.template.enabled else 0
     feats = FeatureConfig(max_msa_clusters=p.max_msa_clusters, max_extra_msa=p.max_extra_msa,
@@ -392,7 +399,7 @@ def _dap_rank(rank: int, world_size: int, spec: ModelSpec, batch_path: str) -> P
     from fastfold.dap import broadcast_batch, parallelize_dap
     from fastfold.data.features import to_torch
 
-    model, _ = load_model(spec)
+    model, _ = load_model(dataclasses.replace(spec, device="cpu"))  # gloo ranks: CPU tensors
     batch = to_torch(dict(np.load(batch_path))) if rank == 0 else None
     group = dist.group.WORLD
     batch = broadcast_batch(batch, group, src=0)

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=1, help="DAP ranks that share one target's Evoformer")
     parser.add_argument("--chunk_size", type=_chunk_size, default=None, help="low-memory chunk size, or 'auto'")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32", help="model precision")
+    parser.add_argument("--model_device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda or cuda:N (DAP ranks with --devices run on CPU)")
     parser.add_argument("--relax", action=argparse.BooleanOptionalAction, default=True,
                         help="Amber-relax the best model (default: on)")
     parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
@@ -185,8 +187,11 @@ def _model_specs(args: argparse.Namespace):
         raise _usage(f"--model_name {args.model_name!r} names a model twice")
     paths = _param_paths(args, names)
     tiny = args.random_model_size == "tiny"
+    device = args.model_device
+    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        raise _usage(f"--model_device {device!r}: expected auto, cpu, cuda or cuda:N")
     return [ModelSpec(model_name=n, param_path=p, tiny=tiny and p is None, precision=args.precision,
-                      chunk_size=args.chunk_size, seed=args.seed) for n, p in zip(names, paths)]
+                      chunk_size=args.chunk_size, seed=args.seed, device=device) for n, p in zip(names, paths)]
 
 
 def _build_config(args: argparse.Namespace, targets):
