@@ -116,6 +116,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overlap=config.overlap,
         )
         self._prepared: bool | None = None  # None: grads not prepared; else the overflow flag
+        # small control tensors (flags, norms) live where the backend can reduce them
+        nccl = self.world > 1 and dist.get_backend(group) == "nccl"
+        self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._init_optimizer_base()
 
     # ----------------------------------------------------------------------------------------- setup
@@ -197,7 +200,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._prepared
         if not self._reducer.flushed or self._reducer.local_pending:
             self._reducer.flush()
-        flags = torch.tensor([float(s.had_grad) for s in self._slots] + [float(self._local_overflow())])
+        flags = torch.tensor([float(s.had_grad) for s in self._slots] + [float(self._local_overflow())],
+                             device=self._comm_device)
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         overflow = bool(flags[-1] > 0)
@@ -233,12 +237,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (reduced, unscaled) gradients across all shards, as a float32 scalar."""
         self._prepare_grads()
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self._comm_device)
         for s in self._slots:
             if s.master.grad is not None:
-                sq += s.master.grad.double().pow(2).sum().cpu()
+                sq += s.master.grad.double().pow(2).sum().to(self._comm_device)
         if self.world > 1:
             dist.all_reduce(sq, group=self.process_group)
+        sq = sq.cpu()
         return sq.sqrt().float()
 
     @torch.no_grad()
