@@ -1,0 +1,156 @@
+"""`suite bench fold-model`: one AlphaFold2 pass with the released channel sizes, chunked against unchunked.
+
+Each (n_res, variant) runs in a fresh process, so its peak memory is its own: on CUDA the peak of
+`torch.cuda.max_memory_allocated`, on CPU the growth of the peak resident set over the model and batch.
+Random weights (the timing and memory do not depend on their values); MSA and extra-MSA sizes are flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n_res", type=_int_list, default=[256, 512], help="residue counts, e.g. 256,512")
+    parser.add_argument("--blocks", type=int, default=4, help="Evoformer blocks (the released model has 48)")
+    parser.add_argument("--extra_blocks", type=int, default=1, help="extra-MSA blocks (released: 4)")
+    parser.add_argument("--n_seq", type=int, default=128, help="MSA rows (cluster centres)")
+    parser.add_argument("--n_extra", type=int, default=256, help="extra-MSA rows")
+    parser.add_argument("--chunk_size", default="auto", help='chunk size of the chunked run: an int or "auto"')
+    parser.add_argument("--memory_budget_mb", type=int, default=64, help='budget per intermediate for "auto"')
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--repeat", type=int, default=2, help="timed passes (median reported) after one warm-up")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+
+
+def _options(variant: str, args: argparse.Namespace):
+    from fastfold.model import InferenceOptions
+
+    if variant == "unchunked":
+        return InferenceOptions()
+    chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
+    return InferenceOptions(chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
+
+
+def _child(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from fastfold.model import AlphaFold, config
+    from fastfold.model.testing import random_batch
+    from suite.bench.common import peak_rss_bytes, time_fn
+
+    n_res, variant = args._child.split(":")
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    )
+    dtype = getattr(torch, args.dtype)
+    cfg = config.preset("model_3_ptm")
+    cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=args.blocks)
+    cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=args.extra_blocks)
+    model = AlphaFold(cfg).to(device=device, dtype=dtype).eval()
+    batch = random_batch(cfg, n_res=int(n_res), n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    options = _options(variant, args)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    def one_pass():
+        with torch.no_grad():
+            model(batch, options)
+
+    seconds = time_fn(one_pass, warmup=1, repeat=args.repeat, sync=sync)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+    print(
+        json.dumps(
+            {
+                "n_res": int(n_res),
+                "variant": variant,
+                "seconds": seconds,
+                "peak_bytes": peak - base,
+                "device": device.type,
+            }
+        )
+    )
+    return 0
+
+
+def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
+    argv = [sys.executable, "-m", "suite", "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
+    for flag in (
+        "blocks",
+        "extra_blocks",
+        "n_seq",
+        "n_extra",
+        "chunk_size",
+        "memory_budget_mb",
+        "dtype",
+        "device",
+        "repeat",
+    ):
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"fold-model benchmark n_res={n_res} {variant} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    from suite.bench.common import print_table, write_json
+    from suite.errors import UsageError
+
+    if args._child:
+        return _child(args)
+    if args.blocks <= 0 or args.n_seq <= 0 or args.n_extra <= 0 or args.repeat <= 0:
+        raise UsageError("fold-model: --blocks, --n_seq, --n_extra and --repeat must be positive")
+    if args.chunk_size != "auto" and not (args.chunk_size.isdigit() and int(args.chunk_size) > 0):
+        raise UsageError(f"fold-model: --chunk_size must be a positive int or 'auto', got {args.chunk_size!r}")
+    rows = []
+    for n_res in args.n_res:
+        result = {v: _run_child(args, n_res, v) for v in ("unchunked", "chunked")}
+        u, c = result["unchunked"], result["chunked"]
+        rows.append(
+            {
+                "n_res": n_res,
+                "device": u["device"],
+                "unchunked_s": u["seconds"],
+                "chunked_s": c["seconds"],
+                "time_ratio": c["seconds"] / u["seconds"],
+                "unchunked_peak_mib": u["peak_bytes"] / 2**20,
+                "chunked_peak_mib": c["peak_bytes"] / 2**20,
+                "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1),
+            }
+        )
+    title = (
+        f"AlphaFold2 pass, {args.blocks} Evoformer + {args.extra_blocks} extra-MSA blocks, released channels, "
+        f"{args.n_seq} MSA rows, {args.n_extra} extra rows, {args.dtype}; chunk_size={args.chunk_size}"
+    )
+    print_table(rows, title=title)
+    write_json(
+        args.json,
+        {
+            "benchmark": "fold-model",
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "rows": rows,
+        },
+    )
+    return 0
