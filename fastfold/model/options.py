@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["InferenceOptions"]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -56,7 +58,7 @@ class InferenceOptions:
             return 1 << (rows.bit_length() - 1)
         return None if self.chunk_size >= total else int(self.chunk_size)
 
-    def add_(self, x, update):
+    def add_(self, x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """Residual update `x + update`, in place when `residual == "in_place"`. x, update: same shape."""
         if self.residual == "in_place":
             return x.add_(update)

@@ -253,3 +253,22 @@ def test_jackhmmer_on_a_database_the_test_builds(tmp_path):
     assert {f"hom{k}" for k in range(4)} <= names
     assert not any(n.startswith("decoy") for n in names)
     assert msa.sequences[0] == QUERY
+
+
+def test_template_hit_differing_from_seqres_is_realigned_with_kalign(caplog):
+    import dataclasses
+    import logging
+
+    hits = [h for h in parse_hhr((ALIGN / "pdb70_hits.hhr").read_text()) if h.name == "4ZEY_A"]
+    # the deposited chain differs from the hit at one residue: str.find fails, kalign places it
+    mutated = dataclasses.replace(hits[0], hit_sequence="W" + hits[0].hit_sequence[1:])
+    cfg = dict(mmcif_dir=str(ASSETS / "mmcifs"), max_template_date="2021-01-01")
+    exact = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, hits)
+    without = TemplateFeaturizer(TemplateConfig(**cfg, kalign_binary_path=None)).get(QUERY, [mutated])
+    assert without["template_aatype"].shape[0] == 0 and "no kalign" in caplog.text
+    if shutil.which("kalign") is None:
+        pytest.skip("kalign not installed (apt-get install -y kalign)")
+    with caplog.at_level(logging.INFO):
+        realigned = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, [mutated])
+    assert "realigned" in caplog.text
+    np.testing.assert_array_equal(realigned["template_all_atom_positions"], exact["template_all_atom_positions"])

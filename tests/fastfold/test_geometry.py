@@ -26,7 +26,8 @@ def test_quaternions_give_rotations():
     q = q / q.norm(dim=-1, keepdim=True)
     r = quat_to_rot(q)
     torch.testing.assert_close(r @ r.transpose(-1, -2), torch.eye(3, dtype=torch.float64).expand(50, 3, 3))
-    torch.testing.assert_close(torch.linalg.det(r), torch.ones(50, dtype=torch.float64))
+    det = (torch.linalg.cross(r[..., 0], r[..., 1], dim=-1) * r[..., 2]).sum(-1)  # columns right-handed
+    torch.testing.assert_close(det, torch.ones(50, dtype=torch.float64))
     # q * (0, v) for a pure rotation about z by theta: (cos t/2, 0, 0, sin t/2) * (0, 1, 0, 0)
     t = 0.7
     qz = torch.tensor([np.cos(t / 2), 0, 0, np.sin(t / 2)], dtype=torch.float64)
