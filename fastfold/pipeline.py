@@ -101,7 +101,7 @@ class AlignmentConfig:
     hhsearch_binary_path: str = "hhsearch"
     """hhsearch executable."""
     kalign_binary_path: str = "kalign"
-    """kalign executable (template realignment; unused when hits match their SEQRES)."""
+    """kalign executable: realigns template hits whose residues differ from the chain's SEQRES."""
     template_mmcif_dir: str | None = None
     """Folder of PDB mmCIF files for templates; None: no templates."""
     max_template_date: str = dataclasses.field(default_factory=lambda: datetime.date.today().isoformat())
@@ -317,7 +317,8 @@ def target_raw_features(
     if with_templates and hits and cfg.template_mmcif_dir:
         from fastfold.data.templates import TemplateConfig, TemplateFeaturizer
 
-        tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date)
+        tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date,
+                              kalign_binary_path=cfg.kalign_binary_path)
         raw.update(TemplateFeaturizer(tcfg).get(target.sequence, hits))
     else:
         raw.update(empty_template_features(len(target.sequence)))

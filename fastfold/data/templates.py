@@ -35,6 +35,8 @@ class TemplateConfig:
     """Latest release date allowed, `YYYY-MM-DD`."""
     max_hits: int = 4
     """Templates kept per target, best `sum_probs` first."""
+    kalign_binary_path: str | None = "kalign"
+    """kalign, to realign a hit whose residues differ from the chain's SEQRES; None: skip such hits."""
 
     def __post_init__(self) -> None:
         try:
@@ -79,7 +81,13 @@ class TemplateFeaturizer:
         if chain is None:
             logger.warning("template %s skipped: chain %s not in the mmCIF file", hit.name, chain_id)
             return None
-        return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask)
+        return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask, self._kalign())
+
+    def _kalign(self) -> str | None:
+        import shutil
+
+        path = self.config.kalign_binary_path
+        return shutil.which(path) if path else None
 
     def get(self, query: str, hits: Sequence[TemplateHit]) -> dict[str, np.ndarray]:
         """Template features for `query` from `hits` (best first); T = 0 when none is usable."""
@@ -95,14 +103,43 @@ class TemplateFeaturizer:
         return {k: np.stack([f[k] for f in feats]) for k in feats[0]}
 
 
-def _features_from_hit(
-    query: str, hit: TemplateHit, seqres: str, positions: np.ndarray, mask: np.ndarray
-) -> dict[str, np.ndarray] | None:
-    """Map the hit's aligned template residues onto the query. `positions` `[L, 37, 3]`."""
+def _realign(hit_residues: str, seqres: str, kalign: str) -> dict[int, int]:
+    """Hit residue k -> SEQRES index, from a kalign alignment of the two (matched columns only)."""
+    from fastfold.data.tools import run_kalign
+
+    a, b = run_kalign(kalign, [hit_residues, seqres])
+    mapping, i, j = {}, 0, 0
+    for x, y in zip(a, b):
+        if x != "-" and y != "-":
+            mapping[i] = j
+        i += x != "-"
+        j += y != "-"
+    return mapping
+
+
+def _hit_to_seqres(hit: TemplateHit, seqres: str, kalign: str | None) -> dict[int, int] | None:
+    """Hit residue k (0 = first aligned template residue) -> SEQRES index; None if it cannot be placed."""
     hit_residues = hit.hit_sequence.replace("-", "")
     offset = seqres.find(hit_residues)
-    if offset < 0:
-        logger.warning("template %s skipped: hit sequence not found in the chain's SEQRES", hit.name)
+    if offset >= 0:
+        return {k: offset + k for k in range(len(hit_residues))}
+    if kalign is None:
+        logger.warning("template %s skipped: hit sequence not in the chain's SEQRES (no kalign to realign)", hit.name)
+        return None
+    mapping = _realign(hit_residues, seqres, kalign)
+    if len(mapping) < 0.5 * len(hit_residues):
+        logger.warning("template %s skipped: realigned hit matches under half its residues", hit.name)
+        return None
+    logger.info("template %s: hit realigned to SEQRES with kalign (%d residues)", hit.name, len(mapping))
+    return mapping
+
+
+def _features_from_hit(
+    query: str, hit: TemplateHit, seqres: str, positions: np.ndarray, mask: np.ndarray, kalign: str | None = None
+) -> dict[str, np.ndarray] | None:
+    """Map the hit's aligned template residues onto the query. `positions` `[L, 37, 3]`."""
+    to_seqres = _hit_to_seqres(hit, seqres, kalign)
+    if to_seqres is None:
         return None
     first_hit = min(i for i in hit.indices_hit if i >= 0)
     n = len(query)
@@ -110,9 +147,9 @@ def _features_from_hit(
     out_mask = np.zeros((n, rc.atom_type_num), np.float32)
     aatype = np.full(n, 21, np.int64)  # gap where the template has no residue
     for qi, ti in zip(hit.indices_query, hit.indices_hit):
-        if qi < 0 or ti < 0 or qi >= n:
+        if qi < 0 or ti < 0 or qi >= n or (ti - first_hit) not in to_seqres:
             continue
-        row = ti - first_hit + offset
+        row = to_seqres[ti - first_hit]
         out_pos[qi], out_mask[qi] = positions[row], mask[row]
         aatype[qi] = rc.restype_order.get(seqres[row], rc.unk_restype_index)
     return {
