@@ -315,3 +315,26 @@ def test_backward_without_wrapper_call_and_grad_norm():
         torch.testing.assert_close(opt.grad_norm(), ref_norm, rtol=1e-6, atol=0)
         opt.step()
     assert max_rel_err(model, ref) <= 1e-6
+
+
+def test_step_with_closure_and_local_state_dict_round_trip():
+    """Lightning calls step(closure); state_dict() reloads on the same layout and continues identically."""
+    model = make_model()
+    model, opt = core_parallel.setup(model, make_optimizer(model), ZeroConfig(stage=1))
+
+    def closure():
+        loss = slice_loss(model, 0, 0, 0, 1)
+        opt.backward(loss)
+        return loss
+
+    loss = opt.step(closure)
+    assert loss is not None and torch.isfinite(loss)
+    opt.zero_grad()
+    saved_state, saved_params = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    train_zero(model, opt, range(1, 3), 0, 1)
+    other = make_model(seed=9)
+    other, opt2 = core_parallel.setup(other, make_optimizer(other), ZeroConfig(stage=1))
+    other.load_state_dict(saved_params)
+    opt2.load_state_dict(saved_state)
+    train_zero(other, opt2, range(1, 3), 0, 1)
+    assert max_rel_err(other, model) == 0.0
