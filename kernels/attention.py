@@ -8,9 +8,10 @@
   `06-fused-attention.py`). The bias gradient is accumulated by the dq kernel with fp32 atomics into a
   buffer of the bias's own (broadcast) shape, so no `[*, H, Q, K]` tensor ever exists.
 - PyTorch path (any device, the default on CPU): `F.scaled_dot_product_attention` when there is neither bias
-  nor mask; otherwise an autograd Function that walks query blocks, holding scores for `block_q` rows at a
-  time (memory grows with block_q x K), saves only the output and the row log-sum-exp, and recomputes each
-  block in the backward.
+  nor mask, or when no gradient is needed and bias and mask fold into one attn_mask no wider than the bias
+  (PyTorch's fused CPU kernel then tiles the keys itself); otherwise an autograd Function that walks query
+  blocks, holding scores for `block_q` rows at a time (memory grows with block_q x K), saves only the
+  output and the row log-sum-exp, and recomputes each block in the backward.
 - `attention_reference`: the plain formula, materialising everything.
 
 Fully masked query rows give zeros (and zero gradients), never NaN: their log-sum-exp is stored as +inf.
@@ -37,8 +38,8 @@ __all__ = ["MAX_HEAD_DIM", "attention", "attention_reference"]
 
 MAX_HEAD_DIM = 128
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# scores held per block by the chunked path; 32 MiB keeps Q = K = 4096, H = 8 at 1/16 of the full matrix
-_CHUNK_BYTES = 32 * 2**20
+# scores held per block by the chunked path; 16 MiB keeps Q = K = 4096, H = 8 at 1/32 of the full matrix
+_CHUNK_BYTES = 16 * 2**20
 
 
 def attention_reference(
@@ -77,13 +78,18 @@ def _rows(t: torch.Tensor | None, qs: int, qe: int) -> torch.Tensor | None:
     return t[..., qs:qe, :]
 
 
-def _block_scores(qc, kt, bias, mask, qs, qe, scale):
-    """Scores of query rows qs:qe, [*, H, qc, K], in place: matmul, scale, + bias, masked to -inf."""
-    s = torch.matmul(qc, kt).mul_(scale)
-    b = _rows(bias, qs, qe)
+def _block_scores(qc, kt, bias, mask, qs, qe):
+    """Scores of query rows qs:qe, [*, H, qc, K]: (q * scale) @ k^T, + bias, -inf where masked, in place.
+
+    Where the mask broadcasts into the bias block, it is folded into a -inf bias first: one pass over the
+    scores fewer.
+    """
+    b, m = _rows(bias, qs, qe), _rows(mask, qs, qe)
+    if b is not None and m is not None and torch.broadcast_shapes(b.shape, m.shape) == b.shape:
+        b, m = b.masked_fill(~m, float("-inf")), None
+    s = torch.matmul(qc, kt)
     if b is not None:
         s.add_(b)
-    m = _rows(mask, qs, qe)
     if m is not None:
         s.masked_fill_(~m, float("-inf"))
     return s
@@ -108,7 +114,7 @@ class _ChunkedAttention(torch.autograd.Function):
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)
         for qs in range(0, n_q, block):
             qe = min(qs + block, n_q)
-            s = _block_scores(qf[..., qs:qe, :], kt, bias, mask, qs, qe, scale)
+            s = _block_scores(qf[..., qs:qe, :] * scale, kt, bias, mask, qs, qe)
             m = s.amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = s.sub_(m).exp_()
@@ -135,13 +141,13 @@ class _ChunkedAttention(torch.autograd.Function):
         kt = kf.transpose(-1, -2)
         for qs in range(0, q.shape[-2], block):
             qe = min(qs + block, q.shape[-2])
-            qc, doc = qf[..., qs:qe, :], do[..., qs:qe, :]
-            p = _block_scores(qc, kt, bias, mask, qs, qe, scale).sub_(lse[..., qs:qe, None]).exp_()
+            qc, doc = qf[..., qs:qe, :] * scale, do[..., qs:qe, :]
+            p = _block_scores(qc, kt, bias, mask, qs, qe).sub_(lse[..., qs:qe, None]).exp_()
             dv_c = torch.matmul(p.transpose(-1, -2), doc)
             ds = torch.matmul(doc, vf.transpose(-1, -2)).sub_(delta[..., qs:qe, None]).mul_(p)
             del p
             dq[..., qs:qe, :] = torch.matmul(ds, kf).mul_(scale)
-            dk_c = torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
+            dk_c = torch.matmul(ds.transpose(-1, -2), qc)
             dk_full = dk_c if dk_full is None else dk_full.add_(dk_c)
             dv_full = dv_c if dv_full is None else dv_full.add_(dv_c)
             if want_bias:
@@ -154,13 +160,52 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
 
 
+def _sdpa_mask(q, bias, mask):
+    """bias and mask as one SDPA attn_mask in 4-D, or None where that would widen the bias or copy it."""
+    nd = q.dim()
+    bias, mask = _align(bias, nd), _align(mask, nd)
+    if bias is None:
+        attn = mask
+    elif mask is None:
+        attn = bias.to(q.dtype)
+    elif torch.broadcast_shapes(bias.shape, mask.shape) == bias.shape:
+        attn = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    else:
+        return None
+    lead = attn.shape[:-3]
+    if all(n == 1 for n in lead):
+        return attn.reshape(1, *attn.shape[-3:])
+    if lead == q.shape[:-3] and attn.is_contiguous():
+        return attn.reshape(-1, *attn.shape[-3:])
+    return None
+
+
+def _sdpa_inference(q, k, v, bias, mask, scale):
+    """No gradients needed: PyTorch's fused SDPA (flash on CPU) with the bias as float mask; None if unsuited."""
+    if q.dim() < 4 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
+        return None
+    attn = _sdpa_mask(q, bias, mask)
+    if attn is None:
+        return None
+    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=attn, scale=scale)
+    out = out.reshape(*q.shape[:-1], v.shape[-1])
+    if mask is not None:  # rows with every key masked: zeros whatever SDPA's convention
+        out = out.masked_fill(~_align(mask, q.dim()).any(-1, keepdim=True), 0.0)
+    return out
+
+
 def _attention_torch_path(q, k, v, bias, mask, scale, block_q):
     if bias is None and mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    if not grad and block_q is None:
+        out = _sdpa_inference(q, k, v, bias, mask, scale)
+        if out is not None:
+            return out
     nd = q.dim()
     bias_a, mask_a = _align(bias, nd), _align(mask, nd)
-    out = _ChunkedAttention.apply(q, k, v, bias_a, mask_a, scale, _block_q(q, k.shape[-2], block_q))
-    return out
+    return _ChunkedAttention.apply(q, k, v, bias_a, mask_a, scale, _block_q(q, k.shape[-2], block_q))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
-from tests.kernels._tolerance import check_op
+from tests.kernels._tolerance import check, check_op
 
 LOW = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -16,6 +16,7 @@ CASES = {
     "bias-over-keys": ((1, 2), 130, 7, 33, (1, 2, 1, 7), (130, 1)),
     "long-keys": ((1, 1), 5, 1030, 128, (5, 1), None),
     "plain": ((2, 3), 33, 33, 64, None, None),
+    "mask-folds-into-bias": ((1, 2), 9, 12, 8, (1, 1, 9, 12), (1, 1, 9, 12)),
 }
 
 
@@ -124,3 +125,18 @@ def test_bad_shapes(shapes, match):
     q, k, v, b = (None if s is None else torch.randn(*s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         kernels.attention(q, k, v, bias=b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_attention_inference(case, dtype):
+    """Without gradients the PyTorch path may hand the work to SDPA; same answers, masked rows zero."""
+    (q, k, v, bias), mask = _inputs(case, seed=20 + len(case))
+    ref64 = kernels.attention_reference(q, k, v, bias, mask)
+    low = [None if t is None else t.to(dtype) for t in (q, k, v, bias)]
+    with torch.no_grad():
+        out = kernels.attention(*low[:3], bias=low[3], mask=mask)
+    check(out, kernels.attention_reference(*low[:3], low[3], mask), ref64, "output", dtype)
+    if mask is not None:
+        dead = ~mask.expand(ref64.shape[:-1] + (k.shape[-2],)).any(-1)
+        assert dead.any() and torch.equal(out[dead], torch.zeros_like(out[dead]))
