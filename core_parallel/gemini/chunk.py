@@ -62,19 +62,21 @@ class Chunk:
         self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
         self.full.untyped_storage().resize_(self.full_nbytes)
         src = self.master.view().to(device=self.full.device, dtype=self.full.dtype)
-        self.master.done()
         out = self.full.data
         if self.world == 1:
             out.copy_(src)
         else:
             self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
             self._src = src if async_op else None
+        if not async_op:
+            self.master.done()  # NVMe pages read: out of resident memory again
 
     def wait(self) -> None:
         """Finish an async gather."""
         if self.sm.data is ChunkState.GATHERING:
             self._work.wait()
             self._work = self._src = None
+            self.master.done()
             self.sm.to(ChunkState.GATHERED)
 
     def release(self) -> None:

@@ -231,3 +231,26 @@ def test_unsupported_optimizers_and_parameters_are_refused():
         setup_gemini(model, torch.optim.Adam(model.parameters()), GeminiConfig())
     with pytest.raises(ValueError, match="emb.weight requires grad but is not in the optimizer"):
         setup_gemini(model, torch.optim.Adam([model.l2.weight]), GeminiConfig())
+
+
+def test_lr_scheduler_closure_and_no_grad_forward_match_torch():
+    ref_model, ref_opt = build("adamw")
+    model, opt = build("adamw")
+    model, opt = setup_gemini(model, opt, GeminiConfig(chunk_mb=64 * 4 / 2**20, prefetch=2))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    for step in range(4):
+        x, y = batch(step)
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            def closure(m=m, o=o, x=x, y=y):
+                loss = ((m(x, True) - y) ** 2).mean()
+                loss.backward()
+                return loss
+            o.step(closure)
+            o.zero_grad()
+        for s in scheds:
+            s.step()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.5**4
+    x, _ = batch(9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, True), ref_model(x, True), rtol=1e-6, atol=1e-6)
+    assert all(c.sm.data.value == "released" for c in model.gemini_manager.chunks)
