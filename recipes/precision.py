@@ -73,6 +73,11 @@ class ShardedPrecision(Precision):
         self.device_type = device_type
 
     # -- forward ---------------------------------------------------------------------------------------
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        # Used when not fitting (validate / predict without core_parallel.setup); while fitting,
+        # core_parallel casts the parameters itself.
+        return module.to(self.dtype) if self.precision == "bf16-true" else module
+
     def convert_input(self, data: Any) -> Any:
         if self.dtype is torch.float32:
             return data

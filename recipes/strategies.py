@@ -194,8 +194,15 @@ class _ShardedStrategy(DDPStrategy):
             yield
 
     def teardown(self) -> None:
+        # Not DDPStrategy.teardown: it would move the model and the optimizer state to the CPU, tearing
+        # Gemini's parameter views off their chunks. The sharded model stays usable (save, validate) after fit.
         self.precision_plugin.bind(None, self.precision_plugin.device_type)
-        super().teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
