@@ -163,13 +163,18 @@ def parse_a3m(text: str, source: str = "<a3m>") -> Msa:
     return Msa(sequences, deletions, descriptions)
 
 
-def _stockholm_rows(text: str, source: str) -> dict[str, str]:
+def _stockholm_rows(text: str, source: str) -> tuple[dict[str, str], str]:
+    """Sequence rows by name, and the `#=GC RF` reference annotation ('' when absent)."""
     rows: dict[str, list[str]] = {}
+    reference: list[str] = []
     lines = text.splitlines()
     if not lines or not lines[0].startswith("# STOCKHOLM"):
         raise InputError(f"{source}: line 1: not a Stockholm file (no '# STOCKHOLM' header)")
     for lineno, line in enumerate(lines[1:], start=2):
         s = line.strip()
+        if s.startswith("#=GC RF"):
+            reference.append(s.split()[-1])
+            continue
         if not s or s.startswith("#"):
             continue
         if s == "//":
@@ -178,18 +183,21 @@ def _stockholm_rows(text: str, source: str) -> dict[str, str]:
         if len(parts) != 2:
             raise InputError(f"{source}: line {lineno}: expected 'name sequence', got {len(parts)} fields")
         rows.setdefault(parts[0], []).append(parts[1])
-    return {name: "".join(chunks) for name, chunks in rows.items()}
+    return {name: "".join(chunks) for name, chunks in rows.items()}, "".join(reference)
 
 
 def parse_stockholm(text: str, source: str = "<sto>") -> Msa:
-    """A Stockholm alignment (jackhmmer output). The first sequence is the query: its gap columns are
-    insertions, removed and counted in the deletion matrix."""
-    rows = _stockholm_rows(text, source)
+    """A Stockholm alignment (jackhmmer output). Insert columns (`.` in the `#=GC RF` line, else the gap
+    columns of the first sequence) are removed and counted in the deletion matrix."""
+    rows, reference = _stockholm_rows(text, source)
     if not rows:
         raise InputError(f"{source}: no sequences in Stockholm file")
     names = list(rows)
     query = rows[names[0]]
-    keep = [i for i, c in enumerate(query) if c not in "-."]
+    if reference and len(reference) == len(query):
+        keep = [i for i, c in enumerate(reference) if c not in "-."]
+    else:
+        keep = [i for i, c in enumerate(query) if c not in "-."]
     sequences, deletions = [], []
     for k, name in enumerate(names, start=1):
         seq = rows[name]

@@ -272,3 +272,11 @@ def test_template_hit_differing_from_seqres_is_realigned_with_kalign(caplog):
         realigned = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, [mutated])
     assert "realigned" in caplog.text
     np.testing.assert_array_equal(realigned["template_all_atom_positions"], exact["template_all_atom_positions"])
+
+
+def test_stockholm_reference_line_defines_insert_columns():
+    # jackhmmer output without the query row: the RF line marks the match states
+    text = "# STOCKHOLM 1.0\nh1  MKgTAY\nh2  MK-TA-\n#=GC RF xx.xxx\n//\n"
+    msa = parse_stockholm(text)
+    assert msa.sequences == ["MKTAY", "MKTA-"]
+    assert msa.deletion_matrix[0] == [0, 0, 1, 0, 0]
