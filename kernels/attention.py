@@ -98,8 +98,8 @@ def _block_scores(qc, kt, bias, mask, qs, qe):
 def _block_q(q: torch.Tensor, n_k: int, block_q: int | None) -> int:
     if block_q is not None:
         return max(1, block_q)
-    per_row = max(1, q[..., 0, 0].numel() * n_k * 4)
-    return int(min(q.shape[-2], max(16, _CHUNK_BYTES // per_row)))
+    per_row = max(1, math.prod(q.shape[:-2]) * n_k * 4)
+    return int(max(1, min(q.shape[-2], max(16, _CHUNK_BYTES // per_row))))
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -155,6 +155,8 @@ class _ChunkedAttention(torch.autograd.Function):
                     dbias += reduce_to(ds, bias.shape)
                 else:
                     dbias[..., qs:qe, :] = reduce_to(ds, bias.shape[:-2] + (qe - qs, bias.shape[-1]))
+        if dk_full is None:  # no query rows
+            dk_full, dv_full = torch.zeros_like(kf), torch.zeros_like(vf)
         dk = reduce_to(dk_full, k.shape).to(k.dtype)
         dv = reduce_to(dv_full, v.shape).to(v.dtype)
         return dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
@@ -407,7 +409,7 @@ class _TritonAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
         bm, bn, bd, warps = _launch_config(q, q.shape[-1])
-        z = q[..., 0, 0].numel()
+        z = math.prod(q.shape[:-2])
         flags = _flags(q, bias, mask)
         if z > 0 and q.shape[-2] > 0:
             _attn_fwd_kernel[(z, triton.cdiv(q.shape[-2], bm))](
@@ -427,7 +429,7 @@ class _TritonAttention(torch.autograd.Function):
         want_bias = bias is not None and ctx.needs_input_grad[3]
         dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if want_bias else None
         bm, bn, bd, warps = _launch_config(q, q.shape[-1])
-        z = q[..., 0, 0].numel()
+        z = math.prod(q.shape[:-2])
         common = _common_args(ctx, q, bias, mask_u8)
         flags = _flags(q, bias, mask_u8)
         tensors = (q, k, v, _or(bias, q), _or(mask_u8, q), do, lse, delta)
