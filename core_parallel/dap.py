@@ -157,14 +157,17 @@ class _AllToAllOp:
         world = group_size(self.group)
         c_to, c_from = _chunk(self.to_size, world), _chunk(self.from_size, world)
         x = _pad_dim(_pad_dim(x, self.to_dim, world * c_to), self.from_dim, c_from)
-        send = torch.stack(x.split(c_to, dim=self.to_dim), dim=0).contiguous()
+        # [W, piece]: one copy at most (none when to_dim is the leading dim of a contiguous x)
+        send = x.unflatten(self.to_dim, (world, c_to)).movedim(self.to_dim, 0).contiguous()
         buf = torch.empty_like(send)
         return dist.all_to_all_single(buf, send, group=self.group, async_op=True), buf
 
     def finish(self, buf: torch.Tensor) -> torch.Tensor:
         local = shard_size(self.to_size, group_size(self.group), group_rank(self.group))
-        whole = torch.cat(buf.unbind(0), dim=self.from_dim).narrow(self.from_dim, 0, self.from_size)
-        return whole.narrow(self.to_dim, 0, local)
+        # rank j's piece holds its rows of from_dim: concatenating in rank order is a reshape (a view when
+        # from_dim is the leading dim of the piece)
+        whole = buf.movedim(0, self.from_dim).flatten(self.from_dim, self.from_dim + 1)
+        return whole.narrow(self.from_dim, 0, self.from_size).narrow(self.to_dim, 0, local)
 
     def launch_backward(self, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return self.inverse().launch(g)
@@ -310,7 +313,9 @@ def all_to_all(x: torch.Tensor, from_dim: int, to_dim: int, group: Group, *, fro
     -> whole along `from_dim` (`from_size` rows), split along `to_dim` (shard_size(T, W, rank) rows).
     Backward: the inverse all-to-all.
     """
-    return all_to_all_async(x, from_dim, to_dim, group, from_size=from_size).wait()
+    pending = all_to_all_async(x, from_dim, to_dim, group, from_size=from_size)
+    del x  # the caller's reference may be the last one: free the input while the exchange runs
+    return pending.wait()
 
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], group: Group) -> None:

@@ -69,9 +69,14 @@ class _Pair:
     def along(self, dim: int) -> torch.Tensor:
         """The local shard split along `dim` (one all-to-all when it is split along the other dim)."""
         if self.split != dim:
-            self.value = comm.all_to_all(self.value, self.split, dim, self.group, from_size=self.n)
+            self.value = comm.all_to_all(self._release(), self.split, dim, self.group, from_size=self.n)
             self.split = dim
         return self.value
+
+    def _release(self) -> torch.Tensor:
+        """Hand the shard over (so the exchange can free it early) and forget it."""
+        value, self.value = self.value, None
+        return value
 
     def update(self, dim: int | None, fn, options: InferenceOptions) -> None:
         """value += fn(shard, mask) with the shard split along `dim` (None: the current split)."""
