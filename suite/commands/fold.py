@@ -173,6 +173,21 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
                              f"no folder for target {t.name!r}")
     for db in _DATABASES:
         _existing(getattr(args, f"{db}_database_path"), f"--{db}_database_path")
+    if args.use_precomputed_alignments is None:
+        _check_binaries(args)
+
+
+def _check_binaries(args: argparse.Namespace) -> None:
+    """The tools the given databases need must be runnable before any work starts."""
+    from fastfold.data.tools import ToolError, find_binary
+
+    needs = {"jackhmmer": ("uniref90", "mgnify"), "hhblits": ("bfd",), "hhsearch": ("pdb70",)}
+    for tool, dbs in needs.items():
+        if any(getattr(args, f"{db}_database_path") for db in dbs):
+            try:
+                find_binary(getattr(args, f"{tool}_binary_path"), tool)
+            except ToolError as exc:
+                raise _usage(f"--{tool}_binary_path: {exc}") from None
 
 
 def _model_specs(args: argparse.Namespace):

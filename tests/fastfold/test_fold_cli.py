@@ -98,6 +98,9 @@ BAD = [
     (">pep\nMK\n", ["--devices", "0"], "--devices must be >= 1"),
     (">pep\nMK\n", ["--chunk_size", "0"], "--chunk_size must be a positive int or 'auto'"),
     (">pep\nMK\n", ["--uniref90_database_path", "no_db.fasta"], "--uniref90_database_path no_db.fasta: no such"),
+    (">pep\nMK\n", ["--uniref90_database_path", str(ASSETS / "query.fasta"), "--jackhmmer_binary_path", "no_jackhmmer"],
+     "--jackhmmer_binary_path: jackhmmer: binary 'no_jackhmmer' not found"),
+    (">pep\nMK\n", ["--model_device", "tpu"], "--model_device 'tpu': expected auto, cpu, cuda or cuda:N"),
 ]
 
 
