@@ -122,8 +122,9 @@ class _ShardedStrategy(DDPStrategy):
     # -- precision -------------------------------------------------------------------------------------
     @property
     def precision_plugin(self) -> ShardedPrecision:
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else ShardedPrecision()
+        if self._precision_plugin is None:
+            self._precision_plugin = ShardedPrecision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
