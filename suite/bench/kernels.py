@@ -19,8 +19,10 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 __all__ = ["add_arguments", "run"]
 
@@ -162,8 +164,6 @@ def _reset_hwm() -> None:
 def _worker(spec: dict) -> dict:
     import torch
 
-    from suite.bench.common import time_fn
-
     case, device = spec["case"], torch.device(spec["device"])
     inputs = _inputs(case, device, getattr(torch, spec["dtype"]))
     fn = _impl(case["op"], spec["impl"])
@@ -193,8 +193,21 @@ def _worker(spec: dict) -> dict:
         before = _current_rss()
         step()
         extra = _hwm() - before
-    seconds = time_fn(step, warmup=0, repeat=spec["repeat"], sync=sync)
-    return {"ms": seconds * 1e3, "extra_mib": extra / 2**20}
+    wall, cpu = _timings(step, spec["repeat"], sync)
+    return {"ms": wall * 1e3, "cpu_ms": None if cuda else cpu * 1e3, "extra_mib": extra / 2**20}
+
+
+def _timings(step, repeat: int, sync) -> tuple[float, float]:
+    """Median wall and process CPU seconds per call (CPU time is the steadier figure on a shared machine)."""
+    wall, cpu = [], []
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        if sync:
+            sync()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> dict:
@@ -220,8 +233,10 @@ def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
     if "error" in ours or "error" in base:
         row["error"] = ours.get("error") or base.get("error")
         return row
-    row.update({"ours ms": ours["ms"], "base ms": base["ms"], "time ratio": ours["ms"] / base["ms"],
-                "ours MiB": ours["extra_mib"], "base MiB": base["extra_mib"],
+    row.update({"ours ms": ours["ms"], "base ms": base["ms"], "time ratio": ours["ms"] / base["ms"]})
+    if ours.get("cpu_ms") and base.get("cpu_ms"):
+        row["cpu-time ratio"] = ours["cpu_ms"] / base["cpu_ms"]
+    row.update({"ours MiB": ours["extra_mib"], "base MiB": base["extra_mib"],
                 "mem ratio": ours["extra_mib"] / max(base["extra_mib"], 1e-9)})
     return row
 
@@ -244,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
         ours = _run_case(case, "ours", args, dtype)
         for baseline in BASELINES[case["op"]]:
             rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
-    columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "ours MiB", "base MiB",
-               "mem ratio", "error"]
+    columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "cpu-time ratio", "ours MiB",
+               "base MiB", "mem ratio", "error"]
     print_table(rows, [c for c in columns if any(c in r for r in rows)],
                 title=f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call "
                       f"({'VmHWM, fresh process per case' if args.device == 'cpu' else 'max_memory_allocated'})")
