@@ -1,5 +1,7 @@
-"""DAPStrategy: Trainer.predict with the Evoformer split across 2 gloo ranks equals one process; one device
-creates no process group; rank 0's batches are the ones every rank uses."""
+"""DAPStrategy: Trainer.predict on one device creates no process group and equals the plain model; fit is
+refused. Two ranks (gloo) are exercised by tests/recipes/test_fold_recipe.py, where rank 1 builds no features
+and must predict rank 0's broadcast batches; the spawned test here repeats that with a generic
+LightningModule whose ranks hold different data (marked slow)."""
 
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ def test_one_device_no_process_group(reference):
     _compare(got, reference, "1 device")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_equal_one_process(reference):
     # rank 1's own dataloader holds other targets: it must predict rank 0's (broadcast) batches
