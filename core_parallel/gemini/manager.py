@@ -41,11 +41,36 @@ class _StateDictIO:
         """Full fp32 master value of a parameter in its original dtype; during a checkpoint save, one shared
         empty placeholder per parameter (tied names alias, values come from the shards)."""
         if self.placeholder_state_dict:
+            if pidx in self._frozen_stash:
+                return self._frozen_stash[pidx]
             return self._placeholders.setdefault(pidx, torch.empty(0))
         s = self.slot_of[pidx]
         p = self.params[pidx]
         flat = self._io_cache[s.chunk][s.offset : s.offset + s.numel]
         return flat.view(p.shape).to(self.param_dtypes[pidx], copy=True)
+
+    def begin_checkpoint(self) -> None:
+        """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication.
+
+        Trained parameters come from the optimizer's shards (placeholders here); frozen ones are gathered
+        now and kept on rank 0, so they land in the model file exactly as ZeRO saves them.
+        """
+        self.end_checkpoint()
+        for c in self.chunks:
+            if c.spec.trainable:
+                continue
+            full = c.gather_fp32(c.master)
+            if self.rank == 0:
+                for s in c.spec.slots:
+                    p = self.params[s.param]
+                    self._frozen_stash[s.param] = full[s.offset : s.offset + s.numel].view(p.shape).to(
+                        self.param_dtypes[s.param], copy=True)
+        self.placeholder_state_dict = True
+
+    def end_checkpoint(self) -> None:
+        """Back to normal state_dict behaviour (collective full values)."""
+        self.placeholder_state_dict = False
+        self._frozen_stash = {}
 
     def io_release(self, pidxs: Iterable[int]) -> None:
         for ci in {self.slot_of[p].chunk for p in pidxs}:
@@ -101,6 +126,7 @@ class ChunkManager(_StateDictIO):
         self.names: list[str] = []
         self.placeholder_state_dict = False
         self._placeholders: dict[int, torch.Tensor] = {}
+        self._frozen_stash: dict[int, torch.Tensor] = {}
         self._io_cache: dict[int, torch.Tensor] = {}
         self._io_storage: set[int] = set()
         self._build_buffers(state_kinds)
@@ -151,7 +177,8 @@ class ChunkManager(_StateDictIO):
     # ---- gather / release --------------------------------------------------------------------------
     def access(self, ids: Iterable[int]) -> None:
         """Modules start computing with chunks `ids`: gather them (and prefetch the next ones)."""
-        self.placeholder_state_dict = False
+        if self.placeholder_state_dict:
+            self.end_checkpoint()
         for i in ids:
             c = self.chunks[i]
             self.trace.record(i)

@@ -80,7 +80,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     # ---- the training-loop interface ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, then make sure every rank has run its gradient reductions."""
-        self.manager.placeholder_state_dict = False
+        self.manager.end_checkpoint()
         passes = self.manager.passes
         (loss * self.loss_scaler.scale if self.loss_scaler.enabled else loss).backward()
         if self.manager.passes == passes:  # no hook fired on this rank: still take part in the reductions
@@ -97,7 +97,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.manager.sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.placeholder_state_dict = False
+        self.manager.end_checkpoint()
         self._prepared = None
         self.manager.zero_grad()
 
@@ -159,7 +159,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.manager.placeholder_state_dict = False
+        self.manager.end_checkpoint()
         used = self.manager.used_params()
         overflow = self._prepare()
         self.loss_scaler.update(overflow)
@@ -271,13 +271,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     # ---- the core_parallel.checkpoint protocol ------------------------------------------------------
     def sharded_state(self):
-        """This rank's pieces of every parameter (frozen ones too, master only) for `save_checkpoint`."""
+        """This rank's pieces of every trained parameter for `save_checkpoint` (collective)."""
         from core_parallel.checkpoint import ParamShard, ShardedState
 
         mgr = self.manager
-        mgr.placeholder_state_dict = True  # rank 0 alone calls model.state_dict() next: no collectives
+        mgr.begin_checkpoint()  # rank 0 alone calls model.state_dict() next: no collectives
         params = {}
         for pidx, name in enumerate(mgr.names):
+            if pidx not in self.steps:
+                continue  # frozen: saved in the model file, as ZeRO does
             s = mgr.slot_of[pidx]
             c = mgr.chunks[s.chunk]
             lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)

@@ -5,6 +5,7 @@ counts and from / to ZeRO-2."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import core_parallel
 from core_parallel import run_on_ranks
@@ -44,6 +45,9 @@ def _save(rank: int, world: int, tmp: str) -> None:
 def _resume(rank: int, world: int, tmp: str, source: str, target: str) -> dict:
     """Load a checkpoint into `target` (gemini or zero) and train to the end."""
     model, opt = build("adam")
+    with torch.no_grad():  # everything, frozen weights included, must come from the checkpoint
+        for p in model.parameters():
+            p.zero_()
     cfg = GeminiConfig(chunk_mb=24 * 4 / 2**20) if target == "gemini" else core_parallel.ZeroConfig(stage=2)
     model, opt = core_parallel.setup(model, opt, cfg)
     core_parallel.load_checkpoint(f"{tmp}/{source}-ckpt", model, opt)
