@@ -128,3 +128,22 @@ def test_config_file_fills_flags_and_rejects_unknown_keys(tmp_path, capsys):
     config.write_text("relax: false\nmax_recycles: 3\n")
     assert main(["fold", "--config", str(config), "--output_dir", str(tmp_path / "out")]) == 2
     assert "key 'max_recycles' is not a suite fold flag" in capsys.readouterr().err
+
+
+def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys):
+    import torch
+
+    from fastfold.model import AlphaFold, config
+    from fastfold.pipeline import Prediction
+
+    torch.manual_seed(3)
+    AlphaFold(config.tiny()).save_params(tmp_path / "params_model_1_ptm.npz")
+    fasta = _fasta(tmp_path, ">pep\nMKTAYIAK\n")
+    argv = ["fold", fasta, "--output_dir", str(tmp_path / "out"), "--no-relax", "--single_sequence"]
+    assert main([*argv, "--param_path", str(tmp_path)]) == 0  # a folder of params_<model>.npz
+    assert "RANDOM WEIGHTS" not in capsys.readouterr().err
+    assert "RANDOM" not in (tmp_path / "out" / "pep" / "pep_unrelaxed.pdb").read_text()
+    loaded = Prediction.load(tmp_path / "out" / "pep" / "pep_model_1_ptm_prediction.npz")
+    assert main([*argv, "--overwrite"]) == 0  # random weights (seed 0): another structure
+    random = Prediction.load(tmp_path / "out" / "pep" / "pep_model_1_ptm_prediction.npz")
+    assert not np.allclose(loaded.positions, random.positions)
