@@ -24,7 +24,8 @@ if config is not None:                             # None when --ray_address was
 ```
 
 How it works: `fit_on_ray` connects to the cluster (`address="local"` starts a private local Ray with
-`num_workers * cpus_per_worker` CPUs, no dashboard), then a `TorchTrainer` starts `num_workers` workers,
+`num_workers * cpus_per_worker` CPUs, no dashboard; `"auto"` joins the running cluster and, when there
+is none, starts that local Ray with a logged warning), then a `TorchTrainer` starts `num_workers` workers,
 Ray creates the torch process group (gloo on CPU, NCCL on GPU, with `collective_timeout_s`), and each
 worker builds the job and a `Trainer` with the Ray cluster environment and a Ray-compatible subclass of
 the named strategy (it also derives from Ray's `RayDDPStrategy`, so `ray.train.lightning.prepare_trainer`
@@ -59,7 +60,7 @@ class RayConfig:
     """Where and how wide to run a recipe on Ray."""
 
     address: str = "local"
-    """Ray address: "auto" (the running cluster), "ray://host:10001", or "local" to start a private local Ray."""
+    """Ray address: "auto" (the running cluster, else a local Ray, logged), "ray://host:10001", or "local"."""
     num_workers: int = 2
     """Number of training processes (ranks)."""
     use_gpu: bool = False
@@ -215,8 +216,14 @@ def _connect(config: RayConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    if config.address == "local":
-        cpus = max(1, int(round(config.num_workers * config.cpus_per_worker)))
+    cpus = max(1, int(round(config.num_workers * config.cpus_per_worker)))
+    if config.address == "auto":
+        try:
+            ray.init(address="auto", include_dashboard=False, log_to_driver=False)
+            return True
+        except ConnectionError:
+            logger.warning("--ray_address auto: no running Ray cluster found; starting a local Ray with %d CPUs", cpus)
+    if config.address in ("local", "auto"):
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
