@@ -98,8 +98,11 @@ BAD = [
     (">pep\nMK\n", ["--devices", "0"], "--devices must be >= 1"),
     (">pep\nMK\n", ["--chunk_size", "0"], "--chunk_size must be a positive int or 'auto'"),
     (">pep\nMK\n", ["--uniref90_database_path", "no_db.fasta"], "--uniref90_database_path no_db.fasta: no such"),
-    (">pep\nMK\n", ["--uniref90_database_path", str(ASSETS / "query.fasta"), "--jackhmmer_binary_path", "no_jackhmmer"],
-     "--jackhmmer_binary_path: jackhmmer: binary 'no_jackhmmer' not found"),
+    (
+        ">pep\nMK\n",
+        ["--uniref90_database_path", str(ASSETS / "query.fasta"), "--jackhmmer_binary_path", "no_jackhmmer"],
+        "--jackhmmer_binary_path: jackhmmer: binary 'no_jackhmmer' not found",
+    ),
     (">pep\nMK\n", ["--model_device", "tpu"], "--model_device 'tpu': expected auto, cpu, cuda or cuda:N"),
 ]
 
@@ -147,3 +150,28 @@ def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys
     assert main([*argv, "--overwrite"]) == 0  # random weights (seed 0): another structure
     random = Prediction.load(tmp_path / "out" / "pep" / "pep_model_1_ptm_prediction.npz")
     assert not np.allclose(loaded.positions, random.positions)
+
+
+def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, capsys):
+    alignments = tmp_path / "alignments"
+    (alignments / "good").mkdir(parents=True)
+    (alignments / "bad").mkdir()
+    (alignments / "good" / "bfd_uniref_hits.a3m").write_text(">good\nMKTAYIAK\n>h\nMKTAhYIAR\n")
+    (alignments / "bad" / "uniref90_hits.sto").write_text("not stockholm\n")
+    fasta = _fasta(tmp_path, ">bad\nMKTAYIAK\n>good\nMKTAYIAK\n")
+    argv = [
+        "fold",
+        fasta,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--no-relax",
+        "--num_workers",
+        "0",
+        "--use_precomputed_alignments",
+        str(alignments),
+    ]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "failed" in out and "not a Stockholm file" in out
+    assert (tmp_path / "out" / "good" / "timings.json").exists()
+    assert not (tmp_path / "out" / "bad" / "timings.json").exists()
