@@ -179,6 +179,9 @@ class FineTuneConfig:
             raise ValueError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
         LossConfig(prediction_type=self.prediction_type or "epsilon", snr_gamma=self.snr_gamma,
                    noise_offset=self.noise_offset, prior_loss_weight=self.prior_loss_weight)
+        if self.use_ema and self.strategy.startswith("gemini"):
+            raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
+                             "use zero2 or ddp")
 
     def _check_dreambooth(self) -> None:
         if self.instance_data_dir and not self.instance_prompt:

@@ -303,18 +303,58 @@ def find_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-def _write_weights(module: StableDiffusionFineTune, folder: Path) -> None:
-    """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/)."""
-    from diffusion.lora import lora_state_dicts, save_lora_weights
+def _sub(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def materialize(module: StableDiffusionFineTune) -> dict[str, Any]:
+    """`unet`, `vae`, `text_encoder` holding the full current weights on rank 0; call on every rank.
+
+    `module.state_dict()` is taken on every rank: under a sharding strategy (Gemini) it gathers the weights
+    (a collective), and the module's own parameters have empty storage between forward passes, so fresh
+    modules are loaded from it. Otherwise the module's own submodules are returned.
+    """
+    parts = {"unet": module.unet, "vae": module.vae, "text_encoder": module.text_encoder}
+    # Called at optimizer-step boundaries only, so clearing gradients loses nothing; it also ends Gemini's
+    # checkpoint mode (in which state_dict() returns placeholders) right after trainer.save_checkpoint.
+    for optimizer in module.trainer.optimizers if module._trainer is not None else ():
+        optimizer.zero_grad()
+    state = module.state_dict()
+    if module.global_rank != 0 or not any(p.untyped_storage().nbytes() == 0 and p.numel()
+                                          for p in module.parameters()):
+        return parts
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    out = {}
+    for name, part in parts.items():
+        config = part.config
+        fresh = type(part).from_config(config) if hasattr(type(part), "from_config") else type(part)(config)
+        fresh.load_state_dict(_sub(state, f"{name}."), strict=False)
+        out[name] = fresh
+    out["state"] = state
+    return out
+
+
+def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict[str, dict]:
+    from diffusion.lora import lora_state_dicts
+
+    state = parts.get("state")
+    te = module.text_encoder if module.config.train_text_encoder else None
+    if state is None:
+        return lora_state_dicts(module.unet, te)
+    return lora_state_dicts(module.unet, te, unet_state=_sub(state, "unet."), text_state=_sub(state, "text_encoder."))
+
+
+def _write_weights(module: StableDiffusionFineTune, folder: Path, parts: dict[str, Any]) -> None:
+    """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); rank 0."""
+    from diffusion.lora import save_lora_weights
 
     cfg = module.config
     if cfg.lora:
-        te = module.text_encoder if cfg.train_text_encoder else None
-        save_lora_weights(folder, lora_state_dicts(module.unet, te))
+        save_lora_weights(folder, _lora_layers(module, parts))
         return
-    module.unet.save_pretrained(folder / "unet", safe_serialization=True)
+    parts["unet"].save_pretrained(folder / "unet", safe_serialization=True)
     if cfg.train_text_encoder:
-        module.text_encoder.save_pretrained(folder / "text_encoder", safe_serialization=True)
+        parts["text_encoder"].save_pretrained(folder / "text_encoder", safe_serialization=True)
     if module.ema is not None:
         module.pipeline(use_ema=True).unet.save_pretrained(folder / "unet_ema", safe_serialization=True)
 
@@ -340,8 +380,9 @@ class CheckpointEvery(pl.Callback):
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("checkpoint-start")
         trainer.save_checkpoint(tmp / CKPT_FILE, weights_only=False)
+        parts = materialize(module)
         if trainer.is_global_zero:
-            _write_weights(module, tmp)
+            _write_weights(module, tmp, parts)
             from diffusion.export import move_into
 
             staging = self.output_dir / f".checkpoint-{step}.stage"
@@ -455,20 +496,24 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 
 
 def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
-    """Write the final result into output_dir: LoRA weights, or the whole pipeline (EMA weights under use_ema)."""
+    """Write the final result into output_dir: LoRA weights, or the whole pipeline (EMA weights under use_ema).
+
+    Call on every rank (gathering sharded weights is collective); rank 0 writes.
+    """
     from diffusion.export import save_pipeline
-    from diffusion.lora import lora_state_dicts, save_lora_weights
+    from diffusion.lora import save_lora_weights
+    from diffusion.models import make_pipeline
 
     cfg, out = module.config, Path(module.config.output_dir)
+    parts = materialize(module)
     if not trainer.is_global_zero:
         return out
     if cfg.lora:
-        te = module.text_encoder if cfg.train_text_encoder else None
-        path = save_lora_weights(out, lora_state_dicts(module.unet, te))
+        path = save_lora_weights(out, _lora_layers(module, parts))
     else:
-        pipe = module.pipeline(use_ema=True)
-        for part in (pipe.unet, pipe.text_encoder, pipe.vae):
-            part.to(torch.float32)
+        for name in ("unet", "vae", "text_encoder"):
+            parts[name].to(torch.float32)
+        pipe = make_pipeline({**parts, "tokenizer": module.tokenizer, "scheduler": module.noise_scheduler})
         path = save_pipeline(pipe, out)
     logger.info("exported %s", path)
     return path
@@ -492,7 +537,7 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
         trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
     if cfg.validation_prompt:
         ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
-    if module.ema is not None:
+    if module.ema is not None:  # diffusers' scripts export the EMA weights
         module.ema.copy_to(module.unet.parameters())
         module.ema = None
     export(trainer, module)
