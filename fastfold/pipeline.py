@@ -240,12 +240,14 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
     from fastfold.data.features import to_torch
 
     param = next(model.parameters())
+    # bf16 models get float32 features (coordinates and masks keep their precision; the model casts)
+    dtype = torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
     numpy_part = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
-    tensors = to_torch(numpy_part, device=str(param.device), dtype=param.dtype)
+    tensors = to_torch(numpy_part, device=str(param.device), dtype=dtype)
     for key, value in batch.items():
         if key not in tensors:
             value = value.to(param.device)
-            tensors[key] = value.to(param.dtype) if value.is_floating_point() else value
+            tensors[key] = value.to(dtype) if value.is_floating_point() else value
     with torch.no_grad():
         outputs = model(tensors, options=_inference_options(spec))
     return _to_prediction(outputs)
