@@ -91,10 +91,23 @@ def pack_for_reduce_scatter(flats: Sequence[torch.Tensor], world: int) -> torch.
     """Pack 1-D tensors so that rank r's shard of each one is contiguous in slot r.
 
     flats: 1-D tensors of any lengths (one dtype). Returns a new tensor [world * S], S = sum of their shard
-    sizes, laid out as [world, S]: row r is the concatenation of shard r of every input, in order.
+    sizes, laid out as [world, S]: row r is the concatenation of shard r of every input (zero padded), in
+    order. Each input is copied once, straight into place.
     """
-    rows = [pad_flat(f, world).view(world, -1) for f in flats]
-    return torch.cat(rows, dim=1).reshape(-1)
+    shards = [shard_size(f.numel(), world) for f in flats]
+    total = sum(shards)
+    out = flats[0].new_zeros(world * total)
+    grid = out.view(world, total)
+    offset = 0
+    for f, shard in zip(flats, shards):
+        n = f.numel()
+        rows = n // shard if shard else 0
+        if rows:
+            grid[:rows, offset : offset + shard].copy_(f[: rows * shard].view(rows, shard))
+        if n > rows * shard:
+            grid[rows, offset : offset + n - rows * shard].copy_(f[rows * shard :])
+        offset += shard
+    return out
 
 
 def unpack_gathered(gathered: torch.Tensor, numels: Sequence[int], world: int) -> list[torch.Tensor]:

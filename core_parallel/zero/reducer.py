@@ -26,7 +26,7 @@ __all__ = ["GradReducer", "Slot"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_IN_FLIGHT = 2
+_MAX_IN_FLIGHT = 1  # one bucket reducing while backward produces the next: bounded extra memory
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

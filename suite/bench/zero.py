@@ -13,6 +13,7 @@ DDP 16; ZeRO-1 4 + 4 + 8/N during backward; ZeRO-2 4 + 12/N.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 __all__ = ["add_arguments", "run"]
 
@@ -107,10 +108,27 @@ def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int
     return times
 
 
+def _fixed_mmap_threshold() -> None:
+    """Make glibc return freed large blocks to the OS, so RSS tracks live tensors (Linux only).
+
+    By default glibc raises its mmap threshold after large frees and then keeps freed memory in the heap,
+    which inflates the RSS of code that allocates and frees gradient buckets.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB, fixed
+
+
 def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
                  bucket_mb: float) -> dict:
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
+
+    _fixed_mmap_threshold()
 
     from suite.bench.common import peak_rss_bytes
 
