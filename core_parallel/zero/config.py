@@ -26,7 +26,7 @@ class ZeroConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB: one collective per bucket."""
     overlap: bool = True
-    """Reduce buckets while backward still runs (asynchronous collectives), instead of after it."""
+    """Stage 2: reduce-scatter buckets while backward still runs (async), instead of after it. Stage 1 ignores it."""
     max_grad_norm: float | None = None
     """Clip the global L2 gradient norm to this in every step(); None: no automatic clipping."""
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
