@@ -25,6 +25,20 @@ def test_config_validation():
         FitJob(module=None, trainer_kwargs={"devices": 2})
 
 
+def test_ray_strategy_passes_rays_check():
+    from ray.train.lightning import RayDDPStrategy
+
+    from recipes import GeminiStrategy, ZeroStrategy
+    from recipes.ray import ray_strategy
+
+    zero = ray_strategy("zero2_offload")
+    assert isinstance(zero, ZeroStrategy) and isinstance(zero, RayDDPStrategy)
+    assert zero.core_config("fp32").offload == "cpu"
+    assert isinstance(ray_strategy("gemini_auto"), GeminiStrategy)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        ray_strategy("zero3")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):

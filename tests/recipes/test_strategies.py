@@ -369,3 +369,40 @@ def test_last_checkpoint_before_the_death_is_intact_and_resumes(dead_rank_run, o
     assert not list(ckpts.glob(".*")), "a half-written checkpoint was left behind"
     # 3 epochs of 2 optimizer steps; the run resumed from step 3 finishes the schedule.
     assert one_rank_run["after_dead_step"] == 6
+
+
+def test_configs_behind_the_names(monkeypatch, tmp_path):
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    def config(name):
+        entry = StrategyRegistry[name]
+        return entry["strategy"](**entry["init_params"]).core_config("bf16")
+
+    assert (config("zero1").stage, config("zero2").stage, config("zero2_offload").offload) == (1, 2, "cpu")
+    assert config("zero2").precision == "bf16"
+    assert (config("gemini").offload_param_frac, config("gemini").offload_dir) == (0.0, None)
+    off = config("gemini_offload")
+    assert (off.offload_param_frac, off.offload_optim_frac, off.offload_dir) == (1.0, 1.0, None)
+    monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path))
+    assert config("gemini_nvme").offload_dir == str(tmp_path)
+    assert config("gemini_auto").placement == "auto"
+    with pytest.raises(ValueError, match="Trainer\\(precision"):
+        recipes_strategies().ZeroStrategy(precision="bf16")
+    with pytest.raises(ValueError, match="stage"):
+        recipes_strategies().ZeroStrategy(stage=3)
+
+
+def recipes_strategies():
+    import recipes.strategies
+
+    return recipes.strategies
+
+
+def test_peer_failure_is_recognised():
+    from recipes.strategies import _looks_like_peer_failure
+
+    gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:30886: Connection reset by peer"
+    assert _looks_like_peer_failure(RuntimeError(gloo))
+    assert _looks_like_peer_failure(RuntimeError("Timed out waiting 20000ms for recv operation to complete"))
+    assert not _looks_like_peer_failure(ValueError("Connection reset by peer"))
+    assert not _looks_like_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
