@@ -221,8 +221,9 @@ class _ShardedStrategy(DDPStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         path = Path(self.broadcast(os.fspath(filepath)))
         staging = Path(self.broadcast(os.fspath(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")))
-        optimizer = self._core_optimizer if "optimizer_states" in checkpoint else None
-        core_parallel.save_checkpoint(staging, self.model, optimizer)
+        # The optimizer goes in even for weights-only saves: the master shards are the weights, and a
+        # model-only save would gather Gemini's chunks on rank 0 alone.
+        core_parallel.save_checkpoint(staging, self.model, self._core_optimizer)
         if self.is_global_zero:
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             with atomic_write(staging / LIGHTNING_STATE, "wb") as f:
