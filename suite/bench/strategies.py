@@ -121,8 +121,9 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
         per_rank = run_on_ranks(_bench_rank, args.ranks, name, shared, backend="none", timeout=args.timeout, env=env)
     except (RankError, TimeoutError) as exc:
         reason = str(exc).splitlines()[0][:160]
+        short = reason.split(": ", 1)[-1][:60]
         logger.warning("%s did not run: %s", name, reason)
-        return {"strategy": name, "status": f"n/a: {reason}"}
+        return {"strategy": name, "status": f"n/a: {short}", "error": reason}
     peaks = [r["peak_bytes"] for r in per_rank]
     return {
         "strategy": name,
