@@ -35,7 +35,7 @@ from diffusion.data import (
 from diffusion.errors import InputError
 from diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 
-__all__ = ["ImageCaptionData", "StableDiffusionFineTune", "fit_finetune", "find_checkpoint"]
+__all__ = ["ImageCaptionData", "StableDiffusionFineTune", "find_checkpoint", "fit_finetune", "fit_with_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -470,6 +470,38 @@ def _loggers(cfg: FineTuneConfig, resumed_step: int | None = None) -> list[Any]:
     return loggers
 
 
+class FinishRun(pl.Callback):
+    """At the end of a completed run (every rank): final validation grid, EMA weights in, export."""
+
+    def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+        cfg = module.config
+        if cfg.validation_prompt:
+            ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
+        if module.ema is not None:  # diffusers' scripts export the EMA weights
+            module.ema.copy_to(module.unet.parameters())
+            module.ema = None
+        export(trainer, module)
+
+
+def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
+                   resumed_step: int | None = None, progress_bar: bool = True) -> dict[str, Any]:
+    """`pl.Trainer` arguments of a run, except the placement (strategy, devices, nodes)."""
+    cbs: list[pl.Callback] = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
+    if progress_bar:
+        cbs.append(_progress_bar())
+    if cfg.validation_prompt:
+        cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
+    cbs += [*(callbacks or []), FinishRun()]
+    return dict(
+        precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
+        accumulate_grad_batches=cfg.gradient_accumulation_steps,
+        gradient_clip_val=cfg.max_grad_norm or None, logger=_loggers(cfg, resumed_step), callbacks=cbs,
+        enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg.output_dir,
+        enable_progress_bar=progress_bar,
+    )
+
+
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
                   resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
@@ -477,20 +509,8 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 
     if cfg.offload_dir:
         os.environ["SUITE_OFFLOAD_DIR"] = str(cfg.offload_dir)
-    cbs = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
-    if overrides.get("enable_progress_bar", True):
-        cbs.append(_progress_bar())
-    if cfg.validation_prompt:
-        cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
-    kwargs = dict(
-        accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
-        precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
-        accumulate_grad_batches=cfg.gradient_accumulation_steps,
-        gradient_clip_val=cfg.max_grad_norm or None, logger=_loggers(cfg, resumed_step),
-        callbacks=cbs + list(callbacks or []),
-        enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
-        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg.output_dir,
-    )
+    kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, overrides.pop("enable_progress_bar", True))
+    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy)
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
 
@@ -519,26 +539,59 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
     return path
 
 
-def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
-    """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
+def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Path | None, int | None]:
+    """Validate the data (before any model is built), find the checkpoint to resume: data, steps, ckpt, step."""
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
     if cfg.resume_from_checkpoint and ckpt is None:
         logger.info("no checkpoint found in %s; starting a new run", cfg.output_dir)
     data = ImageCaptionData(cfg, tokenizer=None)
-    max_steps = cfg.total_steps(len(data.scan()), cfg.devices * cfg.num_nodes)  # bad data stops before the model
+    max_steps = cfg.total_steps(len(data.scan()), world)
+    resumed_step = int(_CKPT_RE.match(ckpt.name).group(1)) if ckpt and _CKPT_RE.match(ckpt.name) else None
+    return data, max_steps, ckpt, resumed_step
+
+
+def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
+    """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
+    data, max_steps, ckpt, resumed_step = _prepare(cfg, cfg.devices * cfg.num_nodes)
     module = StableDiffusionFineTune(cfg)
     data.tokenizer = module.tokenizer
-    resumed_step = int(_CKPT_RE.match(ckpt.name).group(1)) if ckpt and _CKPT_RE.match(ckpt.name) else None
     trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, **trainer_overrides)
     with warnings.catch_warnings():
         # ImageCaptionData restores the sampler position itself (its state_dict), which Lightning cannot see.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
-    if cfg.validation_prompt:
-        ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
-    if module.ema is not None:  # diffusers' scripts export the EMA weights
-        module.ema.copy_to(module.unet.parameters())
-        module.ema = None
-    export(trainer, module)
     return module
+
+
+def _ray_job(cfg: FineTuneConfig, max_steps: int, ckpt: str | None, resumed_step: int | None) -> Any:
+    """The job every Ray worker builds (module-level, so cloudpickle sends it by reference)."""
+    from recipes.ray import FitJob
+
+    module = StableDiffusionFineTune(cfg)
+    data = ImageCaptionData(cfg, module.tokenizer)
+    strategy = "ddp" if cfg.strategy == "auto" else cfg.strategy
+    return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
+                  trainer_kwargs=trainer_kwargs(cfg, max_steps, None, resumed_step, progress_bar=False))
+
+
+def fit_with_ray(cfg: FineTuneConfig) -> Any:
+    """`suite diffusion finetune --ray_address ...`: the same run on `num_workers` Ray Train workers."""
+    import dataclasses
+    import functools
+
+    from recipes.ray import RayConfig, fit_on_ray
+
+    # Ray workers run in their own working folders: every path must be absolute.
+    paths = ("output_dir", "train_data_dir", "instance_data_dir", "class_data_dir", "pretrained_model_name_or_path",
+             "offload_dir")
+    cfg = dataclasses.replace(cfg, **{k: os.path.abspath(getattr(cfg, k)) for k in paths
+                                      if getattr(cfg, k) and os.path.exists(getattr(cfg, k))})
+    if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
+        cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
+    workers = cfg.num_workers or cfg.devices * cfg.num_nodes
+    _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)
+    build = functools.partial(_ray_job, cfg, max_steps, str(ckpt / CKPT_FILE) if ckpt else None, resumed_step)
+    storage = os.path.join(cfg.output_dir, "ray")
+    return fit_on_ray(build, RayConfig(address=cfg.ray_address, num_workers=workers, storage_path=storage,
+                                       name="diffusion-finetune"))
