@@ -14,9 +14,16 @@ __all__ = ["STEPS", "add_arguments", "run"]
 # (name, argv template). {out} is replaced by the output folder.
 STEPS: list[tuple[str, list[str]]] = [
     ("diffusion: LoRA fine-tune of a tiny Stable Diffusion", [
-        "diffusion", "finetune", "--output_dir", "{out}/diffusion_lora", "--rank", "4", "--max_train_steps", "20"]),
-    ("diffusion: full fine-tune with zero2 strategy off, ddp on 1 process", [
-        "diffusion", "finetune", "--output_dir", "{out}/diffusion_full", "--max_train_steps", "10"]),
+        "diffusion", "finetune", "--output_dir", "{out}/diffusion_lora", "--rank", "4", "--max_train_steps", "30",
+        "--train_batch_size", "2", "--learning_rate", "1e-3", "--checkpointing_steps", "15",
+        "--validation_prompt", "a red circle on a white background", "--validation_steps", "15",
+        "--num_validation_images", "4", "--num_inference_steps", "10"]),
+    ("diffusion: full fine-tune with EMA, min-SNR and gradient checkpointing (ddp on 1 process)", [
+        "diffusion", "finetune", "--output_dir", "{out}/diffusion_full", "--max_train_steps", "20",
+        "--train_batch_size", "2", "--use_ema", "--snr_gamma", "5.0", "--gradient_checkpointing",
+        "--checkpointing_steps", "10", "--checkpoints_total_limit", "1",
+        "--validation_prompt", "a blue square on a black background", "--validation_steps", "20",
+        "--num_validation_images", "4", "--num_inference_steps", "10"]),
     ("fold: bundled example, single-sequence, tiny random model, Amber relax", ["fold", "--output_dir", "{out}/fold"]),
 ]
 
