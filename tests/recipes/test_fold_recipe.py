@@ -19,6 +19,7 @@ LABEL = "model_1_ptm"
 def _recipe(rank: int, world: int, fasta: str, out: str) -> int:
     """Fold with the recipe; returns how many targets reached predict_step."""
     import lightning.pytorch as pl
+    import torch.distributed as dist
 
     from recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
 
@@ -27,6 +28,7 @@ def _recipe(rank: int, world: int, fasta: str, out: str) -> int:
         logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
     predictions = trainer.predict(AlphaFoldPredictor(model_name=LABEL, seed=0), datamodule=FoldDataModule(fasta))
+    assert dist.is_initialized() == (world > 1), "one device must need no process group"
     return len([p for p in predictions if p is not None])
 
 
