@@ -8,9 +8,10 @@ diffusion (sequence L, D 64, bias shared over heads, key-padding mask).
 Memory: each (case, implementation) runs in a fresh subprocess. On CPU the peak extra memory is the growth
 of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs exist) over
 the resident set just before the first call: every page the op touches counts, allocator caches do not
-hide anything (glibc's mmap threshold is pinned at 64 KiB so freed blocks are returned, not cached). One
-warm-up call runs first. On CUDA it is `max_memory_allocated` minus the allocation before the call. Times are
-the median of `--repeat` calls after the measured one.
+hide anything (glibc's mmap threshold is pinned at 64 KiB so freed blocks are returned, not cached). On CUDA
+it is `max_memory_allocated` minus the allocation before the call. Times come from a second fresh subprocess
+with the default allocator: the median of `--repeat` calls, wall clock and process CPU time. Both runs make
+one warm-up call first.
 """
 
 from __future__ import annotations
@@ -177,24 +178,30 @@ def _worker(spec: dict) -> dict:
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else None
-    if cuda:
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - before
-    else:
-        step()  # warm-up: lazy initialisation must not count as the op's memory
-        gc.collect()
-        _reset_hwm()
-        before = _current_rss()
-        step()
-        extra = _hwm() - before
-    wall, cpu = _timings(step, spec["repeat"], sync)
-    return {"ms": wall * 1e3, "cpu_ms": None if cuda else cpu * 1e3, "extra_mib": extra / 2**20}
+    step()  # warm-up: lazy initialisation must count neither as the op's memory nor its time
+    if spec["measure"] == "time":
+        wall, cpu = _timings(step, spec["repeat"], torch.cuda.synchronize if cuda else None)
+        return {"ms": wall * 1e3, "cpu_ms": None if cuda else cpu * 1e3}
+    return {"extra_mib": (_extra_cuda(step) if cuda else _extra_cpu(step)) / 2**20}
+
+
+def _extra_cuda(step) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _extra_cpu(step) -> int:
+    gc.collect()
+    _reset_hwm()
+    before = _current_rss()
+    step()
+    return _hwm() - before
 
 
 def _timings(step, repeat: int, sync) -> tuple[float, float]:
@@ -211,18 +218,25 @@ def _timings(step, repeat: int, sync) -> tuple[float, float]:
 
 
 def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> dict:
-    spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           # a fixed mmap threshold: freed blocks above 64 KiB go back to the OS instead of being reused from
-           # a heap the warm-up already made resident, which would hide them from the peak resident set
-           "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run([sys.executable, "-m", "suite.bench.kernels", json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=args.timeout)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        return {"error": tail[0]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Time and memory of one implementation, each measured in its own fresh subprocess."""
+    result = {}
+    for measure in ("memory", "time"):
+        spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,
+                "measure": measure}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if measure == "memory":
+            # a fixed mmap threshold: freed blocks above 64 KiB go back to the OS instead of being reused from a
+            # heap the warm-up made resident, which would hide them from the peak resident set. Timing runs keep
+            # the default allocator, whose block reuse is what users get.
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        proc = subprocess.run([sys.executable, "-m", "suite.bench.kernels", json.dumps(spec)], capture_output=True,
+                              text=True, env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            return {"error": tail[0]}
+        result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- driver
