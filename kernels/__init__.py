@@ -34,7 +34,8 @@ __all__ = [
 _CPU_PATHS = {
     "layer_norm": "cpu (F.layer_norm)",
     "softmax": "cpu (fused torch.softmax, in-place masked scores, output-only backward)",
-    "attention": "cpu (chunked over query blocks, recomputing backward; SDPA without bias and mask)",
+    "attention": "cpu (chunked online-softmax over query blocks, recomputing backward; SDPA when no bias/mask"
+                 " or no gradients)",
 }
 
 
@@ -45,7 +46,10 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, str]:
     not known here; they are logged once when they happen.
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    requested = current_backend()
+    try:
+        requested = current_backend()
+    except ValueError as exc:  # a bad SUITE_KERNEL_BACKEND: report it (kernel calls raise it)
+        return {op: f"error: {exc}" for op in _CPU_PATHS}
     reason = triton_unavailable_reason(device)
     report = {}
     for op, cpu_path in _CPU_PATHS.items():

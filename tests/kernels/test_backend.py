@@ -66,3 +66,9 @@ def test_backend_report():
         assert all(v == "triton (interpreted)" for v in kernels.backend_report("cpu").values())
     if not torch.cuda.is_available():
         assert "triton unavailable: CUDA is not available" in kernels.backend_report("cuda")["attention"]
+
+
+def test_backend_report_names_a_bad_env_var(monkeypatch):
+    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "bogus")
+    report = kernels.backend_report("cpu")
+    assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v for v in report.values())
