@@ -25,11 +25,14 @@ class Tiny(nn.Module):
         self.head.weight = self.emb.weight  # tied
         self.frozen.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_extra: bool | str) -> torch.Tensor:
+        """`use_extra`: True, False, or "detached" (run `sometimes` but let no gradient reach it)."""
         h = self.emb(x)
         h = torch.tanh(self.frozen(torch.relu(self.l1(h))))
         h = self.l2(h)
-        if use_extra:
+        if use_extra == "detached":
+            h = h + self.sometimes(h).detach()
+        elif use_extra:
             h = h + self.sometimes(h)
         return self.head(h)
 
@@ -177,3 +180,4 @@ def fp16_overflow(rank: int, world: int) -> dict:
         "scaler": opt.loss_scaler.state_dict(),
         "dtype": str(model.l1.weight.dtype),
     }
+
