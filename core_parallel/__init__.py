@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from core_parallel._lazy import lazy_getattr
 from core_parallel.launch import RankError, run_on_ranks
-from core_parallel.topology import Axis, Topology, default_backend
 
+# Importing the package stays free of torch (Ray workers and parsers import it cheaply).
 _LAZY = {
+    "Axis": "core_parallel.topology",
+    "Topology": "core_parallel.topology",
+    "default_backend": "core_parallel.topology",
     "setup": "core_parallel.api",
     "save_checkpoint": "core_parallel.api",
     "load_checkpoint": "core_parallel.api",
@@ -19,4 +22,4 @@ _LAZY = {
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
-__all__ = ["Axis", "RankError", "Topology", "default_backend", "run_on_ranks", *_LAZY]
+__all__ = ["RankError", "run_on_ranks", *_LAZY]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -74,7 +75,9 @@ def _worker(
                 timeout=datetime.timedelta(seconds=collective_timeout),
             )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # Plain pickle copies tensors by value. The queue's own pickler would hand over shared-memory
+        # handles, which die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException as exc:  # noqa: B036 - every failure must reach the parent
         results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
@@ -96,7 +99,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned ranks.
 
-    `fn` must be importable by name (a module-level function). Its return value must be picklable.
+    `fn` must be importable by name (a module-level function). Its return value must be picklable; it is
+    copied by value, so returned tensors stay valid after the ranks exit.
     `backend="none"` skips process-group initialisation (for code that sets up its own).
     Returns the results in rank order; raises `RankError` for the first rank that failed and
     `TimeoutError` if the ranks did not all finish within `timeout` seconds.
@@ -135,7 +139,7 @@ def run_on_ranks(
                 continue
             if not ok:
                 raise RankError(rank, *payload)
-            outs[rank] = payload
+            outs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if p.is_alive():

@@ -25,10 +25,6 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 # Modules whose import registers strategy names with Lightning's StrategyRegistry.
 _REGISTERING = ("recipes.strategies", "recipes.dap")
 for _module in _REGISTERING:
-    try:
-        importlib.import_module(_module)
-    except ModuleNotFoundError as _exc:  # transitional: a module not written yet
-        if _exc.name != _module:
-            raise
+    importlib.import_module(_module)
 
 __all__ = list(_LAZY)

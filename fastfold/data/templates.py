@@ -84,10 +84,15 @@ class TemplateFeaturizer:
         return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask, self._kalign())
 
     def _kalign(self) -> str | None:
-        import shutil
+        from fastfold.data.tools import ToolError, find_binary
 
         path = self.config.kalign_binary_path
-        return shutil.which(path) if path else None
+        if not path:
+            return None
+        try:
+            return find_binary(path, "kalign")
+        except ToolError:
+            return None
 
     def get(self, query: str, hits: Sequence[TemplateHit]) -> dict[str, np.ndarray]:
         """Template features for `query` from `hits` (best first); T = 0 when none is usable."""

@@ -6,9 +6,12 @@ half-written alignment that a resumed run would trust). Flags follow AlphaFold's
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,10 +28,23 @@ class ToolError(RuntimeError):
     """An alignment tool is missing or failed; the message carries its stderr tail."""
 
 
+def _extra_bin_dirs() -> list[str]:
+    """Where pip-installed tools live when the environment is not on PATH: this interpreter's `bin/`
+    and the `hmmer` wheel's own binaries."""
+    dirs = [str(Path(sys.executable).parent)]
+    spec = importlib.util.find_spec("hmmer")
+    if spec is not None and spec.origin:
+        dirs.append(str(Path(spec.origin).parent / "data" / "bin"))
+    return dirs
+
+
 def find_binary(path_or_name: str | None, default: str) -> str:
-    """The executable to run: the given path, else `default` on PATH. Raises `ToolError` if absent."""
+    """The executable to run: the given path, else `default` on PATH, else in this environment's `bin/`
+    or the `hmmer` wheel. Raises `ToolError` if absent."""
     candidate = path_or_name or default
     found = shutil.which(candidate)
+    if found is None and os.sep not in candidate:
+        found = shutil.which(candidate, path=os.pathsep.join(_extra_bin_dirs()))
     if found is None:
         raise ToolError(f"{default}: binary {candidate!r} not found (install it or pass its path)")
     return found

@@ -95,10 +95,17 @@ def run(args: argparse.Namespace) -> int:
     targets = _targets(args.targets, args.n_res, args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench_fold_"))
     try:
-        jackhmmer = shutil.which("jackhmmer") is not None
+        from fastfold.data.tools import ToolError, find_binary
+
+        try:
+            jackhmmer_path = find_binary(None, "jackhmmer")
+        except ToolError:
+            jackhmmer_path = None
+        jackhmmer = jackhmmer_path is not None
         if jackhmmer:
             _database(tmp / "db.fasta", targets, args.db_size, args.seed)
-            alignment = AlignmentConfig(uniref90_database_path=str(tmp / "db.fasta"), cpus=1)
+            alignment = AlignmentConfig(uniref90_database_path=str(tmp / "db.fasta"), cpus=1,
+                                        jackhmmer_binary_path=jackhmmer_path)
         else:
             alignment = AlignmentConfig(single_sequence=True)
         spec = ModelSpec(model_name=args.model_name, param_path=args.param_path,

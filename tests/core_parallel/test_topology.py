@@ -98,9 +98,14 @@ def test_hang_becomes_timeout():
 
 
 def _results(rank, world, scale):
-    return rank * scale
+    return rank * scale, torch.full((1000,), float(rank))
 
 
 @pytest.mark.distributed
 def test_results_in_rank_order():
-    assert run_on_ranks(_results, 4, 10, timeout=60) == [0, 10, 20, 30]
+    out = run_on_ranks(_results, 4, 10, timeout=60)
+    assert [o[0] for o in out] == [0, 10, 20, 30]
+    # Tensors come back by value: still readable after every rank has exited.
+    time.sleep(0.5)
+    for rank, (_, t) in enumerate(out):
+        assert torch.equal(t, torch.full((1000,), float(rank)))

@@ -3,7 +3,6 @@ and jackhmmer against a small database the test builds."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -228,9 +227,12 @@ def test_feature_config_validates():
 
 
 def test_jackhmmer_on_a_database_the_test_builds(tmp_path):
-    if shutil.which("jackhmmer") is None:
-        pytest.skip("jackhmmer not installed (apt-get install -y hmmer)")
-    from fastfold.data.tools import run_jackhmmer
+    from fastfold.data.tools import ToolError, find_binary, run_jackhmmer
+
+    try:
+        jackhmmer = find_binary(None, "jackhmmer")
+    except ToolError:
+        pytest.skip("jackhmmer not installed (pip install hmmer, or apt-get install -y hmmer)")
 
     rng = np.random.default_rng(0)
     letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -247,7 +249,7 @@ def test_jackhmmer_on_a_database_the_test_builds(tmp_path):
         + "".join(f">decoy{k}\n{s}\n" for k, s in enumerate(decoys))
     )
     out = tmp_path / "uniref90_hits.sto"
-    run_jackhmmer("jackhmmer", QUERY, str(db), out, cpus=1)
+    run_jackhmmer(jackhmmer, QUERY, str(db), out, cpus=1)
     msa = parse_stockholm(out.read_text())
     names = {d.split("/")[0] for d in msa.descriptions}
     assert {f"hom{k}" for k in range(4)} <= names
@@ -266,7 +268,11 @@ def test_template_hit_differing_from_seqres_is_realigned_with_kalign(caplog):
     exact = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, hits)
     without = TemplateFeaturizer(TemplateConfig(**cfg, kalign_binary_path=None)).get(QUERY, [mutated])
     assert without["template_aatype"].shape[0] == 0 and "no kalign" in caplog.text
-    if shutil.which("kalign") is None:
+    from fastfold.data.tools import ToolError, find_binary
+
+    try:
+        find_binary(None, "kalign")
+    except ToolError:
         pytest.skip("kalign not installed (apt-get install -y kalign)")
     with caplog.at_level(logging.INFO):
         realigned = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, [mutated])
