@@ -6,11 +6,12 @@ import contextlib
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_dir", "fsync_dir"]
+__all__ = ["atomic_write", "atomic_dir", "fsync_dir", "replace_dir"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -64,11 +65,18 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_dir(tmp, path)
+
+
+def replace_dir(staging: str | Path, path: str | Path) -> None:
+    """Move the complete folder `staging` to `path`: the old `path` is moved aside first and removed last,
+    so at every moment one complete folder exists (under `path` or its `.old-` name)."""
+    staging, path = Path(staging), Path(path)
     old = None
     if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(path, old)
-    os.replace(tmp, path)
+    os.replace(staging, path)
     fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -52,7 +52,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from core_parallel.fileio import atomic_write, fsync_dir
+from core_parallel.fileio import atomic_write, replace_dir
 from recipes.precision import ShardedPrecision
 
 __all__ = [
@@ -230,7 +230,7 @@ class _ShardedStrategy(DDPStrategy):
                 torch.save(state, f)
         self.barrier("sharded_checkpoint_written")
         if self.is_global_zero:
-            _replace_dir(staging, path)
+            replace_dir(staging, path)
         self.barrier("sharded_checkpoint_renamed")
         self._last_checkpoint = os.fspath(path)
 
@@ -390,18 +390,6 @@ def _looks_like_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, PeerFailureError) or (dist_errors and isinstance(exc, dist_errors)):
         return True
     return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and bool(_PEER_FAILURE.search(str(exc)))
-
-
-def _replace_dir(staging: Path, path: Path) -> None:
-    """Move the complete folder `staging` to `path`, the old `path` aside first and removed last."""
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-    os.replace(staging, path)
-    fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _load_lightning_state(path: Path) -> dict[str, Any]:
