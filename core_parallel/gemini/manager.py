@@ -19,7 +19,7 @@ from core_parallel.gemini.config import GeminiConfig
 from core_parallel.gemini.layout import ChunkSpec, Slot
 from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from core_parallel.gemini.state import ChunkState
-from core_parallel.gemini.storage import NvmeFile, TieredBuffer
+from core_parallel.gemini.storage import HostHeap, NvmeFile, TieredBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class ChunkManager(_StateDictIO):
         self.ledger = MemoryLedger()
         self.off_tier = "nvme" if config.offload_dir else "cpu"
         self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_dir else None
+        self.host = HostHeap(enabled=device.type == "cpu")
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
         self._in_backward = False
@@ -208,6 +209,7 @@ class ChunkManager(_StateDictIO):
     def _release(self, c: Chunk) -> None:
         c.release()
         self.ledger.add("device", "params", -c.full_nbytes)
+        self.host.released(c.full_nbytes)
 
     def release_idle(self) -> None:
         """Release gathered chunks no module uses (stale prefetches, the end of a pass)."""
@@ -288,6 +290,7 @@ class ChunkManager(_StateDictIO):
         shard = c.reduce_scatter()
         if had_full:
             self.ledger.add("device", "grads", -c.spec.size * 4)
+            self.host.released(c.spec.size * 4)
         if not c.grad.allocated:
             c.grad.allocate(fill=shard)
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
@@ -312,11 +315,14 @@ class ChunkManager(_StateDictIO):
         for c in self.trainable_chunks:
             if c.grad.allocated:
                 self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
+                self.host.released(c.grad.nbytes)
                 c.grad.free()
             if c.grad_full is not None:
                 self.ledger.add("device", "grads", -c.spec.size * 4)
+                self.host.released(c.spec.size * 4)
                 c.grad_full = None
             c.sm.grad_reduced()
+        self.host.trim()
         for k in self.had_grad:
             self.had_grad[k] = False
 

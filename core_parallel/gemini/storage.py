@@ -9,6 +9,7 @@ folder that disappears raises `NvmeTierError` instead of silently training on or
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -19,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIERS", "NvmeFile", "NvmeTierError", "TieredBuffer"]
+__all__ = ["TIERS", "HostHeap", "NvmeFile", "NvmeTierError", "TieredBuffer"]
 
 TIERS = ("device", "cpu", "nvme")
 _PAGE = mmap.PAGESIZE
@@ -183,3 +184,48 @@ class TieredBuffer:
         self.tier = tier
         self.allocate(fill=src)
         return self.nbytes
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HostHeap:
+    """Hands the memory of released chunk buffers in CPU memory back to the operating system.
+
+    glibc serves blocks below its mmap threshold (which grows by itself up to 32 MiB once a large block is
+    freed) from the heap, and keeps freed heap blocks resident. A released chunk leaves such a hole; the
+    small tensors autograd saves during forward land in it, the chunk's next gather no longer fits, and
+    resident memory grows by about one chunk per module call: 1.6 GiB instead of 0.4 GiB per rank on a
+    12.8M-parameter UNet. `malloc_trim` returns the free pages of every hole; it runs once `min_bytes` have
+    been released since the last trim, so small chunks do not pay a heap walk (~1 ms) each.
+    """
+
+    def __init__(self, enabled: bool, min_bytes: int = 4 << 20) -> None:
+        self.min_bytes = min_bytes
+        self._trim = _malloc_trim() if enabled else None
+        if enabled and self._trim is None:
+            logger.info("gemini: no glibc malloc_trim; released CPU chunks go back to the allocator only")
+        self.pending = 0
+        self.trims = 0
+
+    def released(self, nbytes: int) -> None:
+        """`nbytes` of chunk memory were freed; trim the heap once enough has been."""
+        if self._trim is None:
+            return
+        self.pending += nbytes
+        if self.pending >= self.min_bytes:
+            self.trim()
+
+    def trim(self) -> None:
+        """Give the free pages of the heap back now."""
+        if self._trim is not None and self.pending:
+            self._trim(0)
+            self.pending = 0
+            self.trims += 1
