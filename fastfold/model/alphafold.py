@@ -139,20 +139,26 @@ class AlphaFold(nn.Module):
         dtype = self.input_embedder.linear_tf_m.weight.dtype
         seq_mask = f["seq_mask"].to(dtype)
         pair_mask = seq_mask[..., :, None] * seq_mask[..., None, :]
-        m, z = self.input_embedder(f["target_feat"].to(dtype), f["residue_index"], f["msa_feat"].to(dtype))
+        m, z = self.input_embedder(
+            f["target_feat"].to(dtype), f["residue_index"], f["msa_feat"].to(dtype), options
+        )
         n = z.shape[-2]
-        if prev is None:
+        if prev is None:  # zeros as broadcast views: the first pass holds no zero-filled pair
             prev = {
-                "msa_first_row": m.new_zeros(*m.shape[:-3], n, m.shape[-1]),
-                "pair": torch.zeros_like(z),
+                "msa_first_row": m.new_zeros(()).expand(*m.shape[:-3], n, m.shape[-1]),
+                "pair": z.new_zeros(()).expand(z.shape),
                 "final_atom_positions": z.new_zeros(*z.shape[:-3], n, 37, 3),
             }
-        m1, z_rec = self.recycling_embedder(
-            f["aatype"], prev["msa_first_row"], prev["pair"], prev["final_atom_positions"]
-        )
-        m = torch.cat([m[..., :1, :, :] + m1[..., None, :, :], m[..., 1:, :, :]], dim=-3)
-        z = z + z_rec
-        del z_rec
+        if options.fused_residual:
+            self.recycling_embedder.add_pair_(z, f["aatype"], prev["pair"], prev["final_atom_positions"], options)
+            m[..., 0, :, :] += self.recycling_embedder.layer_norm_m(prev["msa_first_row"])
+        else:
+            m1, z_rec = self.recycling_embedder(
+                f["aatype"], prev["msa_first_row"], prev["pair"], prev["final_atom_positions"]
+            )
+            m = torch.cat([m[..., :1, :, :] + m1[..., None, :, :], m[..., 1:, :, :]], dim=-3)
+            z = z + z_rec
+            del z_rec
         templ = {k: v for k, v in f.items() if k.startswith("template_")}
         has_templates = self.template_embedder is not None and templ["template_mask"].shape[-1] > 0
         if has_templates:
@@ -178,11 +184,11 @@ class AlphaFold(nn.Module):
         m, z, msa_mask, pair_mask = self._embed(f, prev, options)
         m, z, s = self.evoformer(m, z, msa_mask, pair_mask, options)
         seq_mask = f["seq_mask"].to(s.dtype)
-        sm = self.structure_module(s, z, f["aatype"], seq_mask)
+        sm = self.structure_module(s, z, f["aatype"], seq_mask, options)
         atom37_exists = f["atom37_atom_exists"].to(s.dtype)
         positions = atom14_to_atom37(sm["atom14_positions"], f["residx_atom37_to_atom14"], atom37_exists)
         msa = m[..., :n_seq, :, :]
-        out = self.aux_heads(s, sm["single"], z, msa, seq_mask)
+        out = self.aux_heads(s, sm["single"], z, msa, seq_mask, options)
         out.update(
             final_atom_positions=positions,
             final_atom_mask=atom37_exists,

@@ -10,7 +10,7 @@ from fastfold.common.geometry import atom37_to_torsion_angles, dgram_from_positi
 from fastfold.model.config import AlphaFoldConfig, TemplateConfig
 from fastfold.model.evoformer import TemplatePairStack
 from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import Attention, LayerNorm, Linear, chunked, mask_keep
+from fastfold.model.primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
 
 __all__ = ["ExtraMSAEmbedder", "InputEmbedder", "RecyclingEmbedder", "TemplateAngleEmbedder", "TemplateEmbedder"]
 
@@ -28,16 +28,30 @@ class InputEmbedder(nn.Module):
         self.linear_relpos = Linear(2 * cfg.max_relative_feature + 1, cfg.c_z)
 
     def forward(
-        self, target_feat: torch.Tensor, residue_index: torch.Tensor, msa_feat: torch.Tensor
+        self,
+        target_feat: torch.Tensor,
+        residue_index: torch.Tensor,
+        msa_feat: torch.Tensor,
+        options: InferenceOptions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """target_feat: [*, N, 22]; residue_index: [*, N]; msa_feat: [*, S, N, 49].
-        Returns m: [*, S, N, C_m] and z: [*, N, N, C_z]."""
+        Returns m: [*, S, N, C_m] and z: [*, N, N, C_z] (the relative positions added by row blocks when
+        `options` chunk)."""
         m = self.linear_msa_m(msa_feat) + self.linear_tf_m(target_feat)[..., None, :, :]
         z = self.linear_tf_z_i(target_feat)[..., :, None, :] + self.linear_tf_z_j(target_feat)[..., None, :, :]
-        offset = residue_index[..., :, None].long() - residue_index[..., None, :].long()
+        n = z.shape[-2]
+        chunk = None if options is None else options.rows_per_chunk(n, n * 2 * z.shape[-1] * z.element_size())
+        for r0, r1 in row_blocks(n, chunk):
+            z[..., r0:r1, :, :] += self._relpos(residue_index[..., r0:r1], residue_index, z.dtype)
+        return m, z
+
+    def _relpos(self, index_i: torch.Tensor, index_j: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Alg. 4: Linear(one_hot(clip(i - j))) as a row lookup of the weight plus the bias, which is what
+        the product with a one-hot computes. index_i: [*, R]; index_j: [*, N]. Returns [*, R, N, C_z]."""
+        offset = index_i[..., :, None].long() - index_j[..., None, :].long()
         rel = torch.clamp(offset + self.max_rel, 0, 2 * self.max_rel)
-        one_hot = nn.functional.one_hot(rel, 2 * self.max_rel + 1).to(z.dtype)
-        return m, z + self.linear_relpos(one_hot)
+        weight = self.linear_relpos.weight.to(dtype)
+        return nn.functional.embedding(rel, weight.T) + self.linear_relpos.bias.to(dtype)
 
 
 class RecyclingEmbedder(nn.Module):
@@ -58,6 +72,25 @@ class RecyclingEmbedder(nn.Module):
         cb, _ = pseudo_beta(aatype, prev_x)
         dgram = dgram_from_positions(cb, *self.bins)
         return self.layer_norm_m(prev_m1), self.layer_norm_z(prev_z) + self.linear(dgram)
+
+    def add_pair_(
+        self,
+        z: torch.Tensor,
+        aatype: torch.Tensor,
+        prev_z: torch.Tensor,
+        prev_x: torch.Tensor,
+        options: InferenceOptions,
+    ) -> torch.Tensor:
+        """`z += forward(...)[1]` by row blocks, in place (inference). z, prev_z: [*, N, N, C_z] (prev_z may be
+        an expanded view); aatype: [*, N]; prev_x: [*, N, 37, 3]. Returns z."""
+        cb, _ = pseudo_beta(aatype, prev_x)
+        dgram = dgram_from_positions(cb, *self.bins)  # [*, N, N, bins]: small next to the pair
+        n = z.shape[-2]
+        chunk = options.rows_per_chunk(n, n * 3 * z.shape[-1] * z.element_size())
+        for r0, r1 in row_blocks(n, chunk):
+            update = self.layer_norm_z(prev_z[..., r0:r1, :, :]).add_(self.linear(dgram[..., r0:r1, :, :]))
+            z[..., r0:r1, :, :] += update
+        return z
 
 
 class ExtraMSAEmbedder(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 import kernels
 from fastfold.model.config import EvoformerStackConfig, TemplateConfig
 from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import Attention, LayerNorm, Linear, attention_rows, chunked, mask_keep
+from fastfold.model.primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
 
 __all__ = [
     "EvoformerBlock",
@@ -40,6 +40,27 @@ def _row_chunk(options: InferenceOptions, x: torch.Tensor, per_row_elems: int) -
     return options.rows_per_chunk(x.shape[-3], per_row_elems * x.element_size())
 
 
+def _pair_bias(
+    layer_norm: nn.Module, linear: Linear, z: torch.Tensor, options: InferenceOptions
+) -> torch.Tensor:
+    """`linear(layer_norm(z))` moved to `[*, 1, H, N, N]`; computed by row blocks when chunking, so the
+    LayerNorm of the whole pair is never held. z: [*, N, N, C_z] (may be a transposed view)."""
+    if options.chunk_size is None:
+        return linear(layer_norm(z)).movedim(-1, -3).unsqueeze(-4)
+    heads, n = linear.out_features, z.shape[-3]
+    bias = z.new_empty(*z.shape[:-3], heads, n, z.shape[-2])
+    chunk = _row_chunk(options, z, z.shape[-2] * (2 * z.shape[-1] + 2 * heads))
+    for r0, r1 in row_blocks(n, chunk):
+        bias[..., r0:r1, :] = linear(layer_norm(z[..., r0:r1, :, :])).movedim(-1, -3)
+    return bias.unsqueeze(-4)
+
+
+def _attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int):
+    """Rows per chunk of a row-wise attention: per row, the q/k/v/gate/output projections (5 x L x C),
+    LayerNorm output and input slices, plus one block of scores (heads x L x L, blocked again inside)."""
+    return options.rows_per_chunk(rows, (8 * length * c + heads * length * min(length, 256)) * itemsize)
+
+
 class MSARowAttentionWithPairBias(nn.Module):
     """AlphaFold2 suppl. Alg. 7: row-wise gated self-attention over the MSA with a bias from the pair."""
 
@@ -54,15 +75,26 @@ class MSARowAttentionWithPairBias(nn.Module):
         self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
     ) -> torch.Tensor:
         """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]. Returns the update to m."""
-        bias = self.linear_z(self.layer_norm_z(z)).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N, N]
+        return self._run(m, z, msa_mask, options, None)
+
+    def residual_(
+        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+    ) -> torch.Tensor:
+        """m + forward(...), added chunk by chunk into m when `options.fused_residual`."""
+        if not options.fused_residual:
+            return options.add_(m, self(m, z, msa_mask, options))
+        return self._run(m, z, msa_mask, options, m)
+
+    def _run(self, m, z, msa_mask, options, into):
+        bias = _pair_bias(self.layer_norm_z, self.linear_z, z, options)  # [*, 1, H, N, N]
         mask = mask_keep(msa_mask)[..., :, None, None, :]  # [*, S, 1, 1, N]
-        chunk = attention_rows(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-2], m.element_size())
+        chunk = _attention_chunk(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
 
         def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             m_c = self.layer_norm_m(m_c)
             return self.mha(m_c, m_c, mask=mask_c, bias=bias)
 
-        return chunked(run, [m, mask], m.dim() - 3, chunk)
+        return chunked(run, [m, mask], m.dim() - 3, chunk, into=into)
 
 
 class MSAColumnAttention(nn.Module):
@@ -75,15 +107,27 @@ class MSAColumnAttention(nn.Module):
 
     def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
+        return self._run(m, msa_mask, options, None)
+
+    def residual_(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """m + forward(...), added chunk by chunk into m when `options.fused_residual`."""
+        if not options.fused_residual:
+            return options.add_(m, self(m, msa_mask, options))
+        self._run(m, msa_mask, options, m.transpose(-2, -3))
+        return m
+
+    def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)  # [*, N, S, C]
         mask = mask_keep(msa_mask).transpose(-1, -2)[..., :, None, None, :]  # [*, N, 1, 1, S]
-        chunk = attention_rows(options, m_t.shape[-3], self.mha.heads, m_t.shape[-2], m_t.shape[-2], m.element_size())
+        chunk = _attention_chunk(
+            options, m_t.shape[-3], self.mha.heads, m_t.shape[-2], m_t.shape[-1], m.element_size()
+        )
 
         def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             m_c = self.layer_norm_m(m_c)
             return self.mha(m_c, m_c, mask=mask_c)
 
-        return chunked(run, [m_t, mask], m_t.dim() - 3, chunk).transpose(-2, -3)
+        return chunked(run, [m_t, mask], m_t.dim() - 3, chunk, into=into).transpose(-2, -3)
 
 
 class GlobalAttention(nn.Module):
@@ -121,14 +165,25 @@ class MSAColumnGlobalAttention(nn.Module):
 
     def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
+        return self._run(m, msa_mask, options, None)
+
+    def residual_(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """m + forward(...), added chunk by chunk into m when `options.fused_residual`."""
+        if not options.fused_residual:
+            return options.add_(m, self(m, msa_mask, options))
+        self._run(m, msa_mask, options, m.transpose(-2, -3))
+        return m
+
+    def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)
         mask_t = msa_mask.transpose(-1, -2).to(m.dtype)
-        chunk = _row_chunk(options, m_t, m_t.shape[-2] * m_t.shape[-1] * 4)
+        gh = self.global_attention.heads * self.global_attention.head_dim
+        chunk = _row_chunk(options, m_t, m_t.shape[-2] * (3 * m_t.shape[-1] + 3 * gh))
 
         def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             return self.global_attention(self.layer_norm_m(m_c), mask_c)
 
-        return chunked(run, [m_t, mask_t], m_t.dim() - 3, chunk).transpose(-2, -3)
+        return chunked(run, [m_t, mask_t], m_t.dim() - 3, chunk, into=into).transpose(-2, -3)
 
 
 class Transition(nn.Module):
@@ -142,12 +197,21 @@ class Transition(nn.Module):
 
     def forward(self, x: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """x: [*, R, L, C]. Returns the update to x (chunked over R)."""
-        chunk = _row_chunk(options, x, x.shape[-2] * self.linear_1.out_features)
+        return self._run(x, options, None)
+
+    def residual_(self, x: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """x + forward(...), added chunk by chunk into x when `options.fused_residual`."""
+        if not options.fused_residual:
+            return options.add_(x, self(x, options))
+        return self._run(x, options, x)
+
+    def _run(self, x, options, into):
+        chunk = _row_chunk(options, x, x.shape[-2] * (self.linear_1.out_features + 3 * x.shape[-1]))
 
         def run(x_c: torch.Tensor) -> torch.Tensor:
-            return self.linear_2(torch.relu(self.linear_1(self.layer_norm(x_c))))
+            return self.linear_2(torch.relu_(self.linear_1(self.layer_norm(x_c))))
 
-        return chunked(run, [x], x.dim() - 3, chunk)
+        return chunked(run, [x], x.dim() - 3, chunk, into=into)
 
 
 class OuterProductMean(nn.Module):
@@ -164,20 +228,45 @@ class OuterProductMean(nn.Module):
     def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the pair update [*, N, N, C_z]:
         `out[i, j] = W(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j])`."""
+        return self._run(m, msa_mask, options, None)
+
+    def residual_(
+        self, z: torch.Tensor, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+    ) -> torch.Tensor:
+        """z + forward(m, ...), added row block by row block into z when `options.fused_residual`.
+        z: [*, N, N, C_z]."""
+        if not options.fused_residual:
+            return options.add_(z, self(m, msa_mask, options))
+        return self._run(m, msa_mask, options, z)
+
+    def _projections(self, m, mask, options):
+        """a, b: [*, N, S, c] (masked), the MSA's LayerNorm taken by blocks of sequences when chunking."""
+        if options.chunk_size is None:
+            ln = self.layer_norm(m)
+            return (self.linear_1(ln) * mask).movedim(-3, -2), (self.linear_2(ln) * mask).movedim(-3, -2)
+        c = self.linear_1.out_features
+        a = m.new_empty(*m.shape[:-1], c)
+        b = m.new_empty(*m.shape[:-1], c)
+        chunk = _row_chunk(options, m, m.shape[-2] * (2 * m.shape[-1] + 2 * c))
+        for s0, s1 in row_blocks(m.shape[-3], chunk):
+            ln = self.layer_norm(m[..., s0:s1, :, :])
+            a[..., s0:s1, :, :] = self.linear_1(ln) * mask[..., s0:s1, :, :]
+            b[..., s0:s1, :, :] = self.linear_2(ln) * mask[..., s0:s1, :, :]
+        return a.movedim(-3, -2), b.movedim(-3, -2)
+
+    def _run(self, m, msa_mask, options, into):
         mask = msa_mask.to(m.dtype)[..., None]
-        ln = self.layer_norm(m)
-        a = (self.linear_1(ln) * mask).movedim(-3, -2)  # [*, N, S, c]
-        b = (self.linear_2(ln) * mask).movedim(-3, -2)
-        del ln
+        a, b = self._projections(m, mask, options)  # [*, N, S, c]
         norm = torch.einsum("...si,...sj->...ij", msa_mask.to(m.dtype), msa_mask.to(m.dtype))[..., None]
-        c = a.shape[-1]
-        chunk = options.rows_per_chunk(a.shape[-3], a.shape[-3] * c * c * m.element_size())
+        c, n = a.shape[-1], b.shape[-3]
+        per_row = n * (2 * c * c + 2 * self.linear_out.out_features) * m.element_size()
+        chunk = options.rows_per_chunk(a.shape[-3], per_row)
 
         def run(a_c: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
             outer = torch.einsum("...isc,...jse->...ijce", a_c, b)
-            return self.linear_out(outer.flatten(-2)) / (self.eps + norm_c)
+            return self.linear_out(outer.flatten(-2)).div_(norm_c + self.eps)
 
-        return chunked(run, [a, norm], a.dim() - 3, chunk)
+        return chunked(run, [a, norm], a.dim() - 3, chunk, into=into)
 
 
 class TriangleMultiplication(nn.Module):
@@ -185,7 +274,13 @@ class TriangleMultiplication(nn.Module):
     `z_ij = sum_k a_ki * b_kj`), with a, b the gated projections named as in the supplement.
 
     AlphaFold's parameter files name the projections left/right; for the incoming update its "left" is the
-    supplement's b (fastfold.params maps them)."""
+    supplement's b (fastfold.params maps them).
+
+    Chunked, the update is built by blocks of output rows (outgoing) or columns (incoming): the projection
+    that every block needs (b outgoing, a incoming) is computed once by blocks into a `[*, C, N, N]`
+    buffer, the other one block by block. Fused with an in-place residual, each finished block is added
+    straight into z: a block only reads its own rows (columns) of z, which no earlier block has touched.
+    """
 
     def __init__(self, c_z: int, c_hidden: int, direction: str):
         super().__init__()
@@ -203,6 +298,8 @@ class TriangleMultiplication(nn.Module):
 
     def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
+        if options.chunk_size is not None:
+            return self._chunked(z, pair_mask, options, None)
         x = self.layer_norm_in(z)
         mask = pair_mask.to(z.dtype)[..., None]
         a = mask * self.linear_a_p(x) * torch.sigmoid(self.linear_a_g(x))
@@ -211,19 +308,47 @@ class TriangleMultiplication(nn.Module):
             a, b = a.transpose(-2, -3), b.transpose(-2, -3)
         a, b = a.movedim(-1, -3), b.movedim(-1, -3)  # [*, C, N, N]
         del mask
-        n = z.shape[-3]
-        chunk = options.rows_per_chunk(n, n * (a.shape[-3] + 2 * z.shape[-1]) * z.element_size()) or n
-        out = None
-        for i in range(0, n, chunk):
-            p = torch.matmul(a[..., i : i + chunk, :], b.transpose(-1, -2)).movedim(-3, -1)  # [*, n_i, N, C]
-            x_i = x[..., i : i + chunk, :, :]
-            piece = self.linear_z(self.layer_norm_out(p)) * torch.sigmoid(self.linear_g(x_i))
-            if chunk == n:
-                return piece
-            if out is None:
-                out = piece.new_empty(z.shape)
-            out[..., i : i + chunk, :, :] = piece
-        return out
+        p = torch.matmul(a, b.transpose(-1, -2)).movedim(-3, -1)  # [*, N, N, C]
+        return self.linear_z(self.layer_norm_out(p)) * torch.sigmoid(self.linear_g(x))
+
+    def residual_(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """z + forward(...), added block by block into z when `options.fused_residual`."""
+        if not options.fused_residual:
+            return options.add_(z, self(z, pair_mask, options))
+        self._chunked(z, pair_mask, options, z)
+        return z
+
+    def _gated(self, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
+        """mask * linear_p(x) * sigmoid(linear_g(x)) for projection `which` ("a" or "b"). x: [*, R, N, C_z]."""
+        proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
+        return proj(x).mul_(torch.sigmoid_(gate(x))).mul_(mask)
+
+    def _chunked(self, z, pair_mask, options, into):
+        # Work on the layout in which the output blocks are rows: the transposed pair for "incoming",
+        # where out^T[j, i] = gate(z^T[j, i]) * F(sum_k b(z^T[j, k]) a(z^T[i, k])).
+        outgoing = self.direction == "outgoing"
+        zz = z if outgoing else z.transpose(-2, -3)
+        mm = (pair_mask if outgoing else pair_mask.transpose(-1, -2)).to(z.dtype)[..., None]
+        row_proj, all_proj = ("a", "b") if outgoing else ("b", "a")
+        n, c_h, c_z = zz.shape[-3], self.linear_a_p.out_features, zz.shape[-1]
+        chunk = options.rows_per_chunk(n, zz.shape[-2] * (4 * c_h + 5 * c_z) * z.element_size())
+        shared = zz.new_empty(*zz.shape[:-3], c_h, n, zz.shape[-2])  # [*, C, J, K]
+        for r0, r1 in row_blocks(n, chunk):
+            x = self.layer_norm_in(zz[..., r0:r1, :, :])
+            shared[..., r0:r1, :] = self._gated(x, mm[..., r0:r1, :, :], all_proj).movedim(-1, -3)
+        target = z.new_empty(z.shape) if into is None else into
+        out = target if outgoing else target.transpose(-2, -3)
+        for r0, r1 in row_blocks(n, chunk):
+            x = self.layer_norm_in(zz[..., r0:r1, :, :])
+            rows = self._gated(x, mm[..., r0:r1, :, :], row_proj).movedim(-1, -3)  # [*, C, R, K]
+            p = torch.matmul(rows, shared.transpose(-1, -2)).movedim(-3, -1)  # [*, R, J, C]
+            del rows
+            piece = self.linear_z(self.layer_norm_out(p)).mul_(torch.sigmoid_(self.linear_g(x)))
+            if into is None:
+                out[..., r0:r1, :, :] = piece
+            else:
+                out[..., r0:r1, :, :] += piece
+        return target
 
 
 class TriangleAttention(nn.Module):
@@ -241,17 +366,29 @@ class TriangleAttention(nn.Module):
 
     def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
+        return self._run(z, pair_mask, options, None)
+
+    def residual_(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """z + forward(...), added row block by row block into z when `options.fused_residual` (the bias
+        is taken from the whole z first, so the blocks see the z before this update)."""
+        if not options.fused_residual:
+            return options.add_(z, self(z, pair_mask, options))
+        self._run(z, pair_mask, options, z)
+        return z
+
+    def _run(self, z, pair_mask, options, into):
         if self.node == "ending":
             z, pair_mask = z.transpose(-2, -3), pair_mask.transpose(-1, -2)
-        x = self.layer_norm(z)
-        bias = self.linear(x).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, N, N]
+            into = None if into is None else into.transpose(-2, -3)
+        bias = _pair_bias(self.layer_norm, self.linear, z, options)  # [*, 1, H, N, N]
         mask = mask_keep(pair_mask)[..., :, None, None, :]  # [*, N, 1, 1, N]
-        chunk = attention_rows(options, x.shape[-3], self.mha.heads, x.shape[-2], x.shape[-2], x.element_size())
+        chunk = _attention_chunk(options, z.shape[-3], self.mha.heads, z.shape[-2], z.shape[-1], z.element_size())
 
-        def run(x_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+        def run(z_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+            x_c = self.layer_norm(z_c)
             return self.mha(x_c, x_c, mask=mask_c, bias=bias)
 
-        out = chunked(run, [x, mask], x.dim() - 3, chunk)
+        out = chunked(run, [z, mask], z.dim() - 3, chunk, into=into)
         return out.transpose(-2, -3) if self.node == "ending" else out
 
 
@@ -268,11 +405,11 @@ class PairStack(nn.Module):
 
     def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the new z."""
-        z = options.add_(z, self.tri_mul_out(z, pair_mask, options))
-        z = options.add_(z, self.tri_mul_in(z, pair_mask, options))
-        z = options.add_(z, self.tri_att_start(z, pair_mask, options))
-        z = options.add_(z, self.tri_att_end(z, pair_mask, options))
-        return options.add_(z, self.pair_transition(z, options))
+        z = self.tri_mul_out.residual_(z, pair_mask, options)
+        z = self.tri_mul_in.residual_(z, pair_mask, options)
+        z = self.tri_att_start.residual_(z, pair_mask, options)
+        z = self.tri_att_end.residual_(z, pair_mask, options)
+        return self.pair_transition.residual_(z, options)
 
 
 class EvoformerBlock(nn.Module):
@@ -300,10 +437,10 @@ class EvoformerBlock(nn.Module):
         options: InferenceOptions,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]; pair_mask: [*, N, N]. Returns (m, z)."""
-        m = options.add_(m, self.msa_att_row(m, z, msa_mask, options))
-        m = options.add_(m, self.msa_att_col(m, msa_mask, options))
-        m = options.add_(m, self.msa_transition(m, options))
-        z = options.add_(z, self.outer_product_mean(m, msa_mask, options))
+        m = self.msa_att_row.residual_(m, z, msa_mask, options)
+        m = self.msa_att_col.residual_(m, msa_mask, options)
+        m = self.msa_transition.residual_(m, options)
+        z = self.outer_product_mean.residual_(z, m, msa_mask, options)
         return m, self.pair_stack(z, pair_mask, options)
 
 
@@ -368,11 +505,11 @@ class TemplatePairBlock(nn.Module):
 
     def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns the new t."""
-        t = options.add_(t, self.tri_att_start(t, pair_mask, options))
-        t = options.add_(t, self.tri_att_end(t, pair_mask, options))
-        t = options.add_(t, self.tri_mul_out(t, pair_mask, options))
-        t = options.add_(t, self.tri_mul_in(t, pair_mask, options))
-        return options.add_(t, self.pair_transition(t, options))
+        t = self.tri_att_start.residual_(t, pair_mask, options)
+        t = self.tri_att_end.residual_(t, pair_mask, options)
+        t = self.tri_mul_out.residual_(t, pair_mask, options)
+        t = self.tri_mul_in.residual_(t, pair_mask, options)
+        return self.pair_transition.residual_(t, options)
 
 
 class TemplatePairStack(nn.Module):

@@ -24,7 +24,8 @@ class InferenceOptions:
     """Rows per chunk: None (no chunking), a positive int, or "auto" (largest power of two whose biggest
     intermediate fits `memory_budget_bytes`)."""
     memory_budget_bytes: int = 256 * 2**20
-    """Budget for the largest single intermediate when `chunk_size="auto"`."""
+    """Budget for the intermediates of one chunk (all of them alive at once, roughly) when
+    `chunk_size="auto"`."""
     attention_backend: str = "auto"
     """Kernel backend for attention, softmax and LayerNorm: "auto", "triton" or "torch" (the reference)."""
     residual: str = "out_of_place"
@@ -57,6 +58,12 @@ class InferenceOptions:
                 return None
             return 1 << (rows.bit_length() - 1)
         return None if self.chunk_size >= total else int(self.chunk_size)
+
+    @property
+    def fused_residual(self) -> bool:
+        """Whether chunked modules add their update straight into the activation, chunk by chunk, instead
+        of building the whole update first (in-place residuals with chunking)."""
+        return self.residual == "in_place" and self.chunk_size is not None
 
     def add_(self, x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """Residual update `x + update`, in place when `residual == "in_place"`. x, update: same shape."""

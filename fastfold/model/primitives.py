@@ -13,7 +13,7 @@ from torch import nn
 import kernels
 from fastfold.model.options import InferenceOptions
 
-__all__ = ["Attention", "LayerNorm", "Linear", "chunked", "mask_keep"]
+__all__ = ["Attention", "LayerNorm", "Linear", "chunked", "mask_keep", "row_blocks"]
 
 LayerNorm = kernels.LayerNorm
 """torch.nn.LayerNorm-compatible (weight/bias, eps 1e-5) through `kernels.layer_norm`."""
@@ -28,28 +28,43 @@ def mask_keep(mask: torch.Tensor) -> torch.Tensor:
     return mask > 0.5 if mask.dtype != torch.bool else mask
 
 
+def row_blocks(total: int, chunk: int | None) -> list[tuple[int, int]]:
+    """(start, stop) pairs covering range(total) in steps of `chunk` (one block when chunk is None)."""
+    step = total if chunk is None else max(1, chunk)
+    return [(i, min(i + step, total)) for i in range(0, total, step)] or [(0, 0)]
+
+
 def chunked(
     fn: Callable[..., torch.Tensor],
     args: Sequence[torch.Tensor | None],
     dim: int,
     chunk: int | None,
     shared: Sequence[torch.Tensor | None] = (),
+    *,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fn(*args, *shared)` computed in slices of `chunk` along dim `dim` of every tensor in `args`.
 
     Tensors in `args` whose size along `dim` is 1 are broadcast to every slice; `shared` ones are passed
     whole. The output is concatenated along the same dim (counted from the end when negative).
+
+    With `into`, each slice of the output is instead added in place to the same slice of `into`, which is
+    returned: a fused residual update that never holds the whole update. A slice of `into` may be read by
+    `fn` for its own slice only (it is updated after `fn` returns); `shared` must not alias `into`.
     """
     if chunk is None:
-        return fn(*args, *shared)
+        return fn(*args, *shared) if into is None else into.add_(fn(*args, *shared))
     total = max(a.shape[dim] for a in args if a is not None)
-    out: torch.Tensor | None = None
+    out: torch.Tensor | None = into
     for start in range(0, total, chunk):
         sl = [
             None if a is None else (a if a.shape[dim] == 1 else a.narrow(dim, start, min(chunk, total - start)))
             for a in args
         ]
         piece = fn(*sl, *shared)
+        if into is not None:
+            into.narrow(dim, start, piece.shape[dim]).add_(piece)
+            continue
         if out is None:
             shape = list(piece.shape)
             shape[dim] = total

@@ -8,6 +8,7 @@ does; outputs are in Angstrom. Rotations are tracked as quaternions (Alg. 23) an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,7 +16,8 @@ from torch import nn
 from fastfold.common.geometry import frames_to_atom14_positions, torsion_angles_to_frames
 from fastfold.common.rigid import Rigid, quat_multiply_by_vec, quat_to_rot
 from fastfold.model.config import StructureModuleConfig
-from fastfold.model.primitives import LayerNorm, Linear
+from fastfold.model.options import InferenceOptions
+from fastfold.model.primitives import LayerNorm, Linear, row_blocks
 
 __all__ = ["AngleResnet", "BackboneUpdate", "InvariantPointAttention", "StructureModule"]
 
@@ -41,8 +43,37 @@ class InvariantPointAttention(nn.Module):
         glob = frames.unsqueeze(-1).apply(local)
         return glob.unflatten(-2, (self.cfg.ipa_heads, n_points))
 
-    def forward(self, s: torch.Tensor, z: torch.Tensor, frames: Rigid, mask: torch.Tensor) -> torch.Tensor:
-        """s: [*, N, C_s]; z: [*, N, N, C_z]; frames: batch shape [*, N]; mask: [*, N]. Returns [*, N, C_s]."""
+    def forward(
+        self,
+        s: torch.Tensor,
+        z: torch.Tensor,
+        frames: Rigid,
+        mask: torch.Tensor,
+        options: InferenceOptions | None = None,
+    ) -> torch.Tensor:
+        """s: [*, N, C_s]; z: [*, N, N, C_z]; frames: batch shape [*, N]; mask: [*, N]. Returns [*, N, C_s]
+        (by blocks of query residues when `options` chunk)."""
+        chunk = None if options is None else self.query_chunk(options, s.shape[-2], z.shape[-1], z.element_size())
+        bias = self.linear_b(z).movedim(-1, -3)
+        return self.attend(s, frames, mask, bias, lambda r0, r1: z[..., r0:r1, :, :], chunk)
+
+    def query_chunk(self, options: InferenceOptions, n: int, c_z: int, itemsize: int) -> int | None:
+        """Query residues per block: per query, the point distances ([N, H, P, 3], twice) and its pair row."""
+        c = self.cfg
+        per_row = n * (2 * 3 * c.ipa_heads * c.ipa_point_qk + 2 * c_z + 4 * c.ipa_heads) * itemsize
+        return options.rows_per_chunk(n, per_row)
+
+    def attend(
+        self,
+        s: torch.Tensor,
+        frames: Rigid,
+        mask: torch.Tensor,
+        bias: torch.Tensor,
+        pair_rows: Callable[[int, int], torch.Tensor],
+        chunk: int | None,
+    ) -> torch.Tensor:
+        """Alg. 22 given the pair bias `linear_b(z)` [*, H, N, N] and `pair_rows(r0, r1)` = z[..., r0:r1, :, :]
+        (the pair rows of those query residues), computed by blocks of `chunk` query residues."""
         c, h = self.cfg, self.cfg.ipa_heads
         q = self.linear_q(s).unflatten(-1, (h, c.ipa_scalar_qk))
         k, v = self.linear_kv(s).unflatten(-1, (h, -1)).split([c.ipa_scalar_qk, c.ipa_scalar_v], dim=-1)
@@ -52,21 +83,26 @@ class InvariantPointAttention(nn.Module):
         )
         scalar_w = math.sqrt(1.0 / (3 * max(c.ipa_scalar_qk, 1)))
         point_w = math.sqrt(1.0 / (3 * max(c.ipa_point_qk, 1) * 9.0 / 2))
-        logits = torch.einsum("...ihc,...jhc->...hij", q * scalar_w, k)
-        d2 = ((q_pts[..., :, None, :, :, :] - k_pts[..., None, :, :, :, :]) ** 2).sum(-1)  # [*, i, j, H, P]
         gamma = nn.functional.softplus(self.head_weights) * point_w
-        logits = logits - 0.5 * torch.einsum("...ijhp,h->...hij", d2, gamma)
-        logits = logits + math.sqrt(1.0 / 3) * self.linear_b(z).movedim(-1, -3)
-        mask_2d = mask[..., :, None] * mask[..., None, :]
-        attn = torch.softmax(logits - 1e5 * (1.0 - mask_2d[..., None, :, :]), dim=-1)  # [*, H, i, j]
-
-        o = torch.einsum("...hij,...jhc->...ihc", attn, v).flatten(-2)
-        o_pt = torch.einsum("...hij,...jhpx->...ihpx", attn, v_pts)  # global frame
-        o_pt = frames.unsqueeze(-1).unsqueeze(-1).invert_apply(o_pt)  # [*, N, H, P_v, 3] local
-        o_pt_norm = torch.sqrt(1e-8 + (o_pt**2).sum(-1))
-        o_pair = torch.einsum("...hij,...ijc->...ihc", attn, z).flatten(-2)
-        feats = [o, *(o_pt[..., k].flatten(-2) for k in range(3)), o_pt_norm.flatten(-2), o_pair]
-        return self.linear_out(torch.cat(feats, dim=-1))
+        outs = []
+        for r0, r1 in row_blocks(s.shape[-2], chunk):
+            logits = torch.einsum("...ihc,...jhc->...hij", q[..., r0:r1, :, :] * scalar_w, k)
+            d2 = ((q_pts[..., r0:r1, None, :, :, :] - k_pts[..., None, :, :, :, :]) ** 2).sum(-1)  # [*, i, j, H, P]
+            logits = logits - 0.5 * torch.einsum("...ijhp,h->...hij", d2, gamma)
+            del d2
+            logits = logits + math.sqrt(1.0 / 3) * bias[..., r0:r1, :]
+            mask_2d = mask[..., r0:r1, None] * mask[..., None, :]
+            attn = torch.softmax(logits - 1e5 * (1.0 - mask_2d[..., None, :, :]), dim=-1)  # [*, H, i, j]
+            del logits
+            o = torch.einsum("...hij,...jhc->...ihc", attn, v).flatten(-2)
+            o_pt = torch.einsum("...hij,...jhpx->...ihpx", attn, v_pts)  # global frame
+            rows = frames if chunk is None else Rigid(frames.rot[..., r0:r1, :, :], frames.trans[..., r0:r1, :])
+            o_pt = rows.unsqueeze(-1).unsqueeze(-1).invert_apply(o_pt)  # [*, i, H, P_v, 3] local
+            o_pt_norm = torch.sqrt(1e-8 + (o_pt**2).sum(-1))
+            o_pair = torch.einsum("...hij,...ijc->...ihc", attn, pair_rows(r0, r1)).flatten(-2)
+            feats = [o, *(o_pt[..., k].flatten(-2) for k in range(3)), o_pt_norm.flatten(-2), o_pair]
+            outs.append(self.linear_out(torch.cat(feats, dim=-1)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 class BackboneUpdate(nn.Module):
@@ -131,9 +167,9 @@ class StructureModule(nn.Module):
         self.bb_update = BackboneUpdate(cfg.c_s)
         self.angle_resnet = AngleResnet(cfg.c_s, cfg.c_resnet, cfg.resnet_blocks)
 
-    def _fold_block(self, s, s_initial, z, quat, trans, mask):
+    def _fold_block(self, s, s_initial, ipa_pair, quat, trans, mask):
         frames = Rigid(quat_to_rot(quat), trans)
-        s = self.layer_norm_ipa(s + self.ipa(s, z, frames, mask))
+        s = self.layer_norm_ipa(s + self.ipa.attend(s, frames, mask, *ipa_pair))
         a = s
         for i, linear in enumerate(self.transition):
             a = linear(a)
@@ -143,23 +179,42 @@ class StructureModule(nn.Module):
         quat, trans = self.bb_update(s, quat, trans)
         return s, quat, trans
 
+    def _ipa_pair(self, z: torch.Tensor, options: InferenceOptions | None):
+        """What every IPA layer needs from the (fixed) pair: its bias [*, H, N, N], a function giving the
+        LayerNormed pair rows of a block of query residues, and that block size. Chunked, the LayerNorm of
+        the whole pair is never held: the bias is built by row blocks and the rows recomputed per layer."""
+        n = z.shape[-2]
+        chunk = None if options is None else self.ipa.query_chunk(options, n, z.shape[-1], z.element_size())
+        if chunk is None:
+            z_ln = self.layer_norm_z(z)
+            return self.ipa.linear_b(z_ln).movedim(-1, -3), lambda r0, r1: z_ln[..., r0:r1, :, :], None
+        bias = z.new_empty(*z.shape[:-3], self.ipa.linear_b.out_features, n, n)
+        for r0, r1 in row_blocks(n, chunk):
+            bias[..., r0:r1, :] = self.ipa.linear_b(self.layer_norm_z(z[..., r0:r1, :, :])).movedim(-1, -3)
+        return bias, lambda r0, r1: self.layer_norm_z(z[..., r0:r1, :, :]), chunk
+
     def forward(
-        self, s: torch.Tensor, z: torch.Tensor, aatype: torch.Tensor, mask: torch.Tensor
+        self,
+        s: torch.Tensor,
+        z: torch.Tensor,
+        aatype: torch.Tensor,
+        mask: torch.Tensor,
+        options: InferenceOptions | None = None,
     ) -> dict[str, torch.Tensor]:
-        """s: [*, N, C_s]; z: [*, N, N, C_z]; aatype: [*, N]; mask: seq_mask [*, N].
+        """s: [*, N, C_s]; z: [*, N, N, C_z]; aatype: [*, N]; mask: seq_mask [*, N]; options: chunking of IPA.
 
         Returns `single` [*, N, C_s] (after the last block), `frames` [*, N, 4, 4] (Angstrom),
         `angles` and `unnormalized_angles` [*, N, 7, 2], `atom14_positions` [*, N, 14, 3] (Angstrom).
         """
         s_initial = self.layer_norm_s(s)
-        z = self.layer_norm_z(z)
+        ipa_pair = self._ipa_pair(z, options)
         s = self.linear_in(s_initial)
         quat = torch.zeros(*s.shape[:-1], 4, dtype=s.dtype, device=s.device)
         quat[..., 0] = 1
         trans = torch.zeros(*s.shape[:-1], 3, dtype=s.dtype, device=s.device)
         mask = mask.to(s.dtype)
         for _ in range(self.cfg.num_layers):
-            s, quat, trans = self._fold_block(s, s_initial, z, quat, trans, mask)
+            s, quat, trans = self._fold_block(s, s_initial, ipa_pair, quat, trans, mask)
         # Only the last iteration's side chains are part of the inference outputs.
         raw, angles = self.angle_resnet(s, s_initial)
         backbone = Rigid(quat_to_rot(quat), trans * self.cfg.position_scale)

@@ -1,7 +1,14 @@
 """`suite bench fold-model`: one AlphaFold2 pass with the released channel sizes, chunked against unchunked.
 
 Each (n_res, variant) runs in a fresh process, so its peak memory is its own: on CUDA the peak of
-`torch.cuda.max_memory_allocated`, on CPU the growth of the peak resident set over the model and batch.
+`torch.cuda.max_memory_allocated`, on CPU the growth of the peak resident set (VmHWM) over the resident
+set just before the timed passes. The CPU measurement is made the same way for both variants:
+- glibc's mmap threshold is fixed at 32 MiB (its dynamic maximum), so where a tensor lives does not depend
+  on the allocation history of the process;
+- one warm-up pass on a 32-residue batch first initialises the libraries (thread pools, oneDNN), so their
+  one-off buffers are not counted;
+- then `malloc_trim(0)` hands freed heap pages back, the baseline is the resident set, and the high-water
+  mark is reset (`/proc/self/clear_refs`) before the timed passes.
 Random weights (the timing and memory do not depend on their values); MSA and extra-MSA sizes are flags.
 """
 
@@ -35,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory_budget_mb", type=int, default=64, help='budget per intermediate for "auto"')
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--repeat", type=int, default=2, help="timed passes (median reported) after one warm-up")
+    parser.add_argument("--repeat", type=int, default=2, help="timed passes (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed full-size passes before the timed ones")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -48,6 +56,60 @@ def _options(variant: str, args: argparse.Namespace):
     return InferenceOptions(chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
 
 
+_M_MMAP_THRESHOLD = -3
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _fix_allocator() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+
+
+def _rss_baseline() -> int:
+    """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
+    import gc
+
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        from suite.bench.common import peak_rss_bytes
+
+        return peak_rss_bytes()  # no reset: growth is measured over the peak so far
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _rss_peak() -> int:
+    try:
+        return _proc_status_bytes("VmHWM")
+    except (OSError, RuntimeError):
+        from suite.bench.common import peak_rss_bytes
+
+        return peak_rss_bytes()
+
+
 def _child(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -55,8 +117,9 @@ def _child(args: argparse.Namespace) -> int:
 
     from fastfold.model import AlphaFold, config
     from fastfold.model.testing import random_batch
-    from suite.bench.common import peak_rss_bytes, time_fn
+    from suite.bench.common import time_fn
 
+    _fix_allocator()
     n_res, variant = args._child.split(":")
     device = torch.device(
         "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
@@ -66,20 +129,29 @@ def _child(args: argparse.Namespace) -> int:
     cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=args.blocks)
     cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=args.extra_blocks)
     model = AlphaFold(cfg).to(device=device, dtype=dtype).eval()
-    batch = random_batch(cfg, n_res=int(n_res), n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
-    batch = {k: v.to(device) for k, v in batch.items()}
     options = _options(variant, args)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    base = torch.cuda.memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+
+    def batch_of(n: int) -> dict[str, torch.Tensor]:
+        batch = random_batch(cfg, n_res=n, n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    with torch.no_grad():
+        model(batch_of(32), options)  # warm-up: library initialisation, not counted
+    batch = batch_of(int(n_res))
     if device.type == "cuda":
+        sync()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _rss_baseline()
 
     def one_pass():
         with torch.no_grad():
             model(batch, options)
 
-    seconds = time_fn(one_pass, warmup=1, repeat=args.repeat, sync=sync)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+    seconds = time_fn(one_pass, warmup=args.warmup, repeat=args.repeat, sync=sync)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak()
     print(
         json.dumps(
             {
@@ -106,6 +178,7 @@ def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
         "dtype",
         "device",
         "repeat",
+        "warmup",
     ):
         argv += [f"--{flag}", str(getattr(args, flag))]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -122,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         return _child(args)
     if args.blocks <= 0 or args.n_seq <= 0 or args.n_extra <= 0 or args.repeat <= 0:
         raise UsageError("fold-model: --blocks, --n_seq, --n_extra and --repeat must be positive")
+    if args.warmup < 0:
+        raise UsageError("fold-model: --warmup must not be negative")
     if args.chunk_size != "auto" and not (args.chunk_size.isdigit() and int(args.chunk_size) > 0):
         raise UsageError(f"fold-model: --chunk_size must be a positive int or 'auto', got {args.chunk_size!r}")
     rows = []

@@ -58,9 +58,12 @@ def test_output_names_and_shapes(reference):
         InferenceOptions(chunk_size=2),
         InferenceOptions(chunk_size=3, residual="in_place"),
         InferenceOptions(chunk_size="auto", memory_budget_bytes=4096),
+        InferenceOptions(chunk_size="auto", memory_budget_bytes=4096, residual="in_place"),
+        InferenceOptions(chunk_size=1, residual="in_place"),
+        InferenceOptions(residual="in_place"),
         InferenceOptions(attention_backend="torch"),
     ],
-    ids=["chunk2", "chunk3-inplace", "auto", "torch-backend"],
+    ids=["chunk2", "chunk3-inplace", "auto", "auto-inplace", "chunk1-inplace", "inplace", "torch-backend"],
 )
 def test_options_do_not_change_results(model, batch, reference, options):
     with torch.no_grad():
