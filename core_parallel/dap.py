@@ -246,31 +246,18 @@ class Pending:
 # --- public primitives ---
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-        ctx.dim, ctx.start, ctx.full = dim, start, x.size(dim)
-        return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        before = list(grad.shape)
-        before[ctx.dim] = ctx.start
-        after = list(grad.shape)
-        after[ctx.dim] = ctx.full - ctx.start - grad.size(ctx.dim)
-        return torch.cat([grad.new_zeros(before), grad, grad.new_zeros(after)], dim=ctx.dim), None, None, None
-
-
 def scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's shard of `x` along tensor dim `dim`, split over the ranks of mesh axis `group`.
 
     x: [..., L, ...] whole (the same on every rank) -> [..., shard_size(L, W, rank), ...]. No communication.
+    The shard is a view of x (no copy; an in-place update of the shard updates x, as an in-place update of x
+    would on one process). Backward: the local gradient slice, zero elsewhere.
     """
     if group_size(group) == 1:
         return x
     dim = _norm_dim(dim, x.dim())
     start, stop = shard_range(x.size(dim), group_size(group), group_rank(group))
-    return _Scatter.apply(x, dim, start, stop - start)
+    return x.narrow(dim, start, stop - start)
 
 
 def gather_async(x: torch.Tensor, dim: int, group: Group, *, full_size: int) -> Pending:

@@ -43,7 +43,7 @@ from fastfold.model.evoformer import (
     TriangleMultiplication,
 )
 from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import chunked
+from fastfold.model.primitives import mask_keep
 
 logger = logging.getLogger(__name__)
 
@@ -69,56 +69,156 @@ class _Pair:
     def along(self, dim: int) -> torch.Tensor:
         """The local shard split along `dim` (one all-to-all when it is split along the other dim)."""
         if self.split != dim:
-            self.value = comm.all_to_all(self._release(), self.split, dim, self.group, from_size=self.n)
+            value, self.value = self.value, None  # hand the shard over, so the exchange can free it early
+            self.value = comm.all_to_all(value, self.split, dim, self.group, from_size=self.n)
             self.split = dim
         return self.value
 
-    def _release(self) -> torch.Tensor:
-        """Hand the shard over (so the exchange can free it early) and forget it."""
-        value, self.value = self.value, None
-        return value
-
-    def update(self, dim: int | None, fn, options: InferenceOptions) -> None:
-        """value += fn(shard, mask) with the shard split along `dim` (None: the current split)."""
+    def update(self, dim: int | None, fn) -> None:
+        """value = fn(shard, mask), the residual included, with the shard split along `dim` (None: as it is)."""
         shard = self.along(self.split if dim is None else dim)
-        self.value = options.add_(shard, fn(shard, self.masks[self.split]))
+        self.value = fn(shard, self.masks[self.split])
 
     def gather(self) -> torch.Tensor:
         return comm.gather(self.along(ROWS), ROWS, self.group, full_size=self.n)
 
 
-def _triangle_multiplication(
-    mod: TriangleMultiplication, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, group: Any
-) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 11/12 on a shard: outgoing on rows `[*, N_r, N, C]`, incoming on columns
-    `[*, N, N_r, C]` (pair_mask in the same layout). Returns the update in the shard's layout."""
-    x = mod.layer_norm_in(z)
-    mask = pair_mask.to(z.dtype)[..., None]
-    a = mask * mod.linear_a_p(x) * torch.sigmoid(mod.linear_a_g(x))
-    b = mask * mod.linear_b_p(x) * torch.sigmoid(mod.linear_b_g(x))
-    del mask
-    if mod.direction == "outgoing":  # z_ij = sum_k a_ik b_jk: local rows i, every row j of b
-        left, right = a, comm.gather(b, ROWS, group, full_size=z.shape[-2])
-    else:  # z_ij = sum_k a_ki b_kj: local columns j, every column i of a
-        left = comm.gather(a, COLS, group, full_size=z.shape[-3]).transpose(-2, -3)
-        right = b.transpose(-2, -3)
-    del a, b
-    left, right = left.movedim(-1, -3), right.movedim(-1, -3)  # [*, c, I, K], [*, c, J, K]
-    rows, cols = left.shape[-2], right.shape[-2]
-    chunk = options.rows_per_chunk(rows, cols * (left.shape[-3] + 2 * z.shape[-1]) * z.element_size()) or max(rows, 1)
-    out = z.new_empty(z.shape)
-    for i in range(0, rows, chunk):
-        p = torch.matmul(left[..., i : i + chunk, :], right.transpose(-1, -2)).movedim(-3, -1)  # [*, n_i, J, c]
-        gate = torch.sigmoid(mod.linear_g(x[..., i : i + chunk, :, :]))
-        out[..., i : i + chunk, :, :] = mod.linear_z(mod.layer_norm_out(p)) * gate
+def _row_blocks(total: int, chunk: int | None) -> list[tuple[int, int]]:
+    step = total if chunk is None else max(1, chunk)
+    return [(r, min(r + step, total)) for r in range(0, total, max(step, 1))]
+
+
+def _residual_rows(x: torch.Tensor, fn, chunk: int | None, options: InferenceOptions) -> torch.Tensor:
+    """`x + update`, where `fn(r0, r1)` is the update of rows [r0, r1) of dim -3 and reads only those rows of x.
+
+    Chunked, the update is added block by block and never held whole: into x itself with in-place
+    residuals, else into a copy of x (the same sums as `x + update`, one activation less alive).
+    """
+    rows = x.shape[-3]
+    if chunk is None or rows == 0:
+        return options.add_(x, fn(0, rows))
+    out = x if options.residual == "in_place" else x.clone()
+    for r0, r1 in _row_blocks(rows, chunk):
+        out[..., r0:r1, :, :] += fn(r0, r1)
     return out
 
 
-def _outer_product_mean(
-    mod: OuterProductMean, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions, group: Any
+def _module_residual(mod: nn.Module, x: torch.Tensor, *args: Any, options: InferenceOptions) -> torch.Tensor:
+    """`x + mod(x, *args, options)` for a module that works on a local shard unchanged (column attention,
+    transitions), through the module's own `residual_` (fused with chunking) where it has one."""
+    fused = getattr(mod, "residual_", None)
+    if fused is not None:
+        return fused(x, *args, options)
+    return options.add_(x, mod(x, *args, options))
+
+
+def _attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int):
+    """Rows per chunk of a row-wise attention: its projections (about 8 x L x C) and one block of scores."""
+    return options.rows_per_chunk(rows, (8 * length * c + heads * length * min(length, 256)) * itemsize)
+
+
+def _whole_bias(layer_norm: nn.Module, linear: nn.Module, z_rows: torch.Tensor, chunk: int | None, group: Any):
+    """The pair bias `[*, 1, H, N, N]` of every row, from this rank's rows `z_rows: [*, N_r, N, C]` (any strides):
+    `linear(layer_norm(z))` on the local rows (by row blocks when chunking), then gathered."""
+    if chunk is None:
+        local = linear(layer_norm(z_rows))
+    else:
+        local = z_rows.new_empty(*z_rows.shape[:-1], linear.out_features)
+        for r0, r1 in _row_blocks(z_rows.shape[-3], chunk):
+            local[..., r0:r1, :, :] = linear(layer_norm(z_rows[..., r0:r1, :, :]))
+    return comm.gather(local, ROWS, group, full_size=z_rows.shape[-2]).movedim(-1, -3).unsqueeze(-4)
+
+
+def _msa_row_attention(
+    mod: MSARowAttentionWithPairBias, m: torch.Tensor, z_rows: torch.Tensor, msa_mask: torch.Tensor,
+    options: InferenceOptions, group: Any,
 ) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 10 for the local residues. m: `[*, S, N_r, C_m]` split by columns;
-    msa_mask: `[*, S, N]` whole. Returns the pair rows of the local residues `[*, N_r, N, C_z]`."""
+    """AlphaFold2 suppl. Alg. 7 on m split by rows `[*, S_r, N, C_m]` (msa_mask `[*, S_r, N]`), with the bias
+    from z split by rows `[*, N_r, N, C_z]`. Returns the new m."""
+    chunk = _attention_chunk(options, m.shape[-3], mod.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
+    bias = _whole_bias(mod.layer_norm_z, mod.linear_z, z_rows, chunk, group)
+
+    def update(r0: int, r1: int) -> torch.Tensor:
+        x = mod.layer_norm_m(m[..., r0:r1, :, :])
+        return mod.mha(x, x, mask=mask_keep(msa_mask[..., r0:r1, :])[..., :, None, None, :], bias=bias)
+
+    return _residual_rows(m, update, chunk, options)
+
+
+def _triangle_attention(
+    mod: TriangleAttention, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, group: Any
+) -> torch.Tensor:
+    """AlphaFold2 suppl. Alg. 13 (starting node) on z split by rows `[*, N_r, N, C]`, Alg. 14 (ending node) on
+    z split by columns `[*, N, N_r, C]`; pair_mask in the same layout. Returns the new z."""
+    ending = mod.node == "ending"
+    zt = z.transpose(-2, -3) if ending else z  # the attention's rows are local: [*, N_r, N, C]
+    mt = pair_mask.transpose(-1, -2) if ending else pair_mask
+    chunk = _attention_chunk(options, zt.shape[-3], mod.mha.heads, zt.shape[-2], zt.shape[-1], z.element_size())
+    if chunk is None:  # one LayerNorm for the bias and the attention
+        x = mod.layer_norm(zt)
+        bias = comm.gather(mod.linear(x), ROWS, group, full_size=zt.shape[-2]).movedim(-1, -3).unsqueeze(-4)
+        new = options.add_(zt, mod.mha(x, x, mask=mask_keep(mt)[..., :, None, None, :], bias=bias))
+    else:
+        bias = _whole_bias(mod.layer_norm, mod.linear, zt, chunk, group)
+
+        def update(r0: int, r1: int) -> torch.Tensor:
+            x = mod.layer_norm(zt[..., r0:r1, :, :])
+            return mod.mha(x, x, mask=mask_keep(mt[..., r0:r1, :])[..., :, None, None, :], bias=bias)
+
+        new = _residual_rows(zt, update, chunk, options)
+    return new.transpose(-2, -3) if ending else new
+
+
+def _gated(mod: TriangleMultiplication, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
+    """mask * linear_p(x) * sigmoid(linear_g(x)) for the projection `which` ("a" or "b")."""
+    proj, gate = getattr(mod, f"linear_{which}_p"), getattr(mod, f"linear_{which}_g")
+    return mask * proj(x) * torch.sigmoid(gate(x))
+
+
+def _triangle_multiplication(
+    mod: TriangleMultiplication, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, group: Any
+) -> torch.Tensor:
+    """AlphaFold2 suppl. Alg. 11 (outgoing) on z split by rows `[*, N_r, N, C]`, Alg. 12 (incoming) on z split
+    by columns `[*, N, N_r, C]`; pair_mask in the same layout. Returns the new z.
+
+    Both work on the layout whose rows are local: z for outgoing, z^T for incoming, where
+    `out^T[j, i] = sum_k b^T[j, k] a^T[i, k]`. The projection every local row needs (b outgoing, a incoming) is
+    gathered from all ranks; the other one is computed block by block when chunking.
+    """
+    outgoing = mod.direction == "outgoing"
+    zz = z if outgoing else z.transpose(-2, -3)  # [*, R, N, C]
+    mm = (pair_mask if outgoing else pair_mask.transpose(-1, -2)).to(z.dtype)[..., None]
+    row_proj, all_proj = ("a", "b") if outgoing else ("b", "a")
+    c_h, n = mod.linear_a_p.out_features, zz.shape[-2]
+    chunk = options.rows_per_chunk(zz.shape[-3], n * (4 * c_h + 5 * zz.shape[-1]) * z.element_size())
+    x_all = mod.layer_norm_in(zz) if chunk is None else None
+    if chunk is None:
+        local = _gated(mod, x_all, mm, all_proj)
+    else:
+        local = zz.new_empty(*zz.shape[:-1], c_h)
+        for r0, r1 in _row_blocks(zz.shape[-3], chunk):
+            x = mod.layer_norm_in(zz[..., r0:r1, :, :])
+            local[..., r0:r1, :, :] = _gated(mod, x, mm[..., r0:r1, :, :], all_proj)
+    shared = comm.gather(local, ROWS, group, full_size=n).movedim(-1, -3)  # [*, c, J, K]
+    del local
+
+    def update(r0: int, r1: int) -> torch.Tensor:
+        x = x_all if x_all is not None else mod.layer_norm_in(zz[..., r0:r1, :, :])
+        rows = _gated(mod, x, mm[..., r0:r1, :, :], row_proj).movedim(-1, -3)  # [*, c, R, K]
+        p = torch.matmul(rows, shared.transpose(-1, -2)).movedim(-3, -1)  # [*, R, J, c]
+        del rows
+        return mod.linear_z(mod.layer_norm_out(p)) * torch.sigmoid(mod.linear_g(x))
+
+    new = _residual_rows(zz, update, chunk, options)
+    return new if outgoing else new.transpose(-2, -3)
+
+
+def _outer_product_mean(
+    mod: OuterProductMean, z: torch.Tensor, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions,
+    group: Any,
+) -> torch.Tensor:
+    """AlphaFold2 suppl. Alg. 10 for the local residues, added to their pair rows z `[*, N_r, N, C_z]`.
+    m: `[*, S, N_r, C_m]` split by columns; msa_mask: `[*, S, N]` whole. Returns the new z rows."""
     n = msa_mask.shape[-1]
     full_mask = msa_mask.to(m.dtype)
     local_mask = comm.scatter(full_mask, -1, group)
@@ -129,13 +229,13 @@ def _outer_product_mean(
     b = comm.gather(b, COLS, group, full_size=n).movedim(-3, -2)  # [*, N, S, c]
     norm = torch.einsum("...si,...sj->...ij", local_mask, full_mask)[..., None]  # [*, N_r, N, 1]
     c = a.shape[-1]
-    chunk = options.rows_per_chunk(a.shape[-3], n * c * c * m.element_size())
+    chunk = options.rows_per_chunk(a.shape[-3], n * (2 * c * c + 2 * z.shape[-1]) * m.element_size())
 
-    def run(a_c: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
-        outer = torch.einsum("...isc,...jse->...ijce", a_c, b)
-        return mod.linear_out(outer.flatten(-2)) / (mod.eps + norm_c)
+    def update(r0: int, r1: int) -> torch.Tensor:
+        outer = torch.einsum("...isc,...jse->...ijce", a[..., r0:r1, :, :], b)
+        return mod.linear_out(outer.flatten(-2)) / (mod.eps + norm[..., r0:r1, :, :])
 
-    return chunked(run, [a, norm], a.dim() - 3, chunk)
+    return _residual_rows(z, update, chunk, options)
 
 
 def _pair_ops(owner: nn.Module, order: tuple[str, ...], z: _Pair, options: InferenceOptions, group: Any) -> None:
@@ -144,12 +244,12 @@ def _pair_ops(owner: nn.Module, order: tuple[str, ...], z: _Pair, options: Infer
         mod = getattr(owner, name)
         if isinstance(mod, TriangleMultiplication):
             dim = ROWS if mod.direction == "outgoing" else COLS
-            z.update(dim, functools.partial(_triangle_multiplication, mod, options=options, group=group), options)
+            z.update(dim, functools.partial(_triangle_multiplication, mod, options=options, group=group))
         elif isinstance(mod, TriangleAttention):
-            dim = ROWS if mod.node == "starting" else COLS  # the bias hook gathers the rows of (z or z^T)
-            z.update(dim, functools.partial(mod, options=options), options)
+            dim = ROWS if mod.node == "starting" else COLS
+            z.update(dim, functools.partial(_triangle_attention, mod, options=options, group=group))
         else:  # the pair transition: pointwise, either split
-            z.update(None, lambda shard, _mask, mod=mod: mod(shard, options), options)
+            z.update(None, lambda shard, _mask, mod=mod: _module_residual(mod, shard, options=options))
 
 
 def _evoformer_block(
@@ -158,12 +258,11 @@ def _evoformer_block(
     """One Evoformer / extra-MSA block (Alg. 6) on m split by rows `[*, S_r, N, C_m]` and z. Returns m by rows."""
     s, n = msa_mask.shape[-2], msa_mask.shape[-1]
     rows_mask, cols_mask = comm.scatter(msa_mask, -2, group), comm.scatter(msa_mask, -1, group)
-    m = options.add_(m, block.msa_att_row(m, z.along(ROWS), rows_mask, options))
+    m = _msa_row_attention(block.msa_att_row, m, z.along(ROWS), rows_mask, options, group)
     m = comm.all_to_all(m, ROWS, COLS, group, from_size=s)  # [*, S, N_r, C_m]
-    m = options.add_(m, block.msa_att_col(m, cols_mask, options))
-    m = options.add_(m, block.msa_transition(m, options))
-    z_rows = z.along(ROWS)
-    z.value = options.add_(z_rows, _outer_product_mean(block.outer_product_mean, m, msa_mask, options, group))
+    m = _module_residual(block.msa_att_col, m, cols_mask, options=options)
+    m = _module_residual(block.msa_transition, m, options=options)
+    z.value = _outer_product_mean(block.outer_product_mean, z.along(ROWS), m, msa_mask, options, group)
     m_back = comm.all_to_all_async(m, COLS, ROWS, group, from_size=n)  # overlaps the pair stack
     del m
     _pair_ops(block.pair_stack, _PAIR_STACK_ORDER, z, options, group)
@@ -202,11 +301,6 @@ def _template_forward(stack: TemplatePairStack, group: Any, t, pair_mask, option
     return tp.gather()
 
 
-def _gather_bias_rows(group: Any, _module: nn.Module, _inputs: Any, bias: torch.Tensor) -> torch.Tensor:
-    """Forward hook of a pair-bias projection: its rows `[*, N_r, N, H]` -> the whole bias `[*, N, N, H]`."""
-    return comm.gather(bias, ROWS, group, full_size=bias.shape[-2])
-
-
 _STACK_FORWARDS = (
     (EvoformerStack, _evoformer_forward),
     (ExtraMSAStack, _extra_msa_forward),
@@ -232,10 +326,6 @@ def parallelize_dap(model: nn.Module, group: Any) -> nn.Module:
             if type(module) is cls:
                 module.forward = functools.partial(forward, module, group)
                 stacks += 1
-        if isinstance(module, MSARowAttentionWithPairBias):
-            module.linear_z.register_forward_hook(functools.partial(_gather_bias_rows, group))
-        elif isinstance(module, TriangleAttention):
-            module.linear.register_forward_hook(functools.partial(_gather_bias_rows, group))
     if stacks == 0:
         raise ValueError("parallelize_dap: the model has no Evoformer, extra-MSA or template pair stack")
     model._dap_group = group

@@ -58,7 +58,7 @@ def _dap_fold(rank: int, world: int, fail_rank: int | None = None) -> list[dict[
         batch = broadcast_batch(_batch() if rank == 0 else None, group, src=0)
         model = parallelize_dap(_model(dtype), group)
         if rank == fail_rank:
-            model.evoformer.blocks[1].msa_att_row.register_forward_pre_hook(_fail)
+            model.evoformer.blocks[1].msa_att_row.mha.register_forward_pre_hook(_fail)
         # numpy: tensors returned through the result queue would travel as shared-memory handles
         results.append({k: v.numpy() for k, v in _fold(model, batch, chunk, residual).items()})
     topo.destroy()
