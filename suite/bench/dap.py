@@ -1,11 +1,16 @@
 """`suite bench dap`: the Evoformer stack (AlphaFold2 model_1 channel sizes) on 1, 2, ... DAP ranks.
 
-Per rank count: time per forward pass (slowest rank, median of repeats) and per-rank peak memory of the pass
-(CUDA: peak allocated; CPU: peak resident set during the first full-size pass minus the resident set before
-it, in a fresh process per count after a tiny warm-up pass, with large allocations mmapped so that freed memory
-leaves the resident set). The timed passes follow.
-1 rank runs the plain unsplit stack, the baseline a user would otherwise run. With `--budget_mb`, the
-longest N_res whose per-rank peak fits the budget is estimated from a quadratic fit through two sizes.
+Per rank count, in a fresh set of processes (one thread each; on CPU each rank pinned to its own core when
+there are enough): per-rank peak memory of one forward pass, then the time per pass (slowest rank, median of
+`--repeat` passes). 1 rank runs the plain unsplit stack, the baseline a user would otherwise run.
+
+Peak memory: CUDA, peak allocated; CPU, peak resident set of the pass minus the resident set before it, after
+a tiny warm-up pass, with large allocations mmapped so that freed memory leaves the resident set. The peak is
+reset between passes (Linux `/proc/self/clear_refs`), so one process can measure several sizes.
+
+With `--budget_mb`: the longest N_res whose per-rank peak fits the budget. A quadratic fit through N_res and
+N_res/2 gives a first guess; passes at other sizes then bracket and bisect the crossing to `--budget_tol`
+residues, so the answer is measured rather than extrapolated.
 """
 
 from __future__ import annotations
@@ -32,18 +37,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows")
     parser.add_argument("--blocks", type=int, default=2, help="Evoformer blocks")
     parser.add_argument("--chunk_size", type=int, default=None, help="chunk size inside each rank (default none)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed passes after one warm-up")
+    parser.add_argument("--repeat", type=int, default=3, help="timed passes after the memory pass (0: no timing)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
-    parser.add_argument("--budget_mb", type=float, default=None, help="also estimate the longest N_res that fits")
+    parser.add_argument(
+        "--affinity", choices=["pin", "none"], default="pin", help="cpu: pin rank r to the r-th allowed core"
+    )
+    parser.add_argument("--budget_mb", type=float, default=None, help="also find the longest N_res that fits")
+    parser.add_argument("--budget_tol", type=int, default=8, help="residues: resolution of the budget search")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per rank count")
 
 
+def _pin(rank: int, world: int) -> int | None:
+    """Pin this process to its own core (the rank-th allowed one) when every rank can have one."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        logger.warning("affinity: %d ranks but %d cores allowed; not pinning", world, len(cores))
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter of this process (Linux); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def fit_longest(small: tuple[int, float], large: tuple[int, float], budget_mb: float) -> int:
+    """Peak(N) = a N^2 + b N through two (N, peak MB) points; the largest N with Peak(N) <= budget."""
+    (n1, p1), (n2, p2) = small, large
+    a = (p2 / n2 - p1 / n1) / (n2 - n1)
+    b = p1 / n1 - a * n1
+    if a <= 0:
+        return int(budget_mb / max(b, 1e-9))
+    return int((-b + (b * b + 4 * a * budget_mb) ** 0.5) / (2 * a))
+
+
+def search_longest(peak_mb, budget_mb: float, guess: int, tol: int, known: dict[int, float]) -> int:
+    """The largest N (to within `tol`) with peak_mb(N) <= budget_mb, assuming the peak grows with N.
+
+    `known` holds sizes already measured (N -> peak MB); every new measurement is added to it. Walks from
+    `guess` with a doubling step until the crossing is bracketed, then bisects. Returns 0 if N=8 does not fit.
+    """
+
+    def fits(n: int) -> bool:
+        if n not in known:
+            known[n] = peak_mb(n)
+        return known[n] <= budget_mb
+
+    n = max(8, guess)
+    up = fits(n)
+    step = max(tol, n // 32)
+    while True:
+        n = n + step if up else max(8, n - step)
+        if fits(n) != up:
+            break
+        if n == 8:
+            return 0
+        step *= 2
+    lo = max(k for k, p in known.items() if p <= budget_mb)
+    hi = min((k for k, p in known.items() if p > budget_mb and k > lo), default=lo)
+    while hi - lo > tol:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
-    """One rank: build the stack and inputs (same seed everywhere), time the forward, measure its peak."""
+    """One rank: build the stack and inputs (same seed everywhere), measure the peak of one pass, time passes,
+    then (with a budget) search the longest N_res that fits. Every rank takes the same decisions."""
     import dataclasses
 
+    import psutil
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from core_parallel import Axis, Topology
@@ -53,15 +130,17 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     from suite.bench.common import peak_rss_bytes, time_fn
 
     device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
+    core = _pin(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
     dtype = getattr(torch, opts["dtype"])
     cfg = dataclasses.replace(config.preset("model_1").evoformer, num_blocks=opts["blocks"])
     torch.manual_seed(0)
     holder = nn.Module()
     holder.stack = EvoformerStack(cfg).to(device=device, dtype=dtype).eval()
-    topo = None
+    topo = group = None
     if world > 1:
         topo = Topology(world_size=world, rank=rank, dap=world, backend="nccl" if device.type == "cuda" else "gloo")
-        parallelize_dap(holder, topo.init().group(Axis.DAP))
+        group = topo.init().group(Axis.DAP)
+        parallelize_dap(holder, group)
     options = InferenceOptions(chunk_size=opts["chunk_size"])
     sync = torch.cuda.synchronize if device.type == "cuda" else None
 
@@ -75,23 +154,46 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         with torch.no_grad():
             holder.stack(*args, options)
 
-    run(inputs(8, 4))  # load every code path once, so one-time costs stay out of the measured peak
-    args = inputs(opts["n_res"], opts["n_seq"])
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run(args)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        import psutil
+    resettable = device.type == "cuda" or _reset_peak_rss()
 
-        before = psutil.Process().memory_info().rss
-        run(args)
-        peak = peak_rss_bytes() - before
-    seconds = time_fn(lambda: run(args), warmup=0, repeat=opts["repeat"], sync=sync)
+    def peak_mb(n: int) -> float:
+        """Peak memory of one pass at N_res n on this rank, the largest over the group (MB)."""
+        args = inputs(n, opts["n_seq"])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            run(args)
+            peak = torch.cuda.max_memory_allocated(device) - before
+        else:
+            _reset_peak_rss()
+            before = psutil.Process().memory_info().rss
+            run(args)
+            peak = peak_rss_bytes() - before
+        value = torch.tensor([peak / 2**20], dtype=torch.float64, device=device)
+        if group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return float(value.item())
+
+    run(inputs(8, 4))  # load every code path once, so one-time costs stay out of the measured peak
+    known = {opts["n_res"]: peak_mb(opts["n_res"])}
+    seconds = None
+    if opts["repeat"] > 0:
+        args = inputs(opts["n_res"], opts["n_seq"])
+        seconds = time_fn(lambda: run(args), warmup=0, repeat=opts["repeat"], sync=sync)
+        del args
+    out = {"seconds": seconds, "peak_mb": known[opts["n_res"]], "core": core}
+    if opts["budget_mb"]:
+        if not resettable:
+            raise RuntimeError("--budget_mb needs a resettable peak (Linux /proc/self/clear_refs or CUDA)")
+        half = max(8, opts["n_res"] // 2)
+        known[half] = peak_mb(half)
+        guess = fit_longest((half, known[half]), (opts["n_res"], known[opts["n_res"]]), opts["budget_mb"])
+        out["longest_fit"] = guess
+        out["longest_measured"] = search_longest(peak_mb, opts["budget_mb"], guess, opts["budget_tol"], known)
+        out["probes"] = sorted(known.items())
     if topo is not None:
         topo.destroy()
-    return {"seconds": seconds, "peak_mb": peak / 2**20}
+    return out
 
 
 def _measure(world: int, opts: dict, timeout: float) -> dict:
@@ -111,22 +213,18 @@ def _measure(world: int, opts: dict, timeout: float) -> dict:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_")
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    return {
+    row = {
         "ranks": world,
         "n_res": opts["n_res"],
-        "seconds": max(r["seconds"] for r in per_rank),
+        "seconds": None if opts["repeat"] == 0 else max(r["seconds"] for r in per_rank),
         "peak_mb_per_rank": max(r["peak_mb"] for r in per_rank),
+        "cores": ",".join(str(r["core"]) for r in per_rank),
     }
-
-
-def _fit_longest(small: dict, large: dict, budget_mb: float) -> int:
-    """Peak(N) = a N^2 + b N through two measurements; the largest N with Peak(N) <= budget."""
-    n1, p1, n2, p2 = small["n_res"], small["peak_mb_per_rank"], large["n_res"], large["peak_mb_per_rank"]
-    a = (p2 / n2 - p1 / n1) / (n2 - n1)
-    b = p1 / n1 - a * n1
-    if a <= 0:
-        return int(budget_mb / max(b, 1e-9))
-    return int((-b + (b * b + 4 * a * budget_mb) ** 0.5) / (2 * a))
+    if opts["budget_mb"]:
+        first = per_rank[0]
+        row.update(longest_n_res_fit=first["longest_fit"], longest_n_res_measured=first["longest_measured"])
+        row["probes"] = first["probes"]
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,21 +236,28 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < max(args.ranks):
             raise UsageError(f"--device cuda needs {max(args.ranks)} GPUs")
-    opts = {k: getattr(args, k) for k in ("n_res", "n_seq", "blocks", "chunk_size", "repeat", "dtype", "device")}
+    if args.repeat < 0 or args.budget_tol < 1:
+        raise UsageError("--repeat must be >= 0 and --budget_tol >= 1")
+    keys = ("n_res", "n_seq", "blocks", "chunk_size", "repeat", "dtype", "device", "affinity", "budget_mb")
+    opts = {k: getattr(args, k) for k in keys} | {"budget_tol": args.budget_tol}
     rows = [_measure(w, opts, args.timeout) for w in args.ranks]
     base = rows[0]
     for row in rows:
-        row["time_vs_first"] = row["seconds"] / base["seconds"]
+        if row["seconds"] is not None:
+            row["time_vs_first"] = row["seconds"] / base["seconds"]
         row["memory_vs_first"] = row["peak_mb_per_rank"] / max(base["peak_mb_per_rank"], 1e-9)
-    if args.budget_mb:
-        half = {**opts, "n_res": max(8, args.n_res // 2)}
-        for row in rows:
-            small = _measure(row["ranks"], half, args.timeout)
-            row["longest_n_res_in_budget"] = _fit_longest(small, row, args.budget_mb)
+        if args.budget_mb:
+            row["longest_vs_first"] = row["longest_n_res_measured"] / max(base["longest_n_res_measured"], 1)
     title = (
         f"Evoformer x{args.blocks} (model_1 sizes), N_res {args.n_res}, MSA {args.n_seq}, {args.dtype}, "
-        f"{args.device}, chunk {args.chunk_size}"
+        f"{args.device}, chunk {args.chunk_size}, 1 thread per rank, affinity {args.affinity}"
+        + (f", budget {args.budget_mb:g} MB/rank" if args.budget_mb else "")
     )
-    print_table(rows, title=title)
+    columns = [c for c in rows[0] if c != "probes"] + [c for c in rows[-1] if c not in rows[0]]
+    print_table(rows, columns=columns, title=title)
+    if args.budget_mb:
+        for row in rows:
+            probes = ", ".join(f"{n}: {p:.0f}" for n, p in row["probes"])
+            print(f"{row['ranks']} rank(s), peak MB per N_res probed: {probes}")
     write_json(args.json, {"benchmark": "dap", "settings": opts, "rows": rows})
     return 0
