@@ -1,39 +1,70 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution.
 
-- plain: diffusers' default attention (`AttnProcessor2_0`), fp32 AdamW, no gradient checkpointing
-  (torch DDP when `--world` > 1), as `train_text_to_image.py` runs it.
-- ours: attention through `kernels.attention` (`KernelsAttnProcessor`), gradient checkpointing, and
-  Gemini (`core_parallel.setup` with `GeminiConfig`, optimizer states and fp32 shards offloaded per
-  `--gemini_offload`) unless `--no_gemini`.
+Both variants run the whole step of `train_text_to_image.py`: encode images with the frozen VAE and captions
+with the frozen CLIP text encoder (no grad), noise the latents (DDPM), predict the noise with the UNet,
+MSE loss, backward, optimizer step.
 
-Each variant runs in its own process(es) (`core_parallel.run_on_ranks`), so peak RSS is its own. The VAE and
-text encoder are left out (frozen, identical for both); the UNet trains on random latents of
-`resolution / 8` and random text states, as Stable Diffusion's UNet sees them.
+- plain: what a diffusers user runs without `--mixed_precision`: fp32 UNet, VAE and text encoder, the default
+  attention processor (`AttnProcessor2_0`), `torch.optim.AdamW` with its defaults, no gradient
+  checkpointing, torch DDP when `--world` > 1.
+- ours: the same UNet and optimizer, with attention through `kernels.attention` (`KernelsAttnProcessor`),
+  gradient checkpointing (`--checkpointing keep_attention`: recompute all but the attention outputs), the
+  frozen VAE and text encoder in bf16, and Gemini (`core_parallel.setup` with `GeminiConfig`, parameters
+  packed in order of use, fp32 master shards, gradient shards and Adam states placed per `--gemini_offload`)
+  unless `--no_gemini`.
+
+Memory is the training memory of one rank, measured from before the models are built:
+- `--device cuda`: `torch.cuda.max_memory_allocated()` over the steps (peak statistics reset once the models
+  are set up) minus `torch.cuda.memory_allocated()` before they were built.
+- `--device cpu`: the CPU is the device, so host RAM is its memory: the peak resident set over the steps
+  (`VmHWM`, reset through `/proc/self/clear_refs` once the models are set up) minus the resident set before
+  they were built. This pass runs in its own processes with glibc's mmap threshold fixed at 64 KiB, so freed
+  tensors go back to the system and the peak follows live tensors rather than the heap's high-water mark.
+  Pages of Gemini's NVMe file count while they are mapped in (a chunk being gathered or updated); once
+  Gemini drops them they live in the file (and the kernel's page cache, reclaimable) and do not count.
+Times come from separate processes with the default allocator (CUDA: the same run, synchronised): the
+median of `--steps` steps after `--warmup`. Each variant starts fresh processes (`core_parallel.run_on_ranks`)
+after one step of a small model on the same code path (imports, thread pools, kernel caches).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 __all__ = ["add_arguments", "run"]
 
+_MMAP_THRESHOLD = "65536"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags that size the UNet and the run."""
+    """Flags that size the models and the run."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models train")
     parser.add_argument("--channels", default="64,128,256", help="UNet block channels (SD 1.5: 320,640,1280,1280)")
     parser.add_argument("--layers_per_block", type=int, default=1, help="ResNet layers per block (SD 1.5: 2)")
     parser.add_argument("--cross_attention_dim", type=int, default=256, help="text state width (SD 1.5: 768)")
     parser.add_argument("--attention_head_dim", type=int, default=8, help="heads per attention (SD 1.5: 8)")
+    parser.add_argument("--encoders", choices=["small", "sd", "none"], default="small",
+                        help="frozen VAE and text encoder: small (scaled down), sd (SD 1.5 shapes) or none")
     parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (latents: /8)")
     parser.add_argument("--batch", type=int, default=2, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--world", type=int, default=1, help="processes (plain: DDP; ours: Gemini shards)")
-    parser.add_argument("--gemini_offload", choices=["none", "cpu", "nvme"], default="nvme",
-                        help="where Gemini keeps fp32 shards and optimizer states")
+    parser.add_argument("--gemini_offload", choices=["none", "cpu", "nvme"], default=None,
+                        help="where Gemini keeps fp32 shards, gradient shards and Adam states "
+                             "(default: nvme on cpu, where the CPU tier is the device's own memory; cpu on cuda)")
+    parser.add_argument("--chunk_mb", type=float, default=4.0,
+                        help="Gemini chunk size in MiB (raised to fit the largest parameter)")
+    parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
+                        help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
     parser.add_argument("--no_gemini", action="store_true", help="ours without Gemini (attention + checkpointing)")
     parser.add_argument("--attention_backend", choices=["auto", "triton", "torch"], default="auto")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
+
+
+# ---- models ------------------------------------------------------------------------------------------------
 
 
 def _unet(opts: dict):
@@ -49,73 +80,101 @@ def _unet(opts: dict):
     )
 
 
-def _setup(variant: str, opts: dict, rank: int, world: int):
+def _encoders(opts: dict):
+    """(vae, text_encoder) with random weights, or (None, None). `sd`: SD 1.5's shapes; `small`: 8x VAE with
+    (32, 64, 128, 128) channels and a 2-layer CLIP of the cross-attention width with a 4096-token vocabulary."""
+    if opts["encoders"] == "none":
+        return None, None
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    sd = opts["encoders"] == "sd"
+    channels = (128, 256, 512, 512) if sd else (32, 64, 128, 128)
+    vae = AutoencoderKL(block_out_channels=channels, layers_per_block=2 if sd else 1,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        latent_channels=4, sample_size=opts["resolution"])
+    width = opts["cross_attention_dim"]
+    text = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408 if sd else 4096, hidden_size=width, intermediate_size=4 * width,
+        num_attention_heads=12 if sd else 4, num_hidden_layers=12 if sd else 2, max_position_embeddings=77,
+        projection_dim=width, hidden_act="quick_gelu", bos_token_id=0, eos_token_id=2, pad_token_id=1))
+    return vae, text
+
+
+def _setup(variant: str, opts: dict, rank: int, world: int, device):
+    """(unet, optimizer, gemini optimizer or None, vae, text encoder, offload folder or None) of a variant."""
     import torch
 
     torch.manual_seed(0)
     model = _unet(opts)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vae, text = _encoders(opts)
+    frozen_dtype = torch.float32 if variant == "plain" else torch.bfloat16
+    for m in (vae, text):
+        if m is not None:
+            m.requires_grad_(False).eval().to(device, frozen_dtype)
+    model.to(device)
     if variant == "plain":
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         model.set_attn_processor(AttnProcessor2_0())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         if world > 1:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        return model, optimizer, None
+            ids = [device.index] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return model, optimizer, None, vae, text, None
     from diffusion.attention import set_kernels_attention
+    from diffusion.memory import enable_checkpointing, order_modules_by_use
 
     set_kernels_attention(model, opts["attention_backend"])
-    model.enable_gradient_checkpointing()
+    enable_checkpointing(model, opts["checkpointing"])
+    order_modules_by_use(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     if opts["no_gemini"]:
-        return model, optimizer, None
+        return model, optimizer, None, vae, text, None
+    model, optimizer, folder = _gemini(model, optimizer, opts)
+    return model, optimizer, optimizer, vae, text, folder
+
+
+def _gemini(model, optimizer, opts: dict):
     import tempfile
 
     import core_parallel
 
     offload = opts["gemini_offload"]
-    config = core_parallel.GeminiConfig(
-        offload_param_frac=0.0 if offload == "none" else 1.0, offload_optim_frac=0.0 if offload == "none" else 1.0,
-        offload_dir=tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None)
+    folder = tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None
+    frac = 0.0 if offload == "none" else 1.0
+    config = core_parallel.GeminiConfig(offload_param_frac=frac, offload_optim_frac=frac, offload_dir=folder,
+                                        chunk_mb=opts["chunk_mb"])
     model, optimizer = core_parallel.setup(model, optimizer, config)
-    return model, optimizer, optimizer
+    return model, optimizer, folder
 
 
-def _variant(rank: int, world: int, variant: str, opts: dict) -> dict:
-    """One variant on this rank: median step seconds, peak RSS and peak RSS over the pre-model baseline."""
-    import gc
-
-    import psutil
-
-    from suite.bench.common import peak_rss_bytes
-
-    # One step of a small UNet on the same code path first: lazy imports, thread pools and kernel caches are
-    # then in the baseline, not in the training memory measured below.
-    small = {**opts, "channels": "32,64", "layers_per_block": 1, "resolution": 32, "batch": 1}
-    _steps(variant, small, rank, world, 0, 1)
-    gc.collect()
-    baseline = psutil.Process().memory_info().rss
-    seconds = _steps(variant, opts, rank, world, opts["warmup"], opts["steps"])
-    peak = peak_rss_bytes()
-    return {"step_s": seconds, "peak_rss_mib": peak / 2**20, "train_mib": (peak - baseline) / 2**20}
-
-
-def _steps(variant: str, opts: dict, rank: int, world: int, warmup: int, repeat: int) -> float:
-    """Build the variant and time `repeat` training steps after `warmup`; returns the median seconds."""
+def _make_step(parts, opts: dict, rank: int, device):
+    """The training step of a variant: encode (no grad), noise, predict, loss, backward, update."""
     import torch
     import torch.nn.functional as F
+    from diffusers import DDPMScheduler
 
-    from suite.bench.common import time_fn
-
-    model, optimizer, core = _setup(variant, opts, rank, world)
+    model, optimizer, core, vae, text_encoder, _ = parts
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
+                              beta_end=0.012)
     side, b = opts["resolution"] // 8, opts["batch"]
     g = torch.Generator().manual_seed(rank)
-    latents = torch.randn(b, 4, side, side, generator=g)
-    text = torch.randn(b, 77, opts["cross_attention_dim"], generator=g)
-    timesteps = torch.randint(0, 1000, (b,), generator=g)
+    pixels = torch.rand(b, 3, opts["resolution"], opts["resolution"], generator=g).mul_(2).sub_(1).to(device)
+    ids = torch.randint(0, 4096, (b, 77), generator=g).to(device)
+    fixed_latents = torch.randn(b, 4, side, side, generator=g).to(device)
+    fixed_text = torch.randn(b, 77, opts["cross_attention_dim"], generator=g).to(device)
+    timesteps = torch.randint(0, 1000, (b,), generator=g).to(device)
 
     def step() -> None:
+        with torch.no_grad():
+            if vae is None:
+                latents, states = fixed_latents, fixed_text
+            else:
+                latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample().float() * vae.config.scaling_factor
+                states = text_encoder(ids, return_dict=False)[0].float()
         noise = torch.randn_like(latents)
-        pred = model(latents + noise, timesteps, text).sample
+        pred = model(scheduler.add_noise(latents, noise, timesteps), timesteps, states).sample
         loss = F.mse_loss(pred, noise)
         if core is not None:
             core.backward(loss)
@@ -124,37 +183,190 @@ def _steps(variant: str, opts: dict, rank: int, world: int, warmup: int, repeat:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return time_fn(step, warmup=warmup, repeat=repeat)
+    return step
+
+
+# ---- measurement -------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    from suite.bench.common import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def _device(rank: int, opts: dict):
+    import torch
+
+    if opts["device"] == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict:
+    """One variant on this rank. mode `memory`: peak training memory; `time`: median step seconds; `both`."""
+    import gc
+
+    import torch
+
+    from suite.bench.common import time_fn
+
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
+    device = _device(rank, opts)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else None
+    small = {**opts, "channels": "32,64", "layers_per_block": 1, "resolution": 32, "batch": 1,
+             "encoders": "none" if opts["encoders"] == "none" else "small"}
+    parts = _setup(variant, small, rank, world, device)
+    _make_step(parts, small, rank, device)()
+    _cleanup(parts)
+    del parts
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device) if cuda else _rss_bytes()
+    parts = _setup(variant, opts, rank, world, device)
+    out: dict = {}
+    try:
+        step = _make_step(parts, opts, rank, device)
+        gc.collect()
+        out["state_mib"] = ((torch.cuda.memory_allocated(device) if cuda else _rss_bytes()) - base) / 2**20
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            out["peak_reset"] = _reset_peak_rss()
+        if mode == "memory":
+            for _ in range(max(1, opts["warmup"]) + 1):
+                step()
+        else:
+            out["step_s"] = time_fn(step, warmup=opts["warmup"], repeat=opts["steps"], sync=sync)
+        if mode != "time":
+            peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+            out["train_mib"] = (peak - base) / 2**20
+            out["peak_mib"] = peak / 2**20
+        if parts[2] is not None:
+            report = parts[0].memory_report()
+            out["nvme_mib"] = sum(report["bytes"]["nvme"].values()) / 2**20
+    finally:
+        _cleanup(parts)
+    return out
+
+
+def _cleanup(parts) -> None:
+    import shutil
+
+    folder = parts[-1]
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _fixed_mmap_threshold():
+    """Spawned processes start with glibc's mmap threshold fixed (read from the environment at start-up)."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def _measure(variant: str, opts: dict) -> dict:
+    """Worst rank's memory and slowest rank's step time of one variant."""
+    from core_parallel import run_on_ranks
+
+    backend = "nccl" if opts["device"] == "cuda" and opts["world"] > 1 else "gloo"
+
+    def ranks(mode: str) -> list[dict]:
+        return run_on_ranks(_variant, opts["world"], variant, opts, mode, timeout=opts["timeout"], backend=backend)
+
+    if opts["device"] == "cuda":
+        per_rank = ranks("both")
+        timed = per_rank
+    else:
+        with _fixed_mmap_threshold():
+            per_rank = ranks("memory")
+        timed = ranks("time")
+    worst = max(per_rank, key=lambda r: r["train_mib"])
+    row = {"world": opts["world"], "step_s": max(r["step_s"] for r in timed), "train_mib": worst["train_mib"],
+           "state_mib": worst["state_mib"], "peak_mib": worst["peak_mib"]}
+    if "nvme_mib" in worst:
+        row["nvme_mib"] = worst["nvme_mib"]
+    if worst.get("peak_reset") is False:
+        row["note"] = "peak RSS since process start (clear_refs unavailable)"
+    return row
+
+
+def _defaults(args: argparse.Namespace) -> dict:
+    from suite.errors import UsageError
+
+    if args.resolution % 8 or args.resolution < 16:
+        raise UsageError(f"--resolution must be a multiple of 8 and >= 16, got {args.resolution}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available")
+        if args.world > torch.cuda.device_count():
+            raise UsageError(f"--world {args.world}: only {torch.cuda.device_count()} CUDA device(s)")
+    opts = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json", "bench", "command")}
+    if opts["gemini_offload"] is None:
+        opts["gemini_offload"] = "nvme" if args.device == "cpu" else "cpu"
+    return opts
 
 
 def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
 
-    from core_parallel import run_on_ranks
     from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
 
-    if args.resolution % 8 or args.resolution < 16:
-        raise UsageError(f"--resolution must be a multiple of 8 and >= 16, got {args.resolution}")
-    opts = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json",)}
-    ours_name = "ours (kernels attention + checkpointing" + ("" if args.no_gemini else
-                                                                f" + gemini/{args.gemini_offload}") + ")"
-    rows = []
-    for variant, label in (("plain", "plain diffusers loop (SDPA, fp32 AdamW)"), ("ours", ours_name)):
-        per_rank = run_on_ranks(_variant, args.world, variant, opts, timeout=args.timeout)
-        worst = max(per_rank, key=lambda r: r["train_mib"])
-        rows.append({"variant": label, "world": args.world, "step_s": max(r["step_s"] for r in per_rank),
-                     "peak_rss_mib": worst["peak_rss_mib"], "train_mib": worst["train_mib"]})
-    plain, ours = rows
-    ours["mem_ratio"] = ours["train_mib"] / plain["train_mib"]
-    ours["time_ratio"] = ours["step_s"] / plain["step_s"]
-    n_params = sum(p.numel() for p in _unet(opts).parameters())
-    title = (f"UNet {args.channels} x{args.layers_per_block} ({n_params / 1e6:.1f}M params), "
-             f"{args.resolution}px, batch {args.batch}/rank, torch {torch.__version__}")
-    print_table(rows, ["variant", "world", "step_s", "peak_rss_mib", "train_mib", "mem_ratio", "time_ratio"],
-                title=title)
-    print("train_mib: peak RSS minus RSS before the model was built (per rank, worst rank); "
-          "targets: mem_ratio <= 0.33, time_ratio <= 1.2")
-    write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": n_params, "rows": rows})
+    opts = _defaults(args)
+    ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']} + bf16 encoders" + (
+        "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
+    plain = "plain diffusers loop (fp32, default attention, AdamW" + (", DDP" if opts["world"] > 1 else "") + ")"
+    rows = [{"variant": plain, **_measure("plain", opts)}, {"variant": ours, **_measure("ours", opts)}]
+    rows[1]["mem_ratio"] = rows[1]["train_mib"] / rows[0]["train_mib"]
+    rows[1]["time_ratio"] = rows[1]["step_s"] / rows[0]["step_s"]
+    vae, text = _encoders(opts)
+    counts = {"unet": sum(p.numel() for p in _unet(opts).parameters())}
+    if vae is not None:
+        counts["vae"] = sum(p.numel() for p in vae.parameters())
+        counts["text_encoder"] = sum(p.numel() for p in text.parameters())
+    sizes = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counts.items())
+    title = (f"{opts['device']}: UNet {opts['channels']} x{opts['layers_per_block']}, {sizes} params, "
+             f"{opts['resolution']}px, batch {opts['batch']}/rank, world {opts['world']}, torch {torch.__version__}")
+    columns = ["variant", "step_s", "train_mib", "mem_ratio", "time_ratio", "state_mib", "peak_mib"]
+    print_table(rows, columns + (["nvme_mib"] if "nvme_mib" in rows[1] else []), title=title)
+    measure = "max_memory_allocated" if opts["device"] == "cuda" else "peak RSS (VmHWM, fixed mmap threshold)"
+    print(f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
+          "state_mib: held after setup; targets: mem_ratio <= 0.33, time_ratio <= 1.2")
+    write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows})
     return 0
