@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import core_parallel
 from core_parallel.gemini import GeminiConfig
+from core_parallel.gemini.state import ChunkState
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -181,3 +182,97 @@ def fp16_overflow(rank: int, world: int) -> dict:
         "dtype": str(model.l1.weight.dtype),
     }
 
+
+
+# ---- activation checkpointing: forward re-run inside backward, chunk memory returned --------------------
+CKPT_CHUNK_MB = 4.0  # one trainable chunk shared by every block: each module call gathers and releases it
+CKPT_STEPS = 2
+
+
+class Checkpointed(nn.Module):
+    """Small blocks run under `torch.utils.checkpoint`, so backward re-runs their forward (Gemini's pre-forward
+    hooks fire again inside backward); a frozen layer, as a frozen text encoder would be."""
+
+    def __init__(self, blocks: int = 24, width: int = 48) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.LayerNorm(width))
+                                    for _ in range(blocks))
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for i in range(0, len(self.blocks), 3):
+            h = checkpoint(self._run, h, i, use_reentrant=reentrant)
+        return self.out(self.frozen(h))
+
+    def _run(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        for block in self.blocks[start : start + 3]:
+            h = h + block(h)
+        return h
+
+
+def _ckpt_build(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Checkpointed().to(dtype)
+    return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+
+def _ckpt_batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    return x.to(dtype).requires_grad_(), y.to(dtype)
+
+
+def checkpointed_reference(reentrant: bool, dtype: torch.dtype) -> dict:
+    """Plain torch on one process in `dtype`."""
+    model, opt = _ckpt_build(dtype)
+    for step in range(CKPT_STEPS):
+        x, y = _ckpt_batch(step, dtype)
+        ((model(x, reentrant) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _ckpt_train(rank: int, world: int, reentrant: bool, steps: int) -> tuple[nn.Module, list[int]]:
+    model, opt = _ckpt_build()
+    model, opt = core_parallel.setup(model, opt, GeminiConfig(chunk_mb=CKPT_CHUNK_MB))
+    per = GLOBAL_BATCH // world
+    growth = []
+    for step in range(steps):
+        x, y = _ckpt_batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        before = _rss()
+        loss = ((model(x, reentrant) - y) ** 2).mean()
+        after_forward = _rss()
+        opt.backward(loss)
+        growth.append(max(after_forward, _rss()) - before)
+        opt.step()
+        opt.zero_grad()
+    return model, growth
+
+
+def checkpointed_gemini(rank: int, world: int, reentrant: bool) -> dict:
+    """Gemini on this rank: the final weights, the chunks still gathered after the last step, and per step the
+    growth of resident memory over forward and backward (sampled after each) in units of one chunk.
+
+    A throwaway model trains one step first, so first-use allocations (gloo buffers, autograd) are not counted.
+    """
+    _ckpt_train(rank, world, reentrant, 1)
+    model, growth = _ckpt_train(rank, world, reentrant, CKPT_STEPS)
+    mgr = model.gemini_manager
+    chunk = max(c.full_nbytes for c in mgr.chunks)
+    return {
+        "model": model.state_dict(),
+        "gathered": [c.index for c in mgr.chunks if c.sm.data is not ChunkState.RELEASED],
+        "growth_chunks": [g / chunk for g in growth],
+    }
