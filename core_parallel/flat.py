@@ -8,7 +8,8 @@ parameter's size and the world size, which is what makes checkpoints world-size 
 
 Buckets group consecutive parameters (same dtype and device) up to a byte budget; a bucket's gradients are
 packed as `[world, sum(shards)]` so one reduce-scatter hands every rank its shard of every parameter
-(`pack_for_reduce_scatter`), and one all-gather brings the updated shards back (`unpack_gathered`).
+(`pack_into`, `pack_for_reduce_scatter`), and one all-gather brings the updated shards back (`unpack_into`,
+`unpack_gathered`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import torch
 __all__ = [
     "intersect",
     "pack_for_reduce_scatter",
+    "pack_into",
     "pad_flat",
     "padded_numel",
     "plan_buckets",
     "shard_range",
     "shard_size",
     "unpack_gathered",
+    "unpack_into",
 ]
 
 
@@ -87,6 +90,51 @@ def plan_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int
     return buckets
 
 
+def pack_into(grid: torch.Tensor, offset: int, numel: int, flat_tensor: torch.Tensor | None, divisor: int = 1) -> None:
+    """Write one 1-D tensor into columns `[offset, offset + shard)` of `grid` so row r holds its shard r.
+
+    grid: [world, S] (values are cast to its dtype). flat_tensor: [numel], or None to write zeros. The
+    padding after the last element is zeroed too, so stale values in a reused buffer never leak in.
+    `divisor`: the values are divided by it on the way (one pass instead of two).
+    """
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if divisor == 1 or src.dtype != dst.dtype:
+            dst.copy_(src)
+            if divisor != 1:
+                dst.div_(divisor)
+        else:
+            torch.div(src, divisor, out=dst)
+
+    world = grid.shape[0]
+    shard = shard_size(numel, world)
+    if flat_tensor is None:
+        grid[:, offset : offset + shard].zero_()
+        return
+    rows = numel // shard if shard else 0
+    if rows:
+        put(grid[:rows, offset : offset + shard], flat_tensor[: rows * shard].view(rows, shard))
+    tail = numel - rows * shard
+    if tail:
+        put(grid[rows, offset : offset + tail], flat_tensor[rows * shard :])
+        grid[rows, offset + tail : offset + shard].zero_()
+        rows += 1
+    if rows < world and shard:
+        grid[rows:, offset : offset + shard].zero_()
+
+
+def unpack_into(grid: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+    """Inverse of `pack_into`: copy the shards in columns `[offset, offset + shard)` of `grid` into `out` [numel]."""
+    world = grid.shape[0]
+    n = out.numel()
+    shard = shard_size(n, world)
+    rows = n // shard if shard else 0
+    if rows:
+        out[: rows * shard].view(rows, shard).copy_(grid[:rows, offset : offset + shard])
+    if n > rows * shard:
+        out[rows * shard :].copy_(grid[rows, offset : offset + n - rows * shard])
+
+
 def pack_for_reduce_scatter(flats: Sequence[torch.Tensor], world: int) -> torch.Tensor:
     """Pack 1-D tensors so that rank r's shard of each one is contiguous in slot r.
 
@@ -100,12 +148,7 @@ def pack_for_reduce_scatter(flats: Sequence[torch.Tensor], world: int) -> torch.
     grid = out.view(world, total)
     offset = 0
     for f, shard in zip(flats, shards):
-        n = f.numel()
-        rows = n // shard if shard else 0
-        if rows:
-            grid[:rows, offset : offset + shard].copy_(f[: rows * shard].view(rows, shard))
-        if n > rows * shard:
-            grid[rows, offset : offset + n - rows * shard].copy_(f[rows * shard :])
+        pack_into(grid, offset, f.numel(), f)
         offset += shard
     return out
 
@@ -123,6 +166,8 @@ def unpack_gathered(gathered: torch.Tensor, numels: Sequence[int], world: int) -
     grid = gathered.view(world, total)
     out, offset = [], 0
     for n, s in zip(numels, shards):
-        out.append(grid[:, offset : offset + s].reshape(-1)[:n])
+        item = gathered.new_empty(n)
+        unpack_into(grid, offset, item)
+        out.append(item)
         offset += s
     return out
