@@ -3,8 +3,9 @@
 Each (n_res, variant) runs in a fresh process, so its peak memory is its own: on CUDA the peak of
 `torch.cuda.max_memory_allocated`, on CPU the growth of the peak resident set (VmHWM) over the resident
 set just before the timed passes. The CPU measurement is made the same way for both variants:
-- glibc's mmap threshold is fixed at 32 MiB (its dynamic maximum), so where a tensor lives does not depend
-  on the allocation history of the process;
+- glibc's mmap threshold is fixed at 1 MiB, so every tensor above that size is its own mapping and is
+  unmapped when freed: the resident set follows the live tensors instead of keeping freed heap pages
+  (which would count a chunked run's reused scratch space as if it were all live at once);
 - one warm-up pass on a 32-residue batch first initialises the libraries (thread pools, oneDNN), so their
   one-off buffers are not counted;
 - then `malloc_trim(0)` hands freed heap pages back, the baseline is the resident set, and the high-water
@@ -72,7 +73,7 @@ def _libc():
 def _fix_allocator() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+        libc.mallopt(_M_MMAP_THRESHOLD, 2**20)
 
 
 def _rss_baseline() -> int:
