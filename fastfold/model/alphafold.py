@@ -116,8 +116,17 @@ class AlphaFold(nn.Module):
                 last = i == cycles - 1
                 with torch.set_grad_enabled(torch.is_grad_enabled() and last):
                     out = self.iteration({k: v[..., i] for k, v in feats.items()}, prev, options)
-                prev = {k: out[k].detach() for k in ("msa_first_row", "pair", "final_atom_positions")}
-        return out
+                if last:
+                    return out
+                # Keep only what the next pass reads: the first MSA row is copied out of the MSA, so the
+                # previous pass's whole MSA, logits and heads are freed before the next pass.
+                prev = {
+                    "msa_first_row": out["msa_first_row"].detach().clone(),
+                    "pair": out["pair"].detach(),
+                    "final_atom_positions": out["final_atom_positions"].detach(),
+                }
+                del out
+        raise ValueError("AlphaFold: the feature batch has no recycling iterations (trailing axis of size 0)")
 
     def _select_features(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         needed = [k for k in FEATURE_NAMES if not k.startswith("template_") or self.template_embedder is not None]
