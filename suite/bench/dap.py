@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows")
     parser.add_argument("--blocks", type=int, default=2, help="Evoformer blocks")
     parser.add_argument("--chunk_size", type=int, default=None, help="chunk size inside each rank (default none)")
+    parser.add_argument(
+        "--residual", choices=["out_of_place", "in_place"], default="out_of_place", help="InferenceOptions.residual"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed passes after the memory pass (0: no timing)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
@@ -141,7 +144,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         topo = Topology(world_size=world, rank=rank, dap=world, backend="nccl" if device.type == "cuda" else "gloo")
         group = topo.init().group(Axis.DAP)
         parallelize_dap(holder, group)
-    options = InferenceOptions(chunk_size=opts["chunk_size"])
+    options = InferenceOptions(chunk_size=opts["chunk_size"], residual=opts["residual"])
     sync = torch.cuda.synchronize if device.type == "cuda" else None
 
     def inputs(n: int, s: int) -> tuple[torch.Tensor, ...]:
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--device cuda needs {max(args.ranks)} GPUs")
     if args.repeat < 0 or args.budget_tol < 1:
         raise UsageError("--repeat must be >= 0 and --budget_tol >= 1")
-    keys = ("n_res", "n_seq", "blocks", "chunk_size", "repeat", "dtype", "device", "affinity", "budget_mb")
+    keys = ("n_res", "n_seq", "blocks", "chunk_size", "residual", "repeat", "dtype", "device", "affinity", "budget_mb")
     opts = {k: getattr(args, k) for k in keys} | {"budget_tol": args.budget_tol}
     rows = [_measure(w, opts, args.timeout) for w in args.ranks]
     base = rows[0]
@@ -250,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             row["longest_vs_first"] = row["longest_n_res_measured"] / max(base["longest_n_res_measured"], 1)
     title = (
         f"Evoformer x{args.blocks} (model_1 sizes), N_res {args.n_res}, MSA {args.n_seq}, {args.dtype}, "
-        f"{args.device}, chunk {args.chunk_size}, 1 thread per rank, affinity {args.affinity}"
+        f"{args.device}, chunk {args.chunk_size}, {args.residual}, 1 thread per rank, affinity {args.affinity}"
         + (f", budget {args.budget_mb:g} MB/rank" if args.budget_mb else "")
     )
     columns = [c for c in rows[0] if c != "probes"] + [c for c in rows[-1] if c not in rows[0]]
