@@ -170,16 +170,37 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _tensor_names(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The names `model.state_dict()` would hold, with their tensors, without calling it.
+
+    Parameters (a tied one under every name) and persistent buffers; `_extra_state` entries map to None.
+    Sharded wrappers (Gemini) make `state_dict()` gather full tensors, a collective: this needs none.
+    """
+    out: dict[str, torch.Tensor | None] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[pre + name] = p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[pre + name] = b
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            out[pre + "_extra_state"] = None
+    return out
+
+
 def _aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Tied parameters/buffers: duplicate state_dict name -> first name of the same tensor."""
-    first: dict[tuple, str] = {}
+    """Tied parameters/buffers: duplicate state_dict name -> first name of the same tensor object."""
+    first: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        key = (t.data_ptr(), t.numel(), t.dtype, tuple(t.shape), t.device) if t.numel() else (id(t),)
-        if key in first:
-            aliases[name] = first[key]
+    for name, t in _tensor_names(model).items():
+        if t is None:
+            continue
+        if id(t) in first:
+            aliases[name] = first[id(t)]
         else:
-            first[key] = name
+            first[id(t)] = name
     return aliases
 
 
@@ -214,13 +235,14 @@ def _write_shard(folder: Path, state: ShardedState | None, rank: int, world: int
     return meta
 
 
-def _write_model_file(folder: Path, model: torch.nn.Module, managed: set[str], aliases: dict[str, str]) -> list[str]:
+def _write_model_file(folder: Path, state_dict: dict[str, Any], managed: set[str], aliases: dict[str, str]
+                      ) -> list[str]:
     from safetensors.torch import save_file
 
     tensors = {
         k: v.detach().cpu().contiguous()
-        for k, v in model.state_dict().items()
-        if k not in managed and k not in aliases
+        for k, v in state_dict.items()
+        if k not in managed and k not in aliases and isinstance(v, torch.Tensor)
     }
     if tensors:
         save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
@@ -269,6 +291,10 @@ def save_checkpoint(
     world, rank = _world_rank(group)
     state = optimizer.sharded_state() if optimizer is not None else None
     managed = set(state.params) if state else set()
+    # Without a sharded optimizer the model's own state_dict() holds everything; a sharded model (Gemini)
+    # gathers it collectively, so every rank takes part. With one, rank 0 alone reads what the optimizer
+    # does not manage (Gemini's sharded_state() switches its state_dict to local placeholders first).
+    model_sd = model.state_dict() if state is None else None
     if rank != 0:
         _save_on_other_rank(path, state, rank, world, group)
         return path
@@ -279,7 +305,8 @@ def save_checkpoint(
         ok, error, meta, model_keys = True, "", None, []
         try:
             meta = _write_shard(tmp, state, rank, world)
-            model_keys = _write_model_file(tmp, model, managed, aliases)
+            model_keys = _write_model_file(tmp, model_sd if model_sd is not None else model.state_dict(), managed,
+                                           aliases)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             ok, error = False, f"rank 0: {exc!r}"
         results = _gather((ok, error, meta), group, world)
@@ -471,7 +498,7 @@ def load_checkpoint(
         model.load_state_dict(reader.state_dict(), strict=strict)
         return reader.extra
     tensors = reader.model_tensors()
-    expected = set(model.state_dict())
+    expected = set(_tensor_names(model))  # not model.state_dict(): under Gemini that gathers every tensor
     unexpected = sorted(set(tensors) - expected)
     if strict and unexpected:
         raise ValueError(f"{path}: model has no tensors named {unexpected[:5]}")
