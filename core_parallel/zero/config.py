@@ -39,6 +39,8 @@ class ZeroConfig:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

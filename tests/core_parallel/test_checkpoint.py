@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ from torch import nn
 import core_parallel
 from core_parallel import ZeroConfig, checkpoint
 from core_parallel.loss_scaler import LossScalerConfig
-from suite.cli import main as suite_main
 from tests.core_parallel.test_zero import STEPS, make_model, make_optimizer, max_rel_err, train_zero
 
 SAVE_AT = 3
@@ -32,14 +33,35 @@ def _numpy(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
 
 
+class CollectiveStateDict(nn.Module):
+    """A model whose state_dict() is a collective, as under Gemini (which gathers full tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("count", torch.tensor(4))
+        self.register_state_dict_post_hook(self._gather)
+
+    @staticmethod
+    def _gather(module, state_dict, prefix, local_metadata) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(torch.zeros(1))
+
+
 def save_worker(rank: int, world: int, folder: str) -> dict:
-    """Train SAVE_AT steps with ZeRO-2, save, then keep training to STEPS (the uninterrupted run)."""
+    """Train SAVE_AT steps with ZeRO-2, save, then keep training to STEPS (the uninterrupted run).
+
+    Also saves a model-only checkpoint of a model whose state_dict() is a collective (must not hang).
+    """
     model, opt, sched = _setup(stage=2, seed=0)
     train_zero(model, opt, range(SAVE_AT), rank, world, scheduler=sched)
     at_save = _numpy(model)
     core_parallel.save_checkpoint(folder, model, opt, extra={"step": SAVE_AT, "scheduler": sched.state_dict()})
     train_zero(model, opt, range(SAVE_AT, STEPS), rank, world, scheduler=sched)
-    return {"at_save": at_save, "final": _numpy(model)}
+    torch.manual_seed(rank)  # different values per rank: rank 0's are the ones saved
+    collective = CollectiveStateDict()
+    core_parallel.save_checkpoint(folder + "-model-only", collective)
+    return {"at_save": at_save, "final": _numpy(model), "model_only": _numpy(collective)}
 
 
 def resume_worker(rank: int, world: int, folder: str, stage: int) -> dict:
@@ -76,19 +98,61 @@ def test_resume_on_four_ranks_with_stage_one(saved_on_two_ranks):
         _assert_close(res["final"], saved["final"], 1e-6)
 
 
+def _suite(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "suite", *argv], capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.distributed
 def test_resume_on_one_process_and_consolidate(saved_on_two_ranks, tmp_path):
     folder, saved = saved_on_two_ranks
     res = resume_worker(0, 1, folder, 2)
     _assert_close(res["loaded"], saved["at_save"], 0.0)
     _assert_close(res["final"], saved["final"], 1e-6)
-    # consolidate through the CLI; a plain model loads the file without this library
+    # `suite checkpoint consolidate`; a plain model loads the file strictly, through safetensors and torch only
     out = tmp_path / "model.safetensors"
-    assert suite_main(["checkpoint", "consolidate", folder, str(out)]) == 0
+    done = _suite("checkpoint", "consolidate", folder, str(out))
+    assert done.returncode == 0, done.stderr
+    assert str(out) in done.stdout
     plain = make_model(seed=7)
     plain.load_state_dict(load_file(str(out)))
     _assert_close(_numpy(plain), saved["at_save"], 0.0)
-    assert suite_main(["checkpoint", "consolidate", str(tmp_path / "missing"), str(out)]) == 2
+    # the model-only checkpoint of a model with a collective state_dict: rank 0's values
+    fresh = CollectiveStateDict()
+    core_parallel.load_checkpoint(folder + "-model-only", fresh)
+    _assert_close(_numpy(fresh), saved["model_only"], 0.0)
+
+
+@pytest.mark.parametrize("make_bad", ["missing", "not_a_checkpoint", "bad_suffix"])
+def test_consolidate_command_bad_input_is_one_line_exit_2(tmp_path, make_bad):
+    src = tmp_path / "ckpt"
+    out = tmp_path / "model.safetensors"
+    if make_bad == "not_a_checkpoint":
+        src.mkdir()
+        (src / checkpoint.INDEX).write_text('{"format": "something else"}')
+    elif make_bad == "bad_suffix":
+        core_parallel.save_checkpoint(src, make_model())
+        out = tmp_path / "model.bin"
+    done = _suite("checkpoint", "consolidate", str(src), str(out))
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error" in lines[0], done.stderr
+    assert not out.exists()
+
+
+def test_load_with_optimizer_does_not_call_model_state_dict(tmp_path):
+    """Under Gemini model.state_dict() gathers every tensor: load_checkpoint must name tensors without it."""
+    model, opt, _ = _setup(stage=2, seed=0)
+    train_zero(model, opt, range(2), 0, 1)
+    core_parallel.save_checkpoint(tmp_path / "c", model, opt)
+    fresh, fresh_opt, _ = _setup(stage=1, seed=4)
+
+    def forbidden(*args):
+        raise AssertionError("load_checkpoint called model.state_dict()")
+
+    fresh.register_state_dict_pre_hook(forbidden)
+    core_parallel.load_checkpoint(tmp_path / "c", fresh, fresh_opt)
+    assert max_rel_err(fresh, model) == 0.0
+    torch.testing.assert_close(fresh.gain, model.gain, rtol=0, atol=0)
 
 
 def test_fp16_scaler_state_resumes_exactly(tmp_path):

@@ -59,6 +59,10 @@ def make_optimizer(model: Net, kind: str = "adamw") -> torch.optim.Optimizer:
     groups = [{"params": first, "lr": 2e-2, "weight_decay": 0.1}, {"params": rest}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=5e-2, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    if kind != "adamw":
+        raise ValueError(f"unknown optimizer kind {kind!r}")
     return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01)
 
 
@@ -85,8 +89,11 @@ def slice_loss(model: nn.Module, step: int, micro: int, rank: int, world: int) -
 
 
 def train_reference(model: nn.Module, opt: torch.optim.Optimizer, steps: range, world: int, max_norm=None,
-                    scheduler=None) -> list[float]:
-    """Single process: the per-rank slices one after another make the global-batch loss."""
+                    scheduler=None, norms: list | None = None) -> list[float]:
+    """Single process: the per-rank slices one after another make the global-batch loss.
+
+    `norms`, when given, receives the gradient norm of every step (before clipping).
+    """
     losses = []
     for step in steps:
         total = 0.0
@@ -95,7 +102,9 @@ def train_reference(model: nn.Module, opt: torch.optim.Optimizer, steps: range, 
             loss.backward()
             total += loss.item()
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         if scheduler is not None:
@@ -142,34 +151,41 @@ def update_rel_err(model: nn.Module, ref: nn.Module, init: nn.Module) -> float:
 
 
 FP32_CASES = {
-    # name: (ZeroConfig kwargs, accumulate under no_sync, clip by a user call (instead of max_grad_norm))
-    "stage1": (dict(stage=1, max_grad_norm=0.5), True, None),
-    "stage2": (dict(stage=2, max_grad_norm=0.5), True, None),
-    "stage2_sync_accum_small_buckets": (dict(stage=2, bucket_mb=1e-4), False, 0.5),
-    "stage2_no_overlap_offload": (dict(stage=2, overlap=False, offload="cpu", max_grad_norm=0.5), True, None),
-    "stage1_sync_accum_small_buckets": (dict(stage=1, bucket_mb=1e-4), False, 0.5),
+    # name: (ZeroConfig kwargs, accumulate under no_sync, clip by a user call (instead of max_grad_norm), optimizer)
+    "stage1": (dict(stage=1, max_grad_norm=0.5), True, None, "adamw"),
+    "stage2": (dict(stage=2, max_grad_norm=0.5), True, None, "adamw"),
+    "stage2_sync_accum_small_buckets_adam": (dict(stage=2, bucket_mb=1e-4), False, 0.5, "adam"),
+    "stage2_no_overlap_offload": (dict(stage=2, overlap=False, offload="cpu", max_grad_norm=0.5), True, None, "adamw"),
+    "stage1_sync_accum_small_buckets": (dict(stage=1, bucket_mb=1e-4), False, 0.5, "adamw"),
+    "stage2_sgd_momentum": (dict(stage=2, bucket_mb=1e-4, max_grad_norm=0.5), True, None, "sgd"),
+    "stage1_adam": (dict(stage=1, max_grad_norm=0.5), True, None, "adam"),
 }
 # Spawned ranks are expensive on a loaded 2-core machine: the multi-rank runs take the cases that differ most.
-MULTI_RANK_CASES = ("stage1", "stage2", "stage2_sync_accum_small_buckets")
+MULTI_RANK_CASES = ("stage1", "stage2", "stage2_sync_accum_small_buckets_adam", "stage2_sgd_momentum")
+MAX_NORM = 0.5
 
 
 def fp32_parity(rank: int, world: int, cases) -> dict:
-    """fp32 cases against the single-process fp32 reference; returns errors and final params."""
-    ref = make_model()
-    ref_opt = make_optimizer(ref)
-    sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
-    ref_losses = train_reference(ref, ref_opt, range(STEPS), world, max_norm=0.5, scheduler=sched)
-    out: dict = {"ref_losses": ref_losses, "errors": {}, "params": {}, "lrs": {}}
+    """fp32 cases against the single-process fp32 reference (same optimizer); returns errors and final params."""
+    refs: dict = {}
+    norms: list[float] = []
+    for kind in sorted({FP32_CASES[name][3] for name in cases}):
+        ref = make_model()
+        ref_opt = make_optimizer(ref, kind)
+        sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+        train_reference(ref, ref_opt, range(STEPS), world, max_norm=MAX_NORM, scheduler=sched, norms=norms)
+        refs[kind] = (ref, [g["lr"] for g in ref_opt.param_groups])
+    out: dict = {"errors": {}, "params": {}, "lrs": {}, "ref_lrs": {}, "max_ref_norm": max(norms)}
     for name in cases:
-        kwargs, no_sync, user_clip = FP32_CASES[name]
+        kwargs, no_sync, user_clip, kind = FP32_CASES[name]
         model = make_model()
-        model, opt = core_parallel.setup(model, make_optimizer(model), ZeroConfig(**kwargs))
+        model, opt = core_parallel.setup(model, make_optimizer(model, kind), ZeroConfig(**kwargs))
         zsched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         train_zero(model, opt, range(STEPS), rank, world, no_sync=no_sync, user_clip=user_clip, scheduler=zsched)
-        out["errors"][name] = max_rel_err(model, ref)
+        out["errors"][name] = max_rel_err(model, refs[kind][0])
         out["params"][name] = [p.detach().numpy().copy() for p in model.parameters()]  # tensors can't cross ranks
         out["lrs"][name] = [g["lr"] for g in opt.param_groups]
-    out["ref_lrs"] = [g["lr"] for g in ref_opt.param_groups]
+        out["ref_lrs"][name] = refs[kind][1]
     out["unused_untouched"] = np.array_equal(out["params"]["stage2"][-2], make_model().unused.weight.detach().numpy())
     return out
 
@@ -236,10 +252,50 @@ def overflow_check(rank: int, world: int) -> dict:
     return result
 
 
+def count_collectives_under_no_sync(rank: int, world: int) -> dict[int, tuple[int, int]]:
+    """Per stage: (collective calls during a no_sync backward, calls during the next synced backward)."""
+    import torch.distributed as dist
+
+    import core_parallel.zero.reducer as reducer
+
+    calls = [0]
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    targets = [(dist, n) for n in ("all_reduce", "reduce", "broadcast", "reduce_scatter_tensor",
+                                   "all_gather_into_tensor", "all_gather", "barrier")]
+    targets += [(reducer, "_reduce_scatter"), (reducer, "_all_gather")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    out = {}
+    try:
+        for mod, name, fn in saved:
+            setattr(mod, name, counting(fn))
+        for stage in (1, 2):
+            model = make_model()
+            model, opt = core_parallel.setup(model, make_optimizer(model), ZeroConfig(stage=stage, bucket_mb=1e-4))
+            calls[0] = 0
+            with opt.no_sync():
+                opt.backward(slice_loss(model, 0, 0, rank, world))
+            silent = calls[0]
+            opt.backward(slice_loss(model, 0, 1, rank, world))
+            out[stage] = (silent, calls[0] - silent)
+            opt.step()
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+    return out
+
+
 def zero_worker(rank: int, world: int, cases=MULTI_RANK_CASES) -> dict:
     out = fp32_parity(rank, world, cases)
     out["mixed"] = mixed_precision(rank, world)
     out["overflow"] = overflow_check(rank, world)
+    out["no_sync_calls"] = count_collectives_under_no_sync(rank, world) if world > 1 else {}
     return out
 
 
@@ -249,7 +305,8 @@ def check_results(results: list[dict], world: int) -> None:
         for name, err in res["errors"].items():
             assert err <= 1e-6, f"world {world} rank {rank} case {name}: relative error {err:.3e}"
         for name, lrs in res["lrs"].items():
-            assert lrs == res["ref_lrs"], f"{name}: scheduler lrs {lrs} != {res['ref_lrs']}"
+            assert lrs == res["ref_lrs"][name], f"{name}: scheduler lrs {lrs} != {res['ref_lrs'][name]}"
+        assert res["max_ref_norm"] > MAX_NORM, "clipping never engaged: the test would not check it"
         assert res["unused_untouched"]
         mixed = res["mixed"]
         assert mixed["dtypes"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
@@ -261,6 +318,9 @@ def check_results(results: list[dict], world: int) -> None:
         assert ov["changed"] == [True, False, True], f"rank {rank}: step 1 must be skipped on every rank: {ov}"
         assert ov["scales"] == [2.0**11, 2.0**10, 2.0**11], ov["scales"]
         assert ov["finite"]
+        for stage, (silent, synced) in res["no_sync_calls"].items():
+            assert silent == 0, f"rank {rank} stage {stage}: {silent} collectives during a no_sync backward"
+            assert synced > 0, f"rank {rank} stage {stage}: the synced backward did not communicate"
     for res in results[1:]:  # every rank holds the same full parameters
         for name, params in res["params"].items():
             for p, q in zip(params, results[0]["params"][name]):
@@ -281,7 +341,7 @@ def test_on_gloo_ranks(world):
 
 def test_config_validation():
     for bad in (dict(stage=3), dict(precision="fp8"), dict(offload="nvme"), dict(bucket_mb=0),
-                dict(max_grad_norm=-1.0)):
+                dict(max_grad_norm=-1.0), dict(overlap="yes"), dict(loss_scaler={"initial_scale": 2.0})):
         field = next(iter(bad))
         with pytest.raises(ValueError, match=field):
             ZeroConfig(**bad)
