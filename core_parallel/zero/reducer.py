@@ -12,9 +12,11 @@ gradient into the next bucket's buffer as soon as backward produces it (freeing 
 reduces a full bucket asynchronously while backward goes on; stage 1 keeps the full gradients until
 backward ends.
 
-Memory and time: two communication buffers per dtype/device, each as large as the largest bucket, are
-allocated once and reused (one bucket filling while the previous one reduces); a fresh buffer per bucket
-would cost page faults every step on CPU. On gloo the reduce-scatter is one in-place `reduce` per rank and
+Memory and time: one communication buffer per dtype/device, as large as the largest bucket, is allocated
+once and reused by every bucket (a fresh buffer per bucket costs page faults every step on CPU). A bucket's
+reduction runs while backward computes the next gradient; the next bucket starts filling the buffer once
+that reduction is done. One buffer instead of two (fill one while the other reduces) keeps ZeRO-2's fixed
+overhead at about one bucket plus one gradient. On gloo the reduce-scatter is one in-place `reduce` per rank and
 the all-gather one in-place `broadcast` per rank: gloo's own reduce_scatter/all_gather are 1.5-2.5x slower
 on CPU (measured with torch 2.13). NCCL uses its reduce_scatter/all_gather.
 """
@@ -34,7 +36,6 @@ __all__ = ["GradReducer", "Slot"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_IN_FLIGHT = 1  # one bucket reducing while backward produces the next: bounded extra memory
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -146,7 +147,7 @@ class GradReducer:
                 self.slots[i].bucket = b
         self._width = [sum(self.slots[i].shard for i in idx) for idx in buckets]
         self._key = [(self.slots[idx[0]].param.dtype, self.slots[idx[0]].param.device) for idx in buckets]
-        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
         self._ready: list[set[int]] = [set() for _ in buckets]
         self._packed: set[int] = set()
         self._next = 0
@@ -165,12 +166,12 @@ class GradReducer:
         self._handles.clear()
 
     def _grid(self, b: int) -> torch.Tensor:
-        """Bucket `b`'s [world, S] view of its buffer: buckets alternate between two buffers per dtype/device."""
+        """Bucket `b`'s [world, S] view of the buffer of its dtype/device (no reduction may be using it)."""
         key = self._key[b]
         if key not in self._buffers:
             size = self.world * max(w for w, k in zip(self._width, self._key) if k == key)
-            self._buffers[key] = [torch.empty(size, dtype=key[0], device=key[1]) for _ in range(2)]
-        buf = self._buffers[key][b % 2]
+            self._buffers[key] = torch.empty(size, dtype=key[0], device=key[1])
+        buf = self._buffers[key]
         return buf[: self.world * self._width[b]].view(self.world, self._width[b])
 
     def _make_hook(self, index: int):
@@ -188,6 +189,7 @@ class GradReducer:
             bucket = self.slots[index].bucket
             self._ready[bucket].add(index)
             if bucket == self._next:
+                self._drain()
                 self._pack(index)
             while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
                 self._launch(self._next)
@@ -214,8 +216,7 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        while self._pending:
-            self._finish(self._pending.pop(0))
+        self._drain()
         self._ready = [set() for _ in self.buckets]
         self._packed.clear()
         self._next = 0
@@ -229,9 +230,12 @@ class GradReducer:
         for s in self.slots:
             s.had_grad = False
 
-    def _launch(self, b: int) -> None:
-        while len(self._pending) >= _MAX_IN_FLIGHT:
+    def _drain(self) -> None:
+        while self._pending:
             self._finish(self._pending.pop(0))
+
+    def _launch(self, b: int) -> None:
+        self._drain()
         for i in self.buckets[b]:
             if i not in self._packed:
                 self._pack(i)
@@ -251,11 +255,7 @@ class GradReducer:
             offset += s.shard
 
     def gather_params(self) -> None:
-        """Copy the updated master shards back into the full working parameters (all-gather per bucket).
-
-        Bucket b's all-gather runs while bucket b - 1 is unpacked into the parameters.
-        """
-        previous: tuple[int, torch.Tensor, list] | None = None
+        """Copy the updated master shards back into the full working parameters (all-gather per bucket)."""
         with torch.no_grad():
             for b, idx in enumerate(self.buckets):
                 grid = self._grid(b)
@@ -264,12 +264,7 @@ class GradReducer:
                     s = self.slots[i]
                     grid[self.rank, offset : offset + s.end - s.start].copy_(s.master)
                     offset += s.shard
-                works = self._comm.all_gather(grid)
-                if previous is not None:
-                    self._unpack(*previous)
-                previous = (b, grid, works)
-            if previous is not None:
-                self._unpack(*previous)
+                self._unpack(b, grid, self._comm.all_gather(grid))
 
     def _unpack(self, b: int, grid: torch.Tensor, works: list) -> None:
         _wait(works)

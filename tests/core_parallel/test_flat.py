@@ -55,14 +55,19 @@ def test_reduce_scatter_arithmetic_matches_float64_sum():
     """Summing the packed rows of several 'ranks' and taking row r gives rank r's shard of the sum."""
     world = 4
     sizes = [7, 1, 10]
-    per_rank = [[torch.randn(n, dtype=torch.float32) for n in sizes] for _ in range(world)]
+    gen = torch.Generator().manual_seed(0)
+    per_rank = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(world)]
     packed = torch.stack([flat.pack_for_reduce_scatter(g, world) for g in per_rank]).sum(0).view(world, -1)
     ref = [sum(g[i].double() for g in per_rank) for i in range(len(sizes))]
+    # float32 summation of `world` terms: error at most (world - 1) * eps * sum(|terms|)
+    bound = [(world - 1) * torch.finfo(torch.float32).eps * sum(g[i].double().abs() for g in per_rank)
+             for i in range(len(sizes))]
     for rank in range(world):
         offset = 0
         for i, n in enumerate(sizes):
             start, end = flat.shard_range(n, world, rank)
-            torch.testing.assert_close(packed[rank, offset : offset + end - start].double(), ref[i][start:end])
+            err = (packed[rank, offset : offset + end - start].double() - ref[i][start:end]).abs()
+            assert bool((err <= bound[i][start:end]).all()), f"rank {rank} item {i}: error {err.max():.3e}"
             offset += flat.shard_size(n, world)
 
 
@@ -75,6 +80,30 @@ def test_buckets_are_consecutive_single_key_and_capped():
         assert len({keys[i] for i in b}) == 1
         assert sum(nbytes[i] for i in b) <= 50 or len(b) == 1
     assert buckets == [[0], [1], [2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("divisor", [1, 4])
+def test_pack_into_reused_buffer_and_unpack_into(world, divisor):
+    """Packing into a dirty buffer leaves no stale values (padding, missing tensors), divides on the way."""
+    numels = [7, 1, 12, 0, 5]
+    gen = torch.Generator().manual_seed(1)
+    flats = [torch.randn(n, generator=gen) for n in numels]
+    width = sum(flat.shard_size(n, world) for n in numels)
+    grid = torch.full((world, width), float("nan"))
+    offset = 0
+    for i, (n, f) in enumerate(zip(numels, flats)):
+        flat.pack_into(grid, offset, n, None if i == 2 else f, divisor)
+        offset += flat.shard_size(n, world)
+    expected = flat.pack_for_reduce_scatter([f / divisor if i != 2 else torch.zeros(12) for i, f in enumerate(flats)],
+                                            world)
+    torch.testing.assert_close(grid.reshape(-1), expected, rtol=0, atol=0)
+    offset = 0
+    for i, (n, f) in enumerate(zip(numels, flats)):
+        out = torch.empty(n)
+        flat.unpack_into(grid, offset, out)
+        torch.testing.assert_close(out, torch.zeros(n) if i == 2 else f / divisor, rtol=0, atol=0)
+        offset += flat.shard_size(n, world)
 
 
 def test_intersect():
