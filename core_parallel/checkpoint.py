@@ -38,8 +38,11 @@ Protocol a sharded optimizer implements (ZeRO here, Gemini in `core_parallel.gem
   scaler's `state_dict()`, and a small JSON `info` dict.
 - `load_sharded_state(reader: CheckpointReader)`: read its own ranges, restore the hyperparameters
   (`restore_param_groups`) and loss scaler, and bring the model's parameters up to date.
-Parameters not in `ShardedState.params` are saved from `model.state_dict()` by rank 0, so the model's
-state_dict must return real values for them.
+Parameters not in `ShardedState.params` are saved from `model.state_dict()` by rank 0 alone, after
+`sharded_state()` ran on every rank, so the model's state_dict must then return real values for them
+without communicating. Without an optimizer every rank calls `model.state_dict()` (it may be a collective)
+and rank 0 writes it. Loading never calls `model.state_dict()`: the expected names come from
+`named_parameters(remove_duplicate=False)` and the persistent buffers.
 
 `consolidate_checkpoint(path, out)` writes one plain safetensors file that `model.load_state_dict` accepts.
 `save_checkpoint(path, model)` without an optimizer writes the same folder with the whole model in
