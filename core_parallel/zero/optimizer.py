@@ -56,6 +56,8 @@ __all__ = ["ZeroOptimizer", "group_info"]
 
 logger = logging.getLogger(__name__)
 
+_OWN_BUCKET_BYTES = 1 << 20  # parameters this large (or the bucket size, if smaller) may get their own bucket
+
 
 def group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(world, rank) of `group`; (1, 0) when no process group is initialised."""
@@ -161,10 +163,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
 
     def _plan_buckets(self, model: torch.nn.Module) -> list[list[int]]:
+        """Buckets in reverse registration order; a large parameter whose size divides by the world size
+        gets a bucket of its own, reduced and gathered in place (see `core_parallel.zero.reducer`)."""
         order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         ranked = sorted(range(len(self._slots)), key=lambda i: -order[self._slots[i].name])
-        nbytes = [self._slots[i].param.numel() * self._slots[i].param.element_size() for i in ranked]
-        keys = [(self._slots[i].param.dtype, self._slots[i].param.device) for i in ranked]
+        own_min = min(self.config.bucket_bytes, _OWN_BUCKET_BYTES)
+        nbytes, keys = [], []
+        for i in ranked:
+            p = self._slots[i].param
+            nbytes.append(p.numel() * p.element_size())
+            alone = p.numel() % self.world == 0 and p.is_contiguous() and nbytes[-1] >= own_min
+            keys.append(("own", i) if alone else (p.dtype, p.device))
         return [[ranked[j] for j in b] for b in flat.plan_buckets(nbytes, keys, self.config.bucket_bytes)]
 
     # -------------------------------------------------------------------------------------- training

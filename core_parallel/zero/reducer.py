@@ -16,9 +16,15 @@ Memory and time: one communication buffer per dtype/device, as large as the larg
 once and reused by every bucket (a fresh buffer per bucket costs page faults every step on CPU). A bucket's
 reduction runs while backward computes the next gradient; the next bucket starts filling the buffer once
 that reduction is done. One buffer instead of two (fill one while the other reduces) keeps ZeRO-2's fixed
-overhead at about one bucket plus one gradient. On gloo the reduce-scatter is one in-place `reduce` per rank and
+overhead at about one bucket plus one gradient.
+
+A bucket of one contiguous parameter whose size divides by the world size is "direct": its flat layout
+already is the `[world, S]` grid, so the gradient is reduced in place in `param.grad` and the parameter is
+all-gathered in place, with no packing copies and no buffer. The optimizer gives large such parameters
+buckets of their own. On gloo the reduce-scatter is one in-place `reduce` per rank and
 the all-gather one in-place `broadcast` per rank: gloo's own reduce_scatter/all_gather are 1.5-2.5x slower
-on CPU (measured with torch 2.13). NCCL uses its reduce_scatter/all_gather.
+on CPU for large buckets (measured with torch 2.13). Buckets under `_SMALL_BYTES` are latency-bound and use
+the single native collective instead. NCCL always uses its reduce_scatter/all_gather.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = ["GradReducer", "Slot"]
 
 logger = logging.getLogger(__name__)
 
+_SMALL_BYTES = 1 << 18  # gloo: below this a bucket uses one native collective instead of one op per rank
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -83,7 +90,7 @@ class _Comm:
         """Start summing `grid` over the group; returns (works to wait for, [S] view of this rank's sums)."""
         if self.world == 1:
             return [], grid[0]
-        if self.gloo:
+        if self.gloo and grid.numel() * grid.element_size() >= _SMALL_BYTES:
             g = self.group
             works = [dist.reduce(grid[r], dst=peer, group=g, async_op=True) for r, peer in enumerate(self.peers)]
             return works, grid[self.rank]
@@ -94,7 +101,7 @@ class _Comm:
         """Start filling every row of `grid` from the rank that owns it (row `rank` is this rank's input)."""
         if self.world == 1:
             return []
-        if self.gloo:
+        if self.gloo and grid.numel() * grid.element_size() >= _SMALL_BYTES:
             g = self.group
             return [dist.broadcast(grid[r], src=peer, group=g, async_op=True) for r, peer in enumerate(self.peers)]
         local = grid[self.rank].clone()
@@ -111,6 +118,8 @@ class _Pending:
     works: list
     bucket: int
     out: torch.Tensor
+    keep: torch.Tensor | None = None
+    """A direct bucket's gradient, alive until its reduction is done."""
 
 
 class GradReducer:
@@ -147,6 +156,8 @@ class GradReducer:
                 self.slots[i].bucket = b
         self._width = [sum(self.slots[i].shard for i in idx) for idx in buckets]
         self._key = [(self.slots[idx[0]].param.dtype, self.slots[idx[0]].param.device) for idx in buckets]
+        self._direct = [len(idx) == 1 and self.slots[idx[0]].numel % world == 0 and self.slots[idx[0]].numel > 0
+                        and self.slots[idx[0]].param.is_contiguous() for idx in buckets]
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._ready: list[set[int]] = [set() for _ in buckets]
         self._packed: set[int] = set()
@@ -169,7 +180,7 @@ class GradReducer:
         """Bucket `b`'s [world, S] view of the buffer of its dtype/device (no reduction may be using it)."""
         key = self._key[b]
         if key not in self._buffers:
-            size = self.world * max(w for w, k in zip(self._width, self._key) if k == key)
+            size = self.world * max(w for w, k, d in zip(self._width, self._key, self._direct) if k == key and not d)
             self._buffers[key] = torch.empty(size, dtype=key[0], device=key[1])
         buf = self._buffers[key]
         return buf[: self.world * self._width[b]].view(self.world, self._width[b])
@@ -188,7 +199,7 @@ class GradReducer:
                 return
             bucket = self.slots[index].bucket
             self._ready[bucket].add(index)
-            if bucket == self._next:
+            if bucket == self._next and not self._direct[bucket]:
                 self._drain()
                 self._pack(index)
             while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
@@ -236,11 +247,25 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         self._drain()
+        if self._direct[b]:
+            self._launch_direct(b)
+            return
         for i in self.buckets[b]:
             if i not in self._packed:
                 self._pack(i)
         works, out = self._comm.reduce_scatter(self._grid(b))
         self._pending.append(_Pending(works, b, out))
+
+    def _launch_direct(self, b: int) -> None:
+        s = self.slots[self.buckets[b][0]]
+        g = s.param.grad
+        s.had_grad = s.had_grad or g is not None
+        s.param.grad = None
+        g = s.param.new_zeros(s.numel) if g is None else g.reshape(-1)
+        if self.world > 1:
+            g.div_(self.world)
+        works, out = self._comm.reduce_scatter(g.view(self.world, -1))
+        self._pending.append(_Pending(works, b, out, keep=g))
 
     def _finish(self, p: _Pending) -> None:
         _wait(p.works)
@@ -255,9 +280,21 @@ class GradReducer:
             offset += s.shard
 
     def gather_params(self) -> None:
-        """Copy the updated master shards back into the full working parameters (all-gather per bucket)."""
+        """Copy the updated master shards back into the full working parameters (all-gather per bucket).
+
+        Direct buckets gather in place into the parameter, all in flight together; the others go one at a
+        time through the shared buffer.
+        """
+        in_flight: list = []
         with torch.no_grad():
             for b, idx in enumerate(self.buckets):
+                if self._direct[b]:
+                    s = self.slots[idx[0]]
+                    grid = s.param.detach().view(self.world, -1)
+                    if s.master.data_ptr() != grid[self.rank].data_ptr():
+                        grid[self.rank].copy_(s.master)
+                    in_flight += self._comm.all_gather(grid)
+                    continue
                 grid = self._grid(b)
                 offset = 0
                 for i in idx:
@@ -265,6 +302,7 @@ class GradReducer:
                     grid[self.rank, offset : offset + s.end - s.start].copy_(s.master)
                     offset += s.shard
                 self._unpack(b, grid, self._comm.all_gather(grid))
+            _wait(in_flight)
 
     def _unpack(self, b: int, grid: torch.Tensor, works: list) -> None:
         _wait(works)
