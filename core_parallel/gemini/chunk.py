@@ -37,6 +37,7 @@ class Chunk:
         self.grad: TieredBuffer | None = None
         self.states: dict[str, TieredBuffer] = {}
         self.grad_full: torch.Tensor | None = None
+        self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
         self._work = None
         self._src: torch.Tensor | None = None
 
@@ -79,29 +80,58 @@ class Chunk:
             self.master.done()
             self.sm.to(ChunkState.GATHERED)
 
-    def release(self) -> None:
-        """Drop the gathered data (the storage shrinks to 0 bytes)."""
+    def release(self, in_use: bool = False) -> None:
+        """Drop the gathered data (the storage shrinks to 0 bytes); `in_use`: modules still hold the chunk but
+        backward is done with its data (see `ChunkStateMachine.drop`)."""
         self.wait()
-        self.sm.to(ChunkState.RELEASED)
+        self.sm.drop() if in_use else self.sm.to(ChunkState.RELEASED)
         self.full.untyped_storage().resize_(0)
 
-    def add_grad(self, offset: int, grad: torch.Tensor) -> bool:
-        """Add one parameter's local gradient; returns True if `grad_full` had to be allocated."""
-        fresh = self.grad_full is None
-        if fresh:
-            self.grad_full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
-        self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
-        return fresh
+    @property
+    def local_grad_nbytes(self) -> int:
+        """Bytes of local gradients held: `grad_full` and the parameter gradients waiting for it."""
+        full = self.grad_full.numel() * 4 if self.grad_full is not None else 0
+        return full + sum(g.numel() * g.element_size() for g in self.pending.values())
 
-    def reduce_scatter(self) -> torch.Tensor:
-        """Average the local gradients over ranks; returns this rank's part ([shard_numel] fp32)."""
+    def add_grad(self, offset: int, grad: torch.Tensor) -> None:
+        """Add one parameter's local gradient ([*shape], compute dtype, not used by autograd any more).
+
+        Before the chunk's flat fp32 buffer exists, a gradient that owns its storage is kept as it is (no copy):
+        `grad_full` is only allocated when the chunk is reduced, after its gathered data was released, so the
+        two never coexist (the order FSDP keeps: reshard, then copy the gradients into the reduce buffer).
+        """
+        if self.grad_full is not None:
+            self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        elif offset in self.pending:
+            self.pending[offset].add_(grad)
+        elif grad._base is None and grad.is_contiguous() and (
+                grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
+            self.pending[offset] = grad
+        else:
+            self.materialize_grad()
+            self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
+
+    def materialize_grad(self) -> None:
+        """Build `grad_full` ([size] fp32) from the pending parameter gradients and free them."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+        for offset, g in self.pending.items():
+            self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
+        self.pending = {}
+
+    def reduce_scatter(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Average the local gradients over ranks into `out` (this rank's part, [shard_numel] fp32 on the
+        compute device; a new tensor when None) and return it."""
+        if self.pending:
+            self.materialize_grad()
         full = self.grad_full
         if full is None:
             full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
-        if self.world == 1:
-            out = full.clone()
-        else:
+        if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
+        if self.world == 1:
+            out.copy_(full)
+        else:
             dist.reduce_scatter_single(out, full, group=self.group)
             out.div_(self.world)
         self.grad_full = None

@@ -91,11 +91,26 @@ def padding_waste(numels: Sequence[int], size: int) -> int:
     return len(_pack(numels, size)) * size - sum(numels)
 
 
+def _exact_fits(groups: Sequence[Sequence[int]], world: int, lo: int, hi: int) -> set[int]:
+    """Sizes in [lo, hi] that hold a group's first parameters exactly (up to rounding to `world`)."""
+    fits = set()
+    for g in groups:
+        total = 0
+        for n in g:
+            total += n
+            if total > hi:
+                break
+            if total >= lo:
+                fits.add(_round_up(total, world))
+    return fits
+
+
 def search_chunk_elems(groups: Sequence[Sequence[int]], world: int, n_candidates: int = 256) -> int:
     """The chunk size (elements, multiple of `world`) wasting least padding over all `groups` of numels.
 
     Candidates run from the largest parameter up to 4x that (or the largest group's total), in
-    `n_candidates` even steps.
+    `n_candidates` even steps, plus the sizes that hold a group's first parameters exactly (so a stack of
+    equal layers gets chunks of exactly one or a few layers, not the nearest grid point).
     """
     numels = [n for g in groups for n in g]
     if not numels:
@@ -103,8 +118,9 @@ def search_chunk_elems(groups: Sequence[Sequence[int]], world: int, n_candidates
     lo = _round_up(max(numels), world)
     hi = max(lo, min(4 * lo, _round_up(max(sum(g) for g in groups), world)))
     step = max(world, _round_up(max(1, (hi - lo) // n_candidates), world))
+    candidates = sorted(set(range(lo, hi + 1, step)) | _exact_fits(groups, world, lo, hi))
     best, best_waste = lo, None
-    for size in range(lo, hi + 1, step):
+    for size in candidates:
         waste = sum(padding_waste(g, size) for g in groups)
         if best_waste is None or waste < best_waste:
             best, best_waste = size, waste

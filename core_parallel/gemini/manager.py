@@ -116,6 +116,12 @@ class ChunkManager(_StateDictIO):
         self.off_tier = "nvme" if config.offload_dir else "cpu"
         self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_dir else None
         self.host = HostHeap(enabled=device.type == "cpu")
+        # Gathers on CPU ranks compete with compute for the same cores: prefetching there only holds the next
+        # chunk longer. Chunks needed again within `config.prefetch + 1` accesses still stay gathered.
+        self.prefetch = config.prefetch if device.type != "cpu" else 0
+        if config.prefetch and device.type == "cpu":
+            logger.info("gemini: prefetch=%d is not used on a CPU device (gathers there cannot overlap compute)",
+                        config.prefetch)
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
         self._in_backward = False
@@ -192,11 +198,11 @@ class ChunkManager(_StateDictIO):
         self._prefetch()
 
     def done(self, ids: Iterable[int]) -> None:
-        """Modules are done with chunks `ids`; chunks nobody uses are released."""
+        """Modules are done with chunks `ids`; chunks nobody uses are released (unless needed again right away)."""
         soon = self.trace.upcoming(self.config.prefetch + 1) if self.trace.frozen else ()
         for i in ids:
             c = self.chunks[i]
-            if c.sm.release_use() and i not in soon:  # a chunk needed again right away stays gathered
+            if c.sm.release_use() and i not in soon and c.sm.data is not ChunkState.RELEASED:
                 self._release(c)
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
@@ -206,8 +212,8 @@ class ChunkManager(_StateDictIO):
         c.start_gather(async_op)
         self._maybe_promote(c)
 
-    def _release(self, c: Chunk) -> None:
-        c.release()
+    def _release(self, c: Chunk, in_use: bool = False) -> None:
+        c.release(in_use)
         self.ledger.add("device", "params", -c.full_nbytes)
         self.host.released(c.full_nbytes)
 
@@ -218,9 +224,9 @@ class ChunkManager(_StateDictIO):
                 self._release(c)
 
     def _prefetch(self) -> None:
-        if not self.config.prefetch or not self.trace.frozen:
+        if not self.prefetch or not self.trace.frozen:
             return
-        for i in self.trace.upcoming(self.config.prefetch):
+        for i in self.trace.upcoming(self.prefetch):
             c = self.chunks[i]
             if c.sm.data is ChunkState.RELEASED and self._fits(c.full_nbytes):
                 self._gather(c, async_op=True)
@@ -271,11 +277,21 @@ class ChunkManager(_StateDictIO):
         self.begin_backward()
         s = self.slot_of[param_index]
         c = self.chunks[s.chunk]
-        if c.add_grad(s.offset, grad):
-            self.ledger.add("device", "grads", c.spec.size * 4)
+        held = c.local_grad_nbytes
+        c.add_grad(s.offset, grad)
+        self._account_local_grads(c, held)
         self.had_grad[param_index] = True
-        if c.sm.grad_arrived(param_index) and self.sync:
-            self._reduce_ready()
+        if c.sm.grad_arrived(param_index):
+            if c.sm.data is not ChunkState.RELEASED:  # every gradient is in: backward needs no value of it
+                self._release(c, in_use=True)
+            if self.sync:
+                self._reduce_ready()
+
+    def _account_local_grads(self, c: Chunk, held_before: int) -> None:
+        delta = c.local_grad_nbytes - held_before
+        self.ledger.add("device", "grads", delta)
+        if delta < 0:
+            self.host.released(-delta)
 
     def _reduce_ready(self) -> None:
         while self._reduce_ptr >= 0:
@@ -286,16 +302,23 @@ class ChunkManager(_StateDictIO):
             self._reduce_ptr -= 1
 
     def _reduce(self, c: Chunk) -> None:
-        had_full = c.grad_full is not None
-        shard = c.reduce_scatter()
-        if had_full:
-            self.ledger.add("device", "grads", -c.spec.size * 4)
-            self.host.released(c.spec.size * 4)
-        if not c.grad.allocated:
+        held = c.local_grad_nbytes
+        if c.pending:  # the flat buffer first, then the shard: the parameter gradients are gone by then
+            c.materialize_grad()
+            self._account_local_grads(c, held)
+            held = c.local_grad_nbytes
+        if not c.grad.allocated and c.grad.tier == "device":  # straight into the shard: no temporary
+            c.grad.allocate()
+            self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
+            c.reduce_scatter(out=c.grad.view())
+        elif not c.grad.allocated:
+            shard = c.reduce_scatter()
             c.grad.allocate(fill=shard)
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
         else:
+            shard = c.reduce_scatter()
             c.grad.view().add_(shard.to(c.grad.view().device))
+        self._account_local_grads(c, held)
         c.grad.done()
         self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
 
@@ -317,10 +340,9 @@ class ChunkManager(_StateDictIO):
                 self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
                 self.host.released(c.grad.nbytes)
                 c.grad.free()
-            if c.grad_full is not None:
-                self.ledger.add("device", "grads", -c.spec.size * 4)
-                self.host.released(c.spec.size * 4)
-                c.grad_full = None
+            held = c.local_grad_nbytes
+            c.grad_full, c.pending = None, {}
+            self._account_local_grads(c, held)
             c.sm.grad_reduced()
         self.host.trim()
         for k in self.had_grad:

@@ -58,6 +58,14 @@ class ChunkStateMachine:
             raise GeminiStateError(f"chunk {self.index}: released while {self.users} module(s) use it")
         self.data = state
 
+    def drop(self) -> None:
+        """Backward is done with the data while modules still count as users: every trainable parameter of the
+        chunk got its gradient in this pass, so no backward node needs their values any more (a later use
+        gathers again)."""
+        if self.data is ChunkState.RELEASED or not self.trainable or not self.ready >= self.trainable:
+            raise GeminiStateError(f"chunk {self.index}: dropped while {self.data.value} or gradients missing")
+        self.data = ChunkState.RELEASED
+
     def acquire(self) -> None:
         """A module starts computing with the chunk (it must be gathered)."""
         if self.data is not ChunkState.GATHERED:

@@ -144,9 +144,10 @@ class TieredBuffer:
             self._nvme.drop_pages(self._offset, self.numel)
         else:
             device = self.device if self.tier == "device" else torch.device("cpu")
-            t = torch.zeros(self.numel, dtype=torch.float32, device=device)
-            if fill is not None:
-                t.copy_(fill)
+            if fill is None:
+                t = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            else:
+                t = torch.empty(self.numel, dtype=torch.float32, device=device).copy_(fill)
             self._tensor = t
         self.allocated = True
 

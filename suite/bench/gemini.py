@@ -114,30 +114,16 @@ def _wrap(strategy: str, model, opt, extra: dict):
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
-              extra: dict) -> dict:
-    import time
-
+def _train(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
+    """Build the MLP, wrap it, train one step; returns (model, step function, setup_rss)."""
     import torch
 
-    import core_parallel  # noqa: F401 - imported before the baseline is taken
-
-    _malloc_returns_memory()
-    torch.manual_seed(0)
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    baseline = 0 if device.type == "cuda" else _rss_bytes()
     model = _mlp(params, width).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     model, opt = _wrap(strategy, model, opt, extra)
+    setup_rss = _rss_bytes()
     if hasattr(model, "memory_report") and device.type == "cpu":
-        # RAM-budget mode counts from here: what model construction left behind (a meta-device init would
-        # not) is not training memory; what Gemini itself holds is.
-        held = model.memory_report()["bytes"]["device"]
-        after_setup = _rss_bytes() - sum(held.values())
-    else:
-        after_setup = baseline
+        setup_rss -= sum(model.memory_report()["bytes"]["device"].values())
     x = torch.randn(batch // world, width, device=device)
     backward = getattr(opt, "backward", lambda loss: loss.backward())
 
@@ -148,6 +134,33 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         opt.zero_grad()
 
     step()
+    return model, step, setup_rss
+
+
+def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
+              extra: dict) -> dict:
+    import gc
+    import time
+
+    import torch
+
+    _malloc_returns_memory()
+    torch.manual_seed(0)
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # One step of a one-layer model on the same code path first: lazy imports (torch.optim pulls in dynamo,
+    # FSDP2 its DTensor stack), gloo buffers and thread pools are then in the baseline, not in `peak`.
+    warm, _, _ = _train(strategy, device, width * width, width, batch, world, extra)
+    if hasattr(warm, "gemini_manager"):
+        warm.gemini_manager.close()
+    del warm
+    gc.collect()
+    baseline = 0 if device.type == "cuda" else _rss_bytes()
+    model, step, setup_rss = _train(strategy, device, params, width, batch, world, extra)
+    # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
+    # not) is not training memory; what Gemini itself holds is.
+    after_setup = setup_rss if hasattr(model, "memory_report") and device.type == "cpu" else baseline
     _reset_peak()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
