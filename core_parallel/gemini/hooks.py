@@ -4,7 +4,8 @@ intercepted: only `nn.Module` forward hooks, tensor gradient hooks and post-accu
 For each module that registers chunked parameters directly:
 - forward pre-hook: gather its chunks; forward hook: release them (ZeRO-3 reshards after forward);
 - a gradient hook on its outputs (fires before the module's backward): gather again;
-- a gradient hook on its inputs (fires after the module's backward): release;
+- a gradient hook on its inputs (fires after the module's backward): release (the manager releases a chunk
+  earlier, as soon as all its trainable parameters have their gradients);
 - per trainable parameter, a post-accumulate-grad hook moves `param.grad` into the chunk's gradient
   buffer and frees it.
 A parameter must be used inside the forward of a module that registers it (tied parameters registered by
