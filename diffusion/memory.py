@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -51,8 +52,25 @@ def _contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
+_HAS_ATTENTION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _has_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` holds a diffusers `Attention` (cached per module)."""
+    found = _HAS_ATTENTION.get(module)
+    if found is None:
+        found = _HAS_ATTENTION[module] = any(hasattr(m, "processor") and hasattr(m, "to_q") for m in module.modules())
+    return found
+
+
 def attention_keeping_checkpoint(module: torch.nn.Module, *args: Any) -> Any:
-    """`module(*args)` under non-reentrant checkpointing that saves the fused attention outputs."""
+    """`module(*args)` under non-reentrant checkpointing that saves the fused attention outputs.
+
+    Modules without attention (the ResNet blocks) get plain checkpointing: the selective policy's dispatch
+    mode costs a Python call per op, which only pays where there is an attention to keep.
+    """
+    if not _has_attention(module):
+        return checkpoint(module.__call__, *args, use_reentrant=False)
     return checkpoint(module.__call__, *args, use_reentrant=False, context_fn=_contexts)
 
 

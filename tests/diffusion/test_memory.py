@@ -1,0 +1,80 @@
+"""diffusion.memory: attention-keeping checkpointing (same gradients, no attention recompute), module order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from diffusion.attention import set_kernels_attention
+from diffusion.memory import _attention_ops, enable_checkpointing, order_modules_by_use
+
+
+class _CountAttention(TorchDispatchMode):
+    """Counts the fused attention ops that really run (SAC answers kept ones without dispatching further)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _attention_ops():
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(unet, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    side = unet.config.sample_size
+    x = torch.randn(2, unet.config.in_channels, side, side, generator=g)
+    hidden = torch.randn(2, 7, unet.config.cross_attention_dim, generator=g)
+    return x, torch.tensor([3, 700]), hidden
+
+
+def _grads(unet, policy):
+    if policy is None:
+        unet.disable_gradient_checkpointing()
+    else:
+        enable_checkpointing(unet, policy)
+    unet.zero_grad(set_to_none=True)
+    x, t, hidden = _inputs(unet)
+    loss = F.mse_loss(unet(x, t, hidden).sample, torch.zeros_like(x))
+    counter = _CountAttention()
+    with counter:
+        loss.backward()
+    return {n: p.grad.clone() for n, p in unet.named_parameters()}, counter.calls
+
+
+def test_keep_attention_matches_plain_gradients_without_recomputing_attention(tiny):
+    unet = tiny["unet"].train()
+    set_kernels_attention(unet, "auto")  # CPU: PyTorch's fused SDPA op
+    plain, _ = _grads(unet, None)
+    full, full_calls = _grads(unet, "full")
+    kept, kept_calls = _grads(unet, "keep_attention")
+    assert full_calls > 0, "full checkpointing recomputes the attention in backward"
+    assert kept_calls == 0, "keep_attention must not run the attention again in backward"
+    for name, g in plain.items():
+        torch.testing.assert_close(kept[name], g, msg=name)
+        torch.testing.assert_close(full[name], g, msg=name)
+
+
+def test_unknown_policy_is_refused(tiny):
+    with pytest.raises(ValueError, match="policy"):
+        enable_checkpointing(tiny["unet"], "sometimes")
+
+
+def test_order_modules_by_use_keeps_names_and_outputs(tiny):
+    unet = tiny["unet"].eval()
+    x, t, hidden = _inputs(unet, seed=1)
+    keys = set(unet.state_dict())
+    with torch.no_grad():
+        before = unet(x, t, hidden).sample
+    order_modules_by_use(unet)
+    names = list(unet._modules)
+    assert names.index("mid_block") == names.index("up_blocks") - 1
+    assert set(unet.state_dict()) == keys
+    with torch.no_grad():
+        torch.testing.assert_close(unet(x, t, hidden).sample, before, rtol=0, atol=0)
+    order_modules_by_use(unet)  # already in order: unchanged
+    assert list(unet._modules) == names
