@@ -1,5 +1,6 @@
-"""Sharded checkpoints: saved on 2 ranks, resumed on 1 and 4 exactly as uninterrupted training; atomic
-saves; consolidation into a plain state_dict; the scaler state; the model-only path."""
+"""Sharded checkpoints: saved on 2 ranks, resumed on 1 and 4 exactly as uninterrupted training (run from
+test_zero.py, which shares its spawned ranks with these helpers); atomic saves; consolidation into a plain
+state_dict and the `suite checkpoint consolidate` command; the scaler state; the model-only path."""
 
 from __future__ import annotations
 
@@ -81,34 +82,24 @@ def _assert_close(got: dict, want: dict, rtol: float) -> None:
         assert err <= rtol, f"{k}: relative error {err:.3e}"
 
 
-@pytest.fixture(scope="module")
-def saved_on_two_ranks(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("ckpt") / "run")
-    results = core_parallel.run_on_ranks(save_worker, 2, folder, timeout=300)
-    return folder, results[0]
-
-
-@pytest.mark.distributed
-def test_resume_on_four_ranks_with_stage_one(saved_on_two_ranks):
-    folder, saved = saved_on_two_ranks
+def check_saved_on_two_ranks(folder: str) -> None:
     index = json.loads(open(os.path.join(folder, checkpoint.INDEX)).read())
     assert index["world_size"] == 2 and len(index["shards"]) == 2
-    for res in core_parallel.run_on_ranks(resume_worker, 4, folder, 1, timeout=300):
-        _assert_close(res["loaded"], saved["at_save"], 0.0)
-        _assert_close(res["final"], saved["final"], 1e-6)
+
+
+def check_resumed(resumed: dict, saved: dict) -> None:
+    """A resumed run (resume_worker) loads the saved values exactly and ends where the uninterrupted one did."""
+    _assert_close(resumed["loaded"], saved["at_save"], 0.0)
+    _assert_close(resumed["final"], saved["final"], 1e-6)
 
 
 def _suite(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "suite", *argv], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.distributed
-def test_resume_on_one_process_and_consolidate(saved_on_two_ranks, tmp_path):
-    folder, saved = saved_on_two_ranks
-    res = resume_worker(0, 1, folder, 2)
-    _assert_close(res["loaded"], saved["at_save"], 0.0)
-    _assert_close(res["final"], saved["final"], 1e-6)
-    # `suite checkpoint consolidate`; a plain model loads the file strictly, through safetensors and torch only
+def check_consolidate_command(folder: str, saved: dict, tmp_path) -> None:
+    """`suite checkpoint consolidate` exits 0; a plain model loads the file strictly (safetensors + torch only);
+    the model-only checkpoint of a model with a collective state_dict holds rank 0's values."""
     out = tmp_path / "model.safetensors"
     done = _suite("checkpoint", "consolidate", folder, str(out))
     assert done.returncode == 0, done.stderr
@@ -116,10 +107,12 @@ def test_resume_on_one_process_and_consolidate(saved_on_two_ranks, tmp_path):
     plain = make_model(seed=7)
     plain.load_state_dict(load_file(str(out)))
     _assert_close(_numpy(plain), saved["at_save"], 0.0)
-    # the model-only checkpoint of a model with a collective state_dict: rank 0's values
     fresh = CollectiveStateDict()
     core_parallel.load_checkpoint(folder + "-model-only", fresh)
     _assert_close(_numpy(fresh), saved["model_only"], 0.0)
+
+
+# The multi-rank runs (save on 2 ranks, resume on 4 and on 1) are in test_zero.py, sharing its spawned ranks.
 
 
 @pytest.mark.parametrize("make_bad", ["missing", "not_a_checkpoint", "bad_suffix"])

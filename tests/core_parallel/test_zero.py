@@ -1,4 +1,5 @@
-"""ZeRO-1/2 against single-process training on the same global batch, on 1, 2 and 4 gloo ranks.
+"""ZeRO-1/2 against single-process training on the same global batch, on 1, 2 and 4 gloo ranks; the
+multi-rank runs also save a checkpoint on 2 ranks and resume it on 4 and on 1 (see test_checkpoint.py).
 
 The model has odd sizes (padding), a frozen layer (not in the optimizer), a never-used layer (in the
 optimizer), a layer used only by two rows of the global batch on even steps (so it gets a gradient on
@@ -196,7 +197,8 @@ def fp32_parity(rank: int, world: int, cases) -> dict:
         out["lrs"][name] = [g["lr"] for g in opt.param_groups]
         out["ref_lrs"][name] = refs[kind][1]
         out.setdefault("in_place_buckets", {})[name] = sum(opt._reducer._direct), len(opt._reducer._direct)
-    out["unused_untouched"] = np.array_equal(out["params"]["stage2"][-2], make_model().unused.weight.detach().numpy())
+    unused = make_model().unused.weight.detach().numpy()
+    out["unused_untouched"] = all(np.array_equal(params[-2], unused) for params in out["params"].values())
     return out
 
 
@@ -343,10 +345,51 @@ def test_one_process_without_group():
     check_results([zero_worker(0, 1, cases=tuple(FP32_CASES))], 1)
 
 
+# Spawning ranks dominates the cost of the multi-rank tests (each rank imports torch), so every spawn does
+# double duty: the 2-rank run also trains and saves the checkpoint of tests/core_parallel/test_checkpoint.py,
+# and the 4-rank run also resumes it (the checkpoint helpers live there, imported lazily: it imports us).
+def two_rank_worker(rank: int, world: int, folder: str) -> dict:
+    from tests.core_parallel.test_checkpoint import save_worker
+
+    return {"zero": zero_worker(rank, world), "checkpoint": save_worker(rank, world, folder)}
+
+
+def four_rank_worker(rank: int, world: int, folder: str) -> dict:
+    from tests.core_parallel.test_checkpoint import resume_worker
+
+    return {"zero": zero_worker(rank, world), "checkpoint": resume_worker(rank, world, folder, 1)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[str, list[dict]]:
+    folder = str(tmp_path_factory.mktemp("ckpt") / "run")
+    return folder, core_parallel.run_on_ranks(two_rank_worker, 2, folder, timeout=300)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
-def test_on_gloo_ranks(world):
-    check_results(core_parallel.run_on_ranks(zero_worker, world, timeout=300), world)
+def test_on_two_gloo_ranks(two_rank_run):
+    check_results([r["zero"] for r in two_rank_run[1]], 2)
+
+
+@pytest.mark.distributed
+def test_on_four_gloo_ranks_and_resume_a_two_rank_checkpoint(two_rank_run):
+    from tests.core_parallel.test_checkpoint import check_resumed, check_saved_on_two_ranks
+
+    folder, saved = two_rank_run
+    check_saved_on_two_ranks(folder)
+    results = core_parallel.run_on_ranks(four_rank_worker, 4, folder, timeout=300)
+    check_results([r["zero"] for r in results], 4)
+    for r in results:
+        check_resumed(r["checkpoint"], saved[0]["checkpoint"])
+
+
+@pytest.mark.distributed
+def test_resume_a_two_rank_checkpoint_on_one_process_and_consolidate(two_rank_run, tmp_path):
+    from tests.core_parallel.test_checkpoint import check_consolidate_command, check_resumed, resume_worker
+
+    folder, saved = two_rank_run
+    check_resumed(resume_worker(0, 1, folder, 2), saved[0]["checkpoint"])
+    check_consolidate_command(folder, saved[0]["checkpoint"], tmp_path)
 
 
 def test_config_validation():
