@@ -88,7 +88,10 @@ class StableDiffusionFineTune(pl.LightningModule):
                 self.text_encoder.to(self.weight_dtype)
                 add_lora(self.text_encoder, cfg.rank, text_encoder=True)
         if cfg.gradient_checkpointing:
-            self.unet.enable_gradient_checkpointing()
+            from diffusion.memory import enable_checkpointing
+
+            # recompute every block but not the attention (same gradients, no second attention pass)
+            enable_checkpointing(self.unet, "keep_attention")
             if cfg.train_text_encoder:
                 self.text_encoder.gradient_checkpointing_enable()
 

@@ -229,10 +229,9 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict
     import gc
 
     import torch
+    from diffusers.utils import logging as diffusers_logging
 
     from suite.bench.common import time_fn
-
-    from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
