@@ -30,7 +30,7 @@ def _pae_bin_centers(cfg: HeadsConfig, like: torch.Tensor) -> torch.Tensor:
 def _expected_by_rows(logits: torch.Tensor, values: torch.Tensor, chunk: int | None) -> torch.Tensor:
     """softmax(logits) @ values by blocks of rows. logits: [*, N, N, B]; values: [*, B, K]. Returns [*, N, N, K]."""
     if chunk is None:
-        return torch.softmax(logits, dim=-1) @ values
+        return torch.softmax(logits, dim=-1) @ values[..., None, :, :]
     out = logits.new_empty(*logits.shape[:-1], values.shape[-1])
     for r0, r1 in row_blocks(logits.shape[-3], chunk):
         out[..., r0:r1, :, :] = torch.softmax(logits[..., r0:r1, :, :], dim=-1) @ values[..., None, :, :]

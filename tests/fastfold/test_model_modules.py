@@ -286,3 +286,21 @@ def test_invariant_point_attention_chunked_matches_whole(chunk):
     _check_with_grads(ipa, lambda s, z: ipa(s, z, frames, mask), blocks, [s, z])
     opts = InferenceOptions(chunk_size=chunk)
     torch.testing.assert_close(ipa(s, z, frames, mask, opts), ipa(s, z, frames, mask), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_ptm_and_pae_with_a_leading_batch_dim_equal_each_item(chunk):
+    """compute_ptm / compute_predicted_aligned_error on [b, N, N, B] equal the per-item float64 results."""
+    from fastfold.model.config import HeadsConfig
+    from fastfold.model.heads import compute_predicted_aligned_error, compute_ptm
+
+    cfg = HeadsConfig()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 7, cfg.pae_bins, dtype=torch.float64, generator=g)
+    weights = (torch.rand(3, 7, dtype=torch.float64, generator=g) > 0.2).double()
+    ptm = compute_ptm(logits, cfg, weights, chunk=chunk)
+    pae, _ = compute_predicted_aligned_error(logits, cfg, chunk=chunk)
+    assert ptm.shape == (3,) and pae.shape == (3, 7, 7)
+    for i in range(3):
+        torch.testing.assert_close(ptm[i], compute_ptm(logits[i], cfg, weights[i]), rtol=1e-12, atol=0)
+        torch.testing.assert_close(pae[i], compute_predicted_aligned_error(logits[i], cfg)[0], rtol=1e-12, atol=0)
