@@ -97,13 +97,9 @@ class MSARowAttentionWithPairBias(nn.Module):
         return chunked(run, [m, mask], m.dim() - 3, chunk, into=into)
 
 
-class MSAColumnAttention(nn.Module):
-    """AlphaFold2 suppl. Alg. 8: column-wise gated self-attention over the MSA."""
-
-    def __init__(self, c_m: int, heads: int, head_dim: int):
-        super().__init__()
-        self.layer_norm_m = LayerNorm(c_m)
-        self.mha = Attention(c_m, c_m, heads, head_dim, c_m)
+class _MSAColumnOp(nn.Module):
+    """An update to m computed column by column; `_run(m, msa_mask, options, into)` writes into `into`
+    (m's transposed view, [*, N, S, C_m]) chunk by chunk when given, else returns the update."""
 
     def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
@@ -115,6 +111,18 @@ class MSAColumnAttention(nn.Module):
             return options.add_(m, self(m, msa_mask, options))
         self._run(m, msa_mask, options, m.transpose(-2, -3))
         return m
+
+    def _run(self, m, msa_mask, options, into):
+        raise NotImplementedError
+
+
+class MSAColumnAttention(_MSAColumnOp):
+    """AlphaFold2 suppl. Alg. 8: column-wise gated self-attention over the MSA."""
+
+    def __init__(self, c_m: int, heads: int, head_dim: int):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m)
+        self.mha = Attention(c_m, c_m, heads, head_dim, c_m)
 
     def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)  # [*, N, S, C]
@@ -155,24 +163,13 @@ class GlobalAttention(nn.Module):
         return self.linear_o((o[..., None, :, :] * g).flatten(-2))
 
 
-class MSAColumnGlobalAttention(nn.Module):
+class MSAColumnGlobalAttention(_MSAColumnOp):
     """AlphaFold2 suppl. Alg. 19: column-wise global attention (extra-MSA stack)."""
 
     def __init__(self, c_m: int, heads: int, head_dim: int):
         super().__init__()
         self.layer_norm_m = LayerNorm(c_m)
         self.global_attention = GlobalAttention(c_m, heads, head_dim)
-
-    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the update to m."""
-        return self._run(m, msa_mask, options, None)
-
-    def residual_(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """m + forward(...), added chunk by chunk into m when `options.fused_residual`."""
-        if not options.fused_residual:
-            return options.add_(m, self(m, msa_mask, options))
-        self._run(m, msa_mask, options, m.transpose(-2, -3))
-        return m
 
     def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)

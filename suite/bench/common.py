@@ -14,8 +14,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 __all__ = [
+    "fix_malloc",
+    "hwm_bytes",
     "machine_info",
+    "malloc_trim",
     "peak_rss_bytes",
+    "reset_peak_rss",
+    "rss_bytes",
     "print_table",
     "time_fn",
     "write_json",
@@ -45,6 +50,63 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def hwm_bytes() -> int:
+    """Peak resident set since start or since the last `reset_peak_rss()` (Linux VmHWM); the unresettable
+    `peak_rss_bytes()` where /proc has no VmHWM."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak resident set size (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def fix_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
+    """Fix glibc's mmap threshold (no dynamic growth), so freed large tensors leave the resident set and RSS
+    follows live data; optionally its trim threshold. Does nothing without glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+    if trim_threshold is not None:
+        libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD
+
+
+def malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc); does nothing elsewhere."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def machine_info() -> dict[str, Any]:

@@ -63,16 +63,6 @@ def _pin(rank: int, world: int) -> int | None:
     return cores[rank]
 
 
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def fit_longest(small: tuple[int, float], large: tuple[int, float], budget_mb: float) -> int:
     """Peak(N) = a N^2 + b N through two (N, peak MB) points; the largest N with Peak(N) <= budget."""
     (n1, p1), (n2, p2) = small, large
@@ -121,7 +111,6 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     then (with a budget) search the longest N_res that fits. Every rank takes the same decisions."""
     import dataclasses
 
-    import psutil
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -130,7 +119,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     from fastfold.dap import parallelize_dap
     from fastfold.model import InferenceOptions, config
     from fastfold.model.evoformer import EvoformerStack
-    from suite.bench.common import peak_rss_bytes, time_fn
+    from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
 
     device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
     core = _pin(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
@@ -157,7 +146,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
         with torch.no_grad():
             holder.stack(*args, options)
 
-    resettable = device.type == "cuda" or _reset_peak_rss()
+    resettable = device.type == "cuda" or reset_peak_rss()
 
     def peak_mb(n: int) -> float:
         """Peak memory of one pass at N_res n on this rank, the largest over the group (MB)."""
@@ -168,10 +157,10 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
             run(args)
             peak = torch.cuda.max_memory_allocated(device) - before
         else:
-            _reset_peak_rss()
-            before = psutil.Process().memory_info().rss
+            reset_peak_rss()
+            before = rss_bytes()
             run(args)
-            peak = peak_rss_bytes() - before
+            peak = hwm_bytes() - before
         value = torch.tensor([peak / 2**20], dtype=torch.float64, device=device)
         if group is not None:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)

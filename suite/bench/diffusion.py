@@ -189,31 +189,6 @@ def _make_step(parts, opts: dict, rank: int, device):
 # ---- measurement -------------------------------------------------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    from suite.bench.common import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 def _device(rank: int, opts: dict):
     import torch
 
@@ -231,7 +206,7 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict
     import torch
     from diffusers.utils import logging as diffusers_logging
 
-    from suite.bench.common import time_fn
+    from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
@@ -247,24 +222,24 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device) if cuda else _rss_bytes()
+    base = torch.cuda.memory_allocated(device) if cuda else rss_bytes()
     parts = _setup(variant, opts, rank, world, device)
     out: dict = {}
     try:
         step = _make_step(parts, opts, rank, device)
         gc.collect()
-        out["state_mib"] = ((torch.cuda.memory_allocated(device) if cuda else _rss_bytes()) - base) / 2**20
+        out["state_mib"] = ((torch.cuda.memory_allocated(device) if cuda else rss_bytes()) - base) / 2**20
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            out["peak_reset"] = _reset_peak_rss()
+            out["peak_reset"] = reset_peak_rss()
         if mode == "memory":
             for _ in range(max(1, opts["warmup"]) + 1):
                 step()
         else:
             out["step_s"] = time_fn(step, warmup=opts["warmup"], repeat=opts["steps"], sync=sync)
         if mode != "time":
-            peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+            peak = torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
             out["train_mib"] = (peak - base) / 2**20
             out["peak_mib"] = peak / 2**20
         if parts[2] is not None:

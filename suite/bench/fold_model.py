@@ -57,58 +57,17 @@ def _options(variant: str, args: argparse.Namespace):
     return InferenceOptions(chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
 
 
-_M_MMAP_THRESHOLD = -3
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def _fix_allocator() -> None:
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, 2**20)
-
-
 def _rss_baseline() -> int:
     """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
     import gc
 
+    from suite.bench.common import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
+
     gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        from suite.bench.common import peak_rss_bytes
-
+    malloc_trim()
+    if not reset_peak_rss():
         return peak_rss_bytes()  # no reset: growth is measured over the peak so far
-    return _proc_status_bytes("VmRSS")
-
-
-def _proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _rss_peak() -> int:
-    try:
-        return _proc_status_bytes("VmHWM")
-    except (OSError, RuntimeError):
-        from suite.bench.common import peak_rss_bytes
-
-        return peak_rss_bytes()
+    return rss_bytes()
 
 
 def _child(args: argparse.Namespace) -> int:
@@ -118,9 +77,9 @@ def _child(args: argparse.Namespace) -> int:
 
     from fastfold.model import AlphaFold, config
     from fastfold.model.testing import random_batch
-    from suite.bench.common import time_fn
+    from suite.bench.common import fix_malloc, hwm_bytes, time_fn
 
-    _fix_allocator()
+    fix_malloc(2**20)
     n_res, variant = args._child.split(":")
     device = torch.device(
         "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
@@ -152,7 +111,7 @@ def _child(args: argparse.Namespace) -> int:
             model(batch, options)
 
     seconds = time_fn(one_pass, warmup=args.warmup, repeat=args.repeat, sync=sync)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     print(
         json.dumps(
             {

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from suite.bench.common import fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+
 STRATEGIES = ("gemini", "fsdp2", "ddp", "zero2")
 
 
@@ -52,46 +54,10 @@ def _mlp(params: int, width: int):
     return nn.Sequential(*mods)
 
 
-def _malloc_returns_memory() -> None:
-    """Make glibc give large freed blocks back to the OS at once, so resident memory tracks live data."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic growth
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _peak_bytes() -> int:
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    from suite.bench.common import peak_rss_bytes
-
-    return peak_rss_bytes()
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else hwm_bytes()
 
 
 def _wrap(strategy: str, model, opt, extra: dict):
@@ -121,7 +87,7 @@ def _train(strategy: str, device, params: int, width: int, batch: int, world: in
     model = _mlp(params, width).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     model, opt = _wrap(strategy, model, opt, extra)
-    setup_rss = _rss_bytes()
+    setup_rss = rss_bytes()
     if hasattr(model, "memory_report") and device.type == "cpu":
         setup_rss -= sum(model.memory_report()["bytes"]["device"].values())
     x = torch.randn(batch // world, width, device=device)
@@ -144,7 +110,7 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
 
     import torch
 
-    _malloc_returns_memory()
+    fix_malloc(128 * 1024, trim_threshold=128 * 1024)
     torch.manual_seed(0)
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -156,12 +122,12 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         warm.gemini_manager.close()
     del warm
     gc.collect()
-    baseline = 0 if device.type == "cuda" else _rss_bytes()
+    baseline = 0 if device.type == "cuda" else rss_bytes()
     model, step, setup_rss = _train(strategy, device, params, width, batch, world, extra)
     # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
     # not) is not training memory; what Gemini itself holds is.
     after_setup = setup_rss if hasattr(model, "memory_report") and device.type == "cpu" else baseline
-    _reset_peak()
+    reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes
+
 __all__ = ["add_arguments", "run"]
 
 OPS = ("layer_norm", "softmax", "attention")
@@ -144,24 +146,6 @@ def _impl(op: str, impl: str):
     return table[(op, impl)]
 
 
-def _current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # "5" resets the peak resident set size (Linux >= 4.0)
-
-
 def _worker(spec: dict) -> dict:
     import torch
 
@@ -198,10 +182,11 @@ def _extra_cuda(step) -> int:
 
 def _extra_cpu(step) -> int:
     gc.collect()
-    _reset_hwm()
-    before = _current_rss()
+    if not reset_peak_rss():
+        raise RuntimeError("measuring extra memory on CPU needs Linux /proc/self/clear_refs")
+    before = rss_bytes()
     step()
-    return _hwm() - before
+    return hwm_bytes() - before
 
 
 def _timings(step, repeat: int, sync) -> tuple[float, float]:

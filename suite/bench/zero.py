@@ -13,7 +13,6 @@ DDP 16; ZeRO-1 4 + 4 + 8/N during backward; ZeRO-2 4 + 12/N.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,13 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list out of {','.join(VARIANTS)}")
     parser.add_argument("--bucket_mb", type=float, default=25.0, help="ZeRO bucket size in MiB (default 25)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before giving up")
-
-
-def _current_rss() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _build(width: int, layers: int, device):
@@ -108,29 +100,16 @@ def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int
     return times
 
 
-def _fixed_mmap_threshold() -> None:
-    """Make glibc return freed large blocks to the OS, so RSS tracks live tensors (Linux only).
-
-    By default glibc raises its mmap threshold after large frees and then keeps freed memory in the heap,
-    which inflates the RSS of code that allocates and frees gradient buckets.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(name).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB, fixed
-
-
 def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
                  bucket_mb: float) -> dict:
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
 
-    _fixed_mmap_threshold()
+    from suite.bench.common import fix_malloc, peak_rss_bytes, rss_bytes
 
-    from suite.bench.common import peak_rss_bytes
+    # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
+    # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
+    fix_malloc(1 << 20)
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -138,7 +117,7 @@ def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, b
         torch.cuda.set_device(device)
     # A tiny run first, so one-off runtime allocations (thread pools, comm buffers) are not counted.
     _steps(variant, _build(8, 1, device), 8, 1, bucket_mb, batch, cuda)
-    base = torch.cuda.memory_allocated() if cuda else _current_rss()
+    base = torch.cuda.memory_allocated() if cuda else rss_bytes()
     times = _steps(variant, _build(width, layers, device), width, steps + 1, bucket_mb, batch, cuda)[1:]
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     times.sort()
