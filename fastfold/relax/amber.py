@@ -172,7 +172,8 @@ def _untangle(topology, positions, cfg: RelaxConfig):
 
     DISCREPANCY: not in AlphaFold's protocol. Predictions with coincident atoms (untrained or collapsed
     models) have infinite Lennard-Jones forces, and the minimiser stalls or returns NaN; this pre-pass
-    gives the Amber minimisation a finite start. Used only when the start energy exceeds UNTANGLE_ENERGY.
+    gives the Amber minimisation a finite start. Heavy atoms keep their restraints (`cfg.stiffness`), so
+    the structure is not allowed to drift. Used only when the start energy exceeds UNTANGLE_ENERGY.
     """
     import openmm
     from openmm import app, unit
@@ -187,6 +188,15 @@ def _untangle(topology, positions, cfg: RelaxConfig):
         repulsion.addParticle([])
     repulsion.createExclusionsFromBonds([(b[0].index, b[1].index) for b in topology.bonds()], 3)
     system.addForce(repulsion)
+    # the same heavy-atom restraints as the Amber passes: overlapping atoms separate, the fold stays put
+    restraint = openmm.CustomExternalForce("0.5 * k * ((x - x0)^2 + (y - y0)^2 + (z - z0)^2)")
+    restraint.addGlobalParameter("k", cfg.stiffness * unit.kilocalories_per_mole / unit.angstroms**2)
+    for name in ("x0", "y0", "z0"):
+        restraint.addPerParticleParameter(name)
+    for k, atom in enumerate(topology.atoms()):
+        if atom.element.symbol != "H":
+            restraint.addParticle(k, positions[k])
+    system.addForce(restraint)
     xyz = np.asarray(positions.value_in_unit(unit.nanometers))
     xyz = xyz + np.random.default_rng(0).normal(scale=0.01, size=xyz.shape)  # breaks exact coincidences
     integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
