@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["CHECKPOINT_POLICIES", "attention_keeping_checkpoint", "enable_checkpointing", "order_modules_by_use"]
+__all__ = ["CHECKPOINT_POLICIES", "LevelCheckpoint", "attention_keeping_checkpoint", "enable_checkpointing",
+           "order_modules_by_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,57 @@ def attention_keeping_checkpoint(module: torch.nn.Module, *args: Any) -> Any:
     return checkpoint(module.__call__, *args, use_reentrant=False, context_fn=_contexts)
 
 
-def enable_checkpointing(unet: Any, policy: str = "keep_attention") -> None:
-    """Turn on `unet`'s gradient checkpointing: `full` (diffusers' default) or `keep_attention`."""
+def _full_checkpoint(module: torch.nn.Module, *args: Any) -> Any:
+    return checkpoint(module.__call__, *args, use_reentrant=False)
+
+
+def _area(x: Any) -> int:
+    """Spatial positions of a block's input: H*W of [B, C, H, W], the sequence length of [B, S, C]."""
+    if isinstance(x, torch.Tensor) and x.dim() == 4:
+        return x.shape[-2] * x.shape[-1]
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return x.shape[1]
+    return 0
+
+
+class LevelCheckpoint:
+    """A `gradient_checkpointing_func` that checkpoints only the blocks of the `levels` highest resolutions.
+
+    A UNet level's convolutions cost about the same at every resolution (H*W halves per level as the channels
+    double, so H*W*C^2 stays), while its activations shrink with H*W*C, by half per level down. Recomputing
+    the top level therefore buys back the most memory per second spent; each lower level kept in memory
+    saves as much recompute as the top one for half its memory. Each block decides once, on its first call,
+    by comparing its input's spatial size with the largest seen so far (the first block is at full size).
+    `levels=None` checkpoints every block.
+    """
+
+    def __init__(self, fn: Any, levels: int | None) -> None:
+        if levels is not None and levels < 0:
+            raise ValueError(f"levels must be >= 0 or None, got {levels}")
+        self.fn, self.levels = fn, levels
+        self._max_area = 0
+        self._decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
+        use = self._decided.get(module)
+        if use is None:
+            area = _area(args[0]) if args else 0
+            self._max_area = max(self._max_area, area)
+            use = self.levels is None or area * 4**self.levels > self._max_area
+            self._decided[module] = use
+        return self.fn(module, *args) if use else module(*args)
+
+
+def enable_checkpointing(unet: Any, policy: str = "keep_attention", levels: int | None = None) -> None:
+    """Turn on `unet`'s gradient checkpointing: `full` (diffusers' default) or `keep_attention`; `levels`: only
+    the blocks of that many highest resolutions (None: all; see `LevelCheckpoint`)."""
     if policy not in CHECKPOINT_POLICIES:
         raise ValueError(f"policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
-    unet.enable_gradient_checkpointing(None if policy == "full" else attention_keeping_checkpoint)
+    if policy == "full" and levels is None:
+        unet.enable_gradient_checkpointing(None)
+        return
+    fn = _full_checkpoint if policy == "full" else attention_keeping_checkpoint
+    unet.enable_gradient_checkpointing(fn if levels is None else LevelCheckpoint(fn, levels))
 
 
 def order_modules_by_use(unet: torch.nn.Module) -> None:

@@ -314,8 +314,8 @@ def materialize(module: StableDiffusionFineTune) -> dict[str, Any]:
     """`unet`, `vae`, `text_encoder` holding the full current weights on rank 0; call on every rank.
 
     `module.state_dict()` is taken on every rank: under a sharding strategy (Gemini) it gathers the weights
-    (a collective), and the module's own parameters have empty storage between forward passes, so fresh
-    modules are loaded from it. Otherwise the module's own submodules are returned.
+    (a collective), and the module's own parameters hold no data between forward passes (their chunks are
+    released), so fresh modules are loaded from it. Otherwise the module's own submodules are returned.
     """
     parts = {"unet": module.unet, "vae": module.vae, "text_encoder": module.text_encoder}
     # Called at optimizer-step boundaries only, so clearing gradients loses nothing; it also ends Gemini's
@@ -323,8 +323,7 @@ def materialize(module: StableDiffusionFineTune) -> dict[str, Any]:
     for optimizer in module.trainer.optimizers if module._trainer is not None else ():
         optimizer.zero_grad()
     state = module.state_dict()
-    if module.global_rank != 0 or not any(p.untyped_storage().nbytes() == 0 and p.numel()
-                                          for p in module.parameters()):
+    if module.global_rank != 0 or not any(getattr(m, "gemini_manager", None) is not None for m in module.modules()):
         return parts
     state = {k: v.detach().cpu() for k, v in state.items()}
     out = {}

@@ -1,7 +1,10 @@
 """One chunk at run time: the gathered buffer its parameters view, and its fp32 shards in their tiers.
 
 The gathered buffer `full` ([size], compute dtype, on the compute device) keeps one storage object for the
-whole run: releasing resizes that storage to 0 bytes and gathering resizes it back and fills it. The
+whole run: releasing resizes that storage to 0 bytes and gathering resizes it back and fills it. On a CPU
+device the storage is a fixed anonymous mapping instead (`HostPages`), and so is the flat gradient buffer:
+releasing hands the pages to the manager's `PageRecycler`, which moves them to the next buffer filled, and the
+C heap never sees chunk-sized blocks come and go. The
 parameters are views of `full` set once at setup, so tensors autograd saved in forward see the re-gathered
 data in backward, and no parameter is ever re-classed. Writes go through `full.data`, which has its own
 version counter, so re-gathering does not trip autograd's in-place checks.
@@ -14,7 +17,7 @@ import torch.distributed as dist
 
 from core_parallel.gemini.layout import ChunkSpec
 from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GradState
-from core_parallel.gemini.storage import TieredBuffer
+from core_parallel.gemini.storage import HostPages, PageRecycler, TieredBuffer
 
 __all__ = ["Chunk"]
 
@@ -40,14 +43,54 @@ class Chunk:
         self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
         self._work = None
         self._src: torch.Tensor | None = None
+        self._pages: HostPages | None = None
+        self._grad_pages: HostPages | None = None
+        self.recycler: PageRecycler | None = None  # set by the manager on CPU devices
+
+    @property
+    def host(self) -> bool:
+        return self.full.device.type == "cpu"
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
-        self.full = torch.empty(self.spec.size, dtype=self.full.dtype, device=self.full.device)
+        if self.host and self.recycler is not None:
+            self._pages = HostPages(self.spec.size * self.full.element_size())
+            self.full = self._pages.tensor(self.full.dtype, self.spec.size)
+        else:
+            self.full = torch.empty(self.spec.size, dtype=self.full.dtype, device=self.full.device)
         for s in self.spec.slots:
             p = params[s.param]
             p.data = self.full[s.offset : s.offset + s.numel].view(p.shape)
-        self.full.untyped_storage().resize_(0)
+        self.free_storage()
+
+    def alloc_storage(self) -> None:
+        """Give `full` memory (contents undefined until written)."""
+        if self._pages is not None:
+            self.recycler.acquire(self._pages)
+        else:
+            self.full.untyped_storage().resize_(self.full_nbytes)
+
+    def free_storage(self) -> None:
+        """Take `full`'s memory away; the parameters keep viewing it."""
+        if self._pages is not None:
+            self.recycler.release(self._pages)
+        else:
+            self.full.untyped_storage().resize_(0)
+
+    def _new_grad_full(self) -> torch.Tensor:
+        """A zeroed [size] fp32 buffer for the local gradients."""
+        if self._pages is None:
+            return torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+        if self._grad_pages is None:
+            self._grad_pages = HostPages(self.spec.size * 4)
+        out = self._grad_pages.tensor(torch.float32, self.spec.size)
+        return out.zero_() if self.recycler.acquire(self._grad_pages) else out
+
+    def drop_local_grads(self) -> None:
+        """Forget the local gradients (the flat buffer and the pending parameter gradients)."""
+        if self.grad_full is not None and self._grad_pages is not None:
+            self.recycler.release(self._grad_pages)
+        self.grad_full, self.pending = None, {}
 
     @property
     def full_nbytes(self) -> int:
@@ -61,10 +104,18 @@ class Chunk:
         """Materialise `full` from every rank's master shard (async: finish with `wait`)."""
         async_op = async_op and self.world > 1
         self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
-        self.full.untyped_storage().resize_(self.full_nbytes)
-        src = self.master.view().to(device=self.full.device, dtype=self.full.dtype)
+        self.alloc_storage()
         out = self.full.data
-        if self.world == 1:
+        if self.world == 1 and self.master.tier == "nvme" and out.device.type == "cpu" and out.dtype == torch.float32:
+            self.master.read_into(out)  # pread straight into the gathered buffer: the file's pages stay unmapped
+            src = None
+        elif self.master.tier == "nvme" and out.device.type == "cpu":
+            src = self.master.read_into(torch.empty(self.shard_numel, dtype=torch.float32)).to(out.dtype)
+        else:
+            src = self.master.view().to(device=out.device, dtype=out.dtype)
+        if src is None:
+            pass
+        elif self.world == 1:
             out.copy_(src)
         else:
             self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
@@ -85,7 +136,7 @@ class Chunk:
         backward is done with its data (see `ChunkStateMachine.drop`)."""
         self.wait()
         self.sm.drop() if in_use else self.sm.to(ChunkState.RELEASED)
-        self.full.untyped_storage().resize_(0)
+        self.free_storage()
 
     @property
     def local_grad_nbytes(self) -> int:
@@ -114,7 +165,7 @@ class Chunk:
     def materialize_grad(self) -> None:
         """Build `grad_full` ([size] fp32) from the pending parameter gradients and free them."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+            self.grad_full = self._new_grad_full()
         for offset, g in self.pending.items():
             self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
         self.pending = {}
@@ -124,9 +175,9 @@ class Chunk:
         compute device; a new tensor when None) and return it."""
         if self.pending:
             self.materialize_grad()
+        if self.grad_full is None:
+            self.grad_full = self._new_grad_full()
         full = self.grad_full
-        if full is None:
-            full = torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
         if self.world == 1:
@@ -134,7 +185,7 @@ class Chunk:
         else:
             dist.reduce_scatter_single(out, full, group=self.group)
             out.div_(self.world)
-        self.grad_full = None
+        self.drop_local_grads()
         self.sm.grad_reduced()
         return out
 

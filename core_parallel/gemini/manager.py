@@ -19,7 +19,7 @@ from core_parallel.gemini.config import GeminiConfig
 from core_parallel.gemini.layout import ChunkSpec, Slot
 from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from core_parallel.gemini.state import ChunkState
-from core_parallel.gemini.storage import HostHeap, NvmeFile, TieredBuffer
+from core_parallel.gemini.storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class _StateDictIO:
             self._io_cache.pop(ci, None)
             c = self.chunks[ci]
             if ci in self._io_storage and c.sm.data is ChunkState.RELEASED:
-                c.full.untyped_storage().resize_(0)
+                c.free_storage()
             self._io_storage.discard(ci)
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
@@ -86,7 +86,7 @@ class _StateDictIO:
             value, s = values.get(pidx), self.slot_of[pidx]
             c = self.chunks[s.chunk]
             if c.sm.data is ChunkState.RELEASED and s.chunk not in self._io_storage:
-                c.full.untyped_storage().resize_(c.full_nbytes)
+                c.alloc_storage()
                 self._io_storage.add(s.chunk)
             if not isinstance(value, torch.Tensor) or value.numel() != s.numel:
                 continue  # torch's own loader reports the mismatch
@@ -116,6 +116,12 @@ class ChunkManager(_StateDictIO):
         self.off_tier = "nvme" if config.offload_dir else "cpu"
         self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_dir else None
         self.host = HostHeap(enabled=device.type == "cpu")
+        # CPU devices: gathered chunks and gradient buffers live in anonymous mappings whose pages move from a
+        # released buffer to the next one filled; two of the largest stay resident for that
+        largest = max((max(c.full_nbytes, c.spec.size * 4) for c in self.chunks), default=0)
+        self.pages = PageRecycler(2 * largest) if device.type == "cpu" else None
+        for c in self.chunks:
+            c.recycler = self.pages
         # Gathers on CPU ranks compete with compute for the same cores: prefetching there only holds the next
         # chunk longer. Chunks needed again within `config.prefetch + 1` accesses still stay gathered.
         self.prefetch = config.prefetch if device.type != "cpu" else 0
@@ -215,7 +221,6 @@ class ChunkManager(_StateDictIO):
     def _release(self, c: Chunk, in_use: bool = False) -> None:
         c.release(in_use)
         self.ledger.add("device", "params", -c.full_nbytes)
-        self.host.released(c.full_nbytes)
 
     def release_idle(self) -> None:
         """Release gathered chunks no module uses (stale prefetches, the end of a pass)."""
@@ -288,10 +293,7 @@ class ChunkManager(_StateDictIO):
                 self._reduce_ready()
 
     def _account_local_grads(self, c: Chunk, held_before: int) -> None:
-        delta = c.local_grad_nbytes - held_before
-        self.ledger.add("device", "grads", delta)
-        if delta < 0:
-            self.host.released(-delta)
+        self.ledger.add("device", "grads", c.local_grad_nbytes - held_before)
 
     def _reduce_ready(self) -> None:
         while self._reduce_ptr >= 0:
@@ -341,10 +343,12 @@ class ChunkManager(_StateDictIO):
                 self.host.released(c.grad.nbytes)
                 c.grad.free()
             held = c.local_grad_nbytes
-            c.grad_full, c.pending = None, {}
+            c.drop_local_grads()
             self._account_local_grads(c, held)
             c.sm.grad_reduced()
         self.host.trim()
+        if self.pages is not None:
+            self.pages.drop_all()  # between steps only the shards stay resident
         for k in self.had_grad:
             self.had_grad[k] = False
 

@@ -18,6 +18,7 @@ from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_upd
 from core_parallel.gemini.chunk import Chunk
 from core_parallel.gemini.config import GeminiConfig
 from core_parallel.gemini.manager import ChunkManager
+from core_parallel.gemini.storage import HostPages, TieredBuffer
 from core_parallel.loss_scaler import DynamicLossScaler
 
 __all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
@@ -75,6 +76,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.process_group = manager.group
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self._scratch: dict[str, HostPages] = {}  # NVMe shards staged during step(), dropped after it
         self._prepared: bool | None = None  # None: not yet; else whether this step overflowed
 
     # ---- the training-loop interface ---------------------------------------------------------------
@@ -173,9 +175,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.steps[p] += 1
         hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
                   for g in self.param_groups]
-        for c in self.manager.trainable_chunks:
-            if c.grad.allocated:
-                self._step_chunk(c, used, hypers)
+        try:
+            for c in self.manager.trainable_chunks:
+                if c.grad.allocated:
+                    self._step_chunk(c, used, hypers)
+        finally:
+            for pages in self._scratch.values():
+                pages.drop()
         self.manager.end_step()
         return loss
 
@@ -199,11 +205,21 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if run:
             yield run
 
+    def _staged(self, name: str, buf: TieredBuffer) -> torch.Tensor:
+        """`buf` (on NVMe) read into this step's scratch buffer `name`: updating through the file mapping would
+        take a write fault per page; the result goes back with one pwrite (`_step_chunk`)."""
+        pages = self._scratch.get(name)
+        if pages is None or pages.nbytes < buf.nbytes:
+            pages = self._scratch[name] = HostPages(max(c.shard_nbytes for c in self.manager.trainable_chunks))
+        return buf.read_into(pages.tensor(torch.float32, buf.numel))
+
     def _step_chunk(self, c: Chunk, used: set[int], hypers: list) -> None:
-        """Update one chunk's shard where its optimizer state lives."""
-        grad = c.grad.view()
-        states = {k: b.view() for k, b in c.states.items()}
-        master = c.master.view()
+        """Update one chunk's shard where its optimizer state lives (NVMe shards: in scratch memory, then written
+        back)."""
+        bufs = {"master": c.master, "grad": c.grad, **c.states}
+        views = {k: self._staged(k, b) if b.tier == "nvme" else b.view() for k, b in bufs.items()}
+        grad, master = views["grad"], views["master"]
+        states = {k: views[k] for k in c.states}
         param = master if master.device == grad.device else master.to(grad.device)
         for lo, hi, gi, step in self._runs(c, used):
             if self.kind == "adam":
@@ -215,7 +231,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if param is not master:
             master.copy_(param)
             self.manager.ledger.transfer(c.grad.tier, c.master.tier, c.master.nbytes)
-        for b in (c.master, c.grad, *c.states.values()):
+        for k in ("master", *c.states):
+            if bufs[k].tier == "nvme":
+                bufs[k].write_from(views[k])
+        for b in bufs.values():
             b.done()
 
     # ---- torch-format state -------------------------------------------------------------------------

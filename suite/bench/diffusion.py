@@ -23,8 +23,12 @@ Memory is the training memory of one rank, measured from before the models are b
   Pages of Gemini's NVMe file count while they are mapped in (a chunk being gathered or updated); once
   Gemini drops them they live in the file (and the kernel's page cache, reclaimable) and do not count.
 Times come from separate processes with the default allocator (CUDA: the same run, synchronised): the
-median of `--steps` steps after `--warmup`. Each variant starts fresh processes (`core_parallel.run_on_ranks`)
-after one step of a small model on the same code path (imports, thread pools, kernel caches).
+median of `--steps` steps after `--warmup`. On CPU, plain and ours run at the same time and take turns step
+by step (a barrier across all their processes: plain steps while ours waits, then ours steps while plain
+waits), and the time ratio is the median of the per-step ratios: this VM's speed drifts by up to 30% from
+one minute to the next, which a plain-then-ours pass would charge to one side. Each variant starts fresh
+processes (`core_parallel.run_on_ranks`) after one step of a small model on the same code path (imports,
+thread pools, kernel caches).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Gemini chunk size in MiB (raised to fit the largest parameter)")
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
                         help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
+    parser.add_argument("--checkpoint_levels", type=int, default=None,
+                        help="ours: checkpoint only the blocks of this many highest resolutions (default: all)")
     parser.add_argument("--no_gemini", action="store_true", help="ours without Gemini (attention + checkpointing)")
     parser.add_argument("--attention_backend", choices=["auto", "triton", "torch"], default="auto")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
@@ -126,7 +132,7 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
     from diffusion.memory import enable_checkpointing, order_modules_by_use
 
     set_kernels_attention(model, opts["attention_backend"])
-    enable_checkpointing(model, opts["checkpointing"])
+    enable_checkpointing(model, opts["checkpointing"], opts.get("checkpoint_levels"))
     order_modules_by_use(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     if opts["no_gemini"]:
@@ -199,8 +205,32 @@ def _device(rank: int, opts: dict):
     return device
 
 
-def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict:
-    """One variant on this rank. mode `memory`: peak training memory; `time`: median step seconds; `both`."""
+def _taking_turns(step, turns, first: bool, warmup: int, repeat: int) -> list[float]:
+    """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes: all
+    meet at `turns` (a barrier), the `first` variant steps while the other waits at the next meeting."""
+    import time
+
+    times = []
+    try:
+        for i in range(warmup + repeat):
+            turns.wait()
+            if not first:
+                turns.wait()
+            t0 = time.perf_counter()
+            step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            if first:
+                turns.wait()
+    except BaseException:
+        turns.abort()  # the other variant's processes stop waiting
+        raise
+    return times
+
+
+def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=None) -> dict:
+    """One variant on this rank. mode `memory`: peak training memory; `time`: median step seconds (per-step
+    seconds when `turns` is given; see `_taking_turns`); `both`."""
     import gc
 
     import torch
@@ -236,6 +266,8 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str) -> dict
         if mode == "memory":
             for _ in range(max(1, opts["warmup"]) + 1):
                 step()
+        elif turns is not None:
+            out["step_times"] = _taking_turns(step, turns, variant == "plain", opts["warmup"], opts["steps"])
         else:
             out["step_s"] = time_fn(step, warmup=opts["warmup"], repeat=opts["steps"], sync=sync)
         if mode != "time":
@@ -272,24 +304,44 @@ def _fixed_mmap_threshold():
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
-def _measure(variant: str, opts: dict) -> dict:
-    """Worst rank's memory and slowest rank's step time of one variant."""
+def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
     from core_parallel import run_on_ranks
 
     backend = "nccl" if opts["device"] == "cuda" and opts["world"] > 1 else "gloo"
+    return run_on_ranks(_variant, opts["world"], variant, opts, mode, turns, timeout=opts["timeout"],
+                        backend=backend)
 
-    def ranks(mode: str) -> list[dict]:
-        return run_on_ranks(_variant, opts["world"], variant, opts, mode, timeout=opts["timeout"], backend=backend)
+
+def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
+    """(plain row, ours row, per-step time ratios). CUDA: one run of each measures both. CPU: a memory pass
+    each, then both variants at once, taking turns step by step."""
+    import multiprocessing as mp
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
 
     if opts["device"] == "cuda":
-        per_rank = ranks("both")
-        timed = per_rank
+        per = {v: _ranks(v, opts, "both") for v in ("plain", "ours")}
+        timed = {v: [max(r["step_s"] for r in per[v])] for v in per}
     else:
         with _fixed_mmap_threshold():
-            per_rank = ranks("memory")
-        timed = ranks("time")
+            per = {v: _ranks(v, opts, "memory") for v in ("plain", "ours")}
+        turns = mp.get_context("spawn").Barrier(2 * opts["world"], timeout=opts["timeout"])
+        with ThreadPoolExecutor(2) as pool:
+            futures = {v: pool.submit(_ranks, v, opts, "time", turns) for v in ("plain", "ours")}
+            runs = {v: f.result() for v, f in futures.items()}
+        timed = {v: [max(steps) for steps in zip(*(r["step_times"] for r in runs[v]))] for v in runs}
+    ratios = [o / p for p, o in zip(timed["plain"], timed["ours"])]
+    rows = {v: _row(per[v], statistics.median(timed[v]), opts) for v in per}
+    rows["ours"]["time_ratio"] = statistics.median(ratios)
+    for v in rows:
+        rows[v]["step_times"] = timed[v]
+    return rows["plain"], rows["ours"], ratios
+
+
+def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
+    """Worst rank's memory; `step_s`: the slowest rank's step time."""
     worst = max(per_rank, key=lambda r: r["train_mib"])
-    row = {"world": opts["world"], "step_s": max(r["step_s"] for r in timed), "train_mib": worst["train_mib"],
+    row = {"world": opts["world"], "step_s": step_s, "train_mib": worst["train_mib"],
            "state_mib": worst["state_mib"], "peak_mib": worst["peak_mib"]}
     if "nvme_mib" in worst:
         row["nvme_mib"] = worst["nvme_mib"]
@@ -323,12 +375,13 @@ def run(args: argparse.Namespace) -> int:
     from suite.bench.common import print_table, write_json
 
     opts = _defaults(args)
-    ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']} + bf16 encoders" + (
+    levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
+    ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
         "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
     plain = "plain diffusers loop (fp32, default attention, AdamW" + (", DDP" if opts["world"] > 1 else "") + ")"
-    rows = [{"variant": plain, **_measure("plain", opts)}, {"variant": ours, **_measure("ours", opts)}]
+    plain_row, ours_row, ratios = _measure_all(opts)
+    rows = [{"variant": plain, **plain_row}, {"variant": ours, **ours_row}]
     rows[1]["mem_ratio"] = rows[1]["train_mib"] / rows[0]["train_mib"]
-    rows[1]["time_ratio"] = rows[1]["step_s"] / rows[0]["step_s"]
     vae, text = _encoders(opts)
     counts = {"unet": sum(p.numel() for p in _unet(opts).parameters())}
     if vae is not None:
@@ -342,5 +395,8 @@ def run(args: argparse.Namespace) -> int:
     measure = "max_memory_allocated" if opts["device"] == "cuda" else "peak RSS (VmHWM, fixed mmap threshold)"
     print(f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
           "state_mib: held after setup; targets: mem_ratio <= 0.33, time_ratio <= 1.2")
-    write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows})
+    if len(ratios) > 1:
+        print("time_ratio per step (plain and ours taking turns): " + ", ".join(f"{r:.3f}" for r in ratios))
+    write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows,
+                           "step_time_ratios": ratios})
     return 0

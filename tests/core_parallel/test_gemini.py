@@ -17,7 +17,7 @@ from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_upd
 from core_parallel.gemini.layout import ParamInfo, padding_waste, plan_chunks, search_chunk_elems
 from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GeminiStateError
-from core_parallel.gemini.storage import NvmeFile, TieredBuffer
+from core_parallel.gemini.storage import HostPages, NvmeFile, PageRecycler, TieredBuffer
 from tests.core_parallel.gemini_helpers import batch, build, fp16_overflow
 
 
@@ -178,6 +178,57 @@ def _nvme_setup(tmp_path, **kw):
     keep = copy.deepcopy(model.state_dict())
     cfg = GeminiConfig(chunk_mb=40 * 4 / 2**20, offload_dir=str(tmp_path / "nvme"), **kw)
     return model, opt, cfg, keep
+
+
+def _resident_pages(pages: HostPages) -> int:
+    """Pages of the mapping in memory (mincore)."""
+    import ctypes
+    import mmap
+
+    n = pages.nbytes // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(pages.addr), ctypes.c_size_t(pages.nbytes), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("mremap", [True, False], ids=["recycled", "dropped"])
+def test_page_recycler_moves_pages_to_the_next_buffer_and_bounds_idle_memory(mremap):
+    nbytes = 64 << 10
+    recycler = PageRecycler(max_bytes=2 * nbytes)
+    if not mremap:
+        recycler._mremap = None  # kernels without MREMAP_DONTUNMAP: released pages are dropped at once
+    a, b, c, d = (HostPages(nbytes) for _ in range(4))
+    ta, tb, tc, td = (p.tensor(torch.float32, nbytes // 4) for p in (a, b, c, d))
+    assert recycler.acquire(a) is False  # fresh: reads zeros
+    assert torch.count_nonzero(ta) == 0
+    ta.fill_(7.0)
+    recycler.release(a)
+    # b takes a's pages (a keeps its address, with no pages: it would read zeros), or gets fresh zero pages
+    assert recycler.acquire(b) is mremap
+    assert _resident_pages(a) == 0
+    expect_b = 7.0 if mremap else 0.0
+    assert torch.equal(tb, torch.full_like(tb, expect_b))
+    assert recycler.moves == int(mremap)
+    # re-acquiring a buffer released but not yet handed on keeps its data
+    tb.fill_(3.0)
+    recycler.release(b)
+    if mremap:
+        assert recycler.acquire(b) is True and torch.equal(tb, torch.full_like(tb, 3.0))
+        recycler.release(b)
+    # at most max_bytes stay idle: the oldest is dropped
+    for p, t in ((c, tc), (d, td)):
+        recycler.acquire(p)
+        t.fill_(1.0)
+    recycler.release(c)
+    recycler.release(d)
+    assert recycler.idle_bytes <= 2 * nbytes
+    if mremap:
+        assert _resident_pages(b) == 0 and _resident_pages(c) > 0 and _resident_pages(d) > 0
+    recycler.drop_all()
+    assert recycler.idle_bytes == 0
+    assert all(_resident_pages(p) == 0 for p in (a, b, c, d))
 
 
 def test_nvme_folder_too_small_fails_at_setup_and_leaves_the_model(tmp_path):

@@ -140,7 +140,8 @@ def test_activation_checkpointing_matches_torch_and_returns_chunk_memory():
         for rank, out in enumerate(tensors(results)):
             got = out[reentrant]
             assert got["gathered"] == [], (reentrant, rank)
-            assert max(got["growth_chunks"]) < 3, (reentrant, rank, got["growth_chunks"])
+            # one gathered chunk, its flat gradient buffer and the page recycler's two idle page sets, not ~48 calls
+            assert max(got["growth_chunks"]) < 5, (reentrant, rank, got["growth_chunks"])
             for name, ref in want.items():
                 scale = ref.abs().max()
                 torch_err = (fp32[name].double() - ref).abs().max() / scale
