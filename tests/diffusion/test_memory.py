@@ -78,3 +78,53 @@ def test_order_modules_by_use_keeps_names_and_outputs(tiny):
         torch.testing.assert_close(unet(x, t, hidden).sample, before, rtol=0, atol=0)
     order_modules_by_use(unet)  # already in order: unchanged
     assert list(unet._modules) == names
+
+
+def test_level_checkpointing_recomputes_only_the_top_levels_with_the_same_gradients(tiny):
+    """`levels=1` checkpoints only the blocks at full latent size; lower blocks keep their activations. The
+    gradients are those of the unchecked model, and fewer ops run again in backward than with every block."""
+    from diffusion.memory import LevelCheckpoint
+
+    unet = tiny["unet"].train()
+    set_kernels_attention(unet, "auto")
+    plain, _ = _grads(unet, None)
+
+    def recomputed(levels):
+        enable_checkpointing(unet, "full", levels)
+        func = unet.down_blocks[0]._gradient_checkpointing_func
+        assert isinstance(func, LevelCheckpoint)
+        unet.zero_grad(set_to_none=True)
+        x, t, hidden = _inputs(unet)
+        loss = F.mse_loss(unet(x, t, hidden).sample, torch.zeros_like(x))
+        decided = dict(func._decided.items())
+        counter = _CountConvs()
+        with counter:
+            loss.backward()
+        return {n: p.grad.clone() for n, p in unet.named_parameters()}, decided, counter.calls
+
+    top, decided_top, convs_top = recomputed(1)
+    every, decided_all, convs_all = recomputed(10)
+    for name, g in plain.items():
+        torch.testing.assert_close(top[name], g, msg=name)
+        torch.testing.assert_close(every[name], g, msg=name)
+    assert all(decided_all.values())
+    checkpointed = {m for m, use in decided_top.items() if use}
+    assert checkpointed and len(checkpointed) < len(decided_top)
+    assert all(m in checkpointed for m in unet.down_blocks[0].resnets)  # full size: recomputed
+    assert not any(m in checkpointed for m in unet.down_blocks[-1].resnets)  # lowest level: kept
+    assert convs_top < convs_all
+    with pytest.raises(ValueError, match="levels"):
+        LevelCheckpoint(lambda m, *a: m(*a), -1)
+
+
+class _CountConvs(TorchDispatchMode):
+    """Forward convolutions run during backward (recomputation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
