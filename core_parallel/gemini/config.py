@@ -54,6 +54,10 @@ class GeminiConfig:
     """Compute dtype of the gathered parameters: fp32, fp16 or bf16 (master shards are always fp32)."""
     prefetch: int = 1
     """Number of chunks all-gathered ahead of use, following the order recorded in the first step."""
+    keep_gathered: int | None = None
+    """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
+    of the recorded order (it will be used again soon); None: `prefetch + 1`. Higher values trade a few
+    gathered chunks of memory for fewer re-gathers (all-gathers on several ranks)."""
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm inside `step()`; None disables clipping."""
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
@@ -78,6 +82,8 @@ class GeminiConfig:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.keep_gathered is not None and (not isinstance(self.keep_gathered, int) or self.keep_gathered < 0):
+            raise ValueError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not isinstance(self.loss_scaler, LossScalerConfig):

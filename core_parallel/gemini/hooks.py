@@ -15,6 +15,7 @@ several modules are fine); using another module's parameter directly is not supp
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from core_parallel.gemini.manager import ChunkManager
@@ -43,6 +44,15 @@ class _BackwardCall:
             self.mgr.done(self.ids)
 
 
+def _outside_modes():
+    """Gathers and releases run outside any TorchDispatchMode. Under selective activation checkpointing the
+    module hooks fire inside the checkpointed region, in forward and again in the recompute, and whether a
+    chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops of a
+    gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
+    rejects ("encountered during backward but not found in storage")."""
+    return _disable_current_modes()
+
+
 def _grad_tensors(tree) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(tree)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -52,7 +62,8 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
     calls: list[_BackwardCall] = []
 
     def pre(mod, args, kwargs):
-        mgr.access(ids)
+        with _outside_modes():
+            mgr.access(ids)
         if torch.is_grad_enabled():
             call = _BackwardCall(mgr, ids)
             calls.append(call)
@@ -60,7 +71,8 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
                 t.register_hook(call.post)
 
     def post(mod, args, kwargs, output):
-        mgr.done(ids)
+        with _outside_modes():
+            mgr.done(ids)
         if torch.is_grad_enabled() and calls:
             call = calls.pop()
             for t in _grad_tensors(output):

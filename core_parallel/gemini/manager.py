@@ -205,7 +205,8 @@ class ChunkManager(_StateDictIO):
 
     def done(self, ids: Iterable[int]) -> None:
         """Modules are done with chunks `ids`; chunks nobody uses are released (unless needed again right away)."""
-        soon = self.trace.upcoming(self.config.prefetch + 1) if self.trace.frozen else ()
+        keep = self.config.keep_gathered
+        soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep) if self.trace.frozen else ()
         for i in ids:
             c = self.chunks[i]
             if c.sm.release_use() and i not in soon and c.sm.data is not ChunkState.RELEASED:

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Gemini chunk size in MiB (raised to fit the largest parameter)")
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
                         help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
+    parser.add_argument("--keep_gathered", type=int, default=None,
+                        help="Gemini: keep a chunk gathered while it is among the next N chunks of the traced order "
+                             "(default: Gemini's, prefetch + 1)")
     parser.add_argument("--checkpoint_levels", type=int, default=None,
                         help="ours: checkpoint only the blocks of this many highest resolutions (default: all)")
     parser.add_argument("--no_gemini", action="store_true", help="ours without Gemini (attention + checkpointing)")
@@ -150,7 +153,7 @@ def _gemini(model, optimizer, opts: dict):
     folder = tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None
     frac = 0.0 if offload == "none" else 1.0
     config = core_parallel.GeminiConfig(offload_param_frac=frac, offload_optim_frac=frac, offload_dir=folder,
-                                        chunk_mb=opts["chunk_mb"])
+                                        chunk_mb=opts["chunk_mb"], keep_gathered=opts.get("keep_gathered"))
     model, optimizer = core_parallel.setup(model, optimizer, config)
     return model, optimizer, folder
 

@@ -26,7 +26,7 @@ from tests.core_parallel.gemini_helpers import batch, build, fp16_overflow
     ("field", "value"),
     [("placement", "cuda"), ("offload_param_frac", 1.5), ("offload_optim_frac", -0.1), ("chunk_mb", 0),
      ("precision", "fp8"), ("prefetch", -1), ("device_memory_budget", "12 parsecs"), ("max_grad_norm", 0),
-     ("offload_dir", " ")],
+     ("offload_dir", " "), ("keep_gathered", -1)],
 )
 def test_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
