@@ -47,13 +47,9 @@ class Chunk:
         self._grad_pages: HostPages | None = None
         self.recycler: PageRecycler | None = None  # set by the manager on CPU devices
 
-    @property
-    def host(self) -> bool:
-        return self.full.device.type == "cpu"
-
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
-        if self.host and self.recycler is not None:
+        if self.recycler is not None:  # CPU device
             self._pages = HostPages(self.spec.size * self.full.element_size())
             self.full = self._pages.tensor(self.full.dtype, self.spec.size)
         else:
@@ -106,17 +102,16 @@ class Chunk:
         self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data
-        if self.world == 1 and self.master.tier == "nvme" and out.device.type == "cpu" and out.dtype == torch.float32:
-            self.master.read_into(out)  # pread straight into the gathered buffer: the file's pages stay unmapped
-            src = None
-        elif self.master.tier == "nvme" and out.device.type == "cpu":
-            src = self.master.read_into(torch.empty(self.shard_numel, dtype=torch.float32)).to(out.dtype)
+        if self.master.tier == "nvme" and out.device.type == "cpu":
+            # pread, so the file's pages stay unmapped; on one rank in fp32 straight into the gathered buffer
+            direct = self.world == 1 and out.dtype == torch.float32
+            staging = out if direct else torch.empty(self.shard_numel, dtype=torch.float32)
+            src = self.master.read_into(staging).to(out.dtype)
         else:
             src = self.master.view().to(device=out.device, dtype=out.dtype)
-        if src is None:
-            pass
-        elif self.world == 1:
-            out.copy_(src)
+        if self.world == 1:
+            if src is not out:
+                out.copy_(src)
         else:
             self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
             self._src = src if async_op else None

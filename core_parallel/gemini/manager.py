@@ -123,7 +123,7 @@ class ChunkManager(_StateDictIO):
         for c in self.chunks:
             c.recycler = self.pages
         # Gathers on CPU ranks compete with compute for the same cores: prefetching there only holds the next
-        # chunk longer. Chunks needed again within `config.prefetch + 1` accesses still stay gathered.
+        # chunk longer. Chunks needed again soon (`config.keep_gathered`) still stay gathered.
         self.prefetch = config.prefetch if device.type != "cpu" else 0
         if config.prefetch and device.type == "cpu":
             logger.info("gemini: prefetch=%d is not used on a CPU device (gathers there cannot overlap compute)",

@@ -209,7 +209,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """`buf` (on NVMe) read into this step's scratch buffer `name`: updating through the file mapping would
         take a write fault per page; the result goes back with one pwrite (`_step_chunk`)."""
         pages = self._scratch.get(name)
-        if pages is None or pages.nbytes < buf.nbytes:
+        if pages is None:  # sized for the largest shard, reused for every chunk
             pages = self._scratch[name] = HostPages(max(c.shard_nbytes for c in self.manager.trainable_chunks))
         return buf.read_into(pages.tensor(torch.float32, buf.numel))
 

@@ -111,19 +111,27 @@ def _platform(name: str):
     return openmm.Platform.getPlatformByName(name)
 
 
+def _heavy_atom_restraints(topology, positions, stiffness: float, excluded: set[int]):
+    """Harmonic restraints (`stiffness` kcal/mol/A^2) of heavy atoms to `positions`, except residues `excluded`."""
+    import openmm
+    from openmm import unit
+
+    force = openmm.CustomExternalForce("0.5 * k * ((x - x0)^2 + (y - y0)^2 + (z - z0)^2)")
+    force.addGlobalParameter("k", stiffness * unit.kilocalories_per_mole / unit.angstroms**2)
+    for name in ("x0", "y0", "z0"):
+        force.addPerParticleParameter(name)
+    for i, atom in enumerate(topology.atoms()):
+        if atom.element.symbol != "H" and atom.residue.index not in excluded:
+            force.addParticle(i, positions[i])
+    return force
+
+
 def _simulation(topology, positions, excluded: set[int], cfg: RelaxConfig):
     import openmm
     from openmm import app, unit
 
     system = _forcefield().createSystem(topology, constraints=app.HBonds)
-    force = openmm.CustomExternalForce("0.5 * k * ((x - x0)^2 + (y - y0)^2 + (z - z0)^2)")
-    force.addGlobalParameter("k", cfg.stiffness * unit.kilocalories_per_mole / unit.angstroms**2)
-    for name in ("x0", "y0", "z0"):
-        force.addPerParticleParameter(name)
-    for k, atom in enumerate(topology.atoms()):
-        if atom.element.symbol != "H" and atom.residue.index not in excluded:
-            force.addParticle(k, positions[k])
-    system.addForce(force)
+    system.addForce(_heavy_atom_restraints(topology, positions, cfg.stiffness, excluded))
     integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
     sim = app.Simulation(topology, system, integrator, _platform(cfg.platform))
     sim.context.setPositions(positions)
@@ -157,13 +165,13 @@ def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig):
 
 
 UNTANGLE_ENERGY = 1e8
+"""Start energy (kJ/mol) above which overlapping atoms are first pushed apart (see `_untangle`)."""
 UNTANGLE_STIFFNESS = 0.1
 """Heavy-atom restraints of the untangle pre-pass, as a fraction of `RelaxConfig.stiffness`: strong enough
 that a structure with a few clashes does not drift (unrestrained, an 8-residue peptide moved 2.0-2.3 A;
 at 0.1, 1.3-1.6 A; at 1.0, 1.2-1.3 A), weak enough that a collapsed prediction with coincident atoms
 actually comes apart (at 1.0 the atoms were pulled back together and the Amber loop needed up to 10
 passes: `suite demo`'s fold took 54 s instead of 16-22 s)."""
-"""Start energy (kJ/mol) above which overlapping atoms are first pushed apart (see `_untangle`)."""
 
 
 def _energy(topology, positions, cfg: RelaxConfig) -> float:
@@ -195,15 +203,7 @@ def _untangle(topology, positions, cfg: RelaxConfig):
     repulsion.createExclusionsFromBonds([(b[0].index, b[1].index) for b in topology.bonds()], 3)
     system.addForce(repulsion)
     # weakened heavy-atom restraints: overlapping atoms separate, the fold stays put
-    restraint = openmm.CustomExternalForce("0.5 * k * ((x - x0)^2 + (y - y0)^2 + (z - z0)^2)")
-    k = UNTANGLE_STIFFNESS * cfg.stiffness
-    restraint.addGlobalParameter("k", k * unit.kilocalories_per_mole / unit.angstroms**2)
-    for name in ("x0", "y0", "z0"):
-        restraint.addPerParticleParameter(name)
-    for k, atom in enumerate(topology.atoms()):
-        if atom.element.symbol != "H":
-            restraint.addParticle(k, positions[k])
-    system.addForce(restraint)
+    system.addForce(_heavy_atom_restraints(topology, positions, UNTANGLE_STIFFNESS * cfg.stiffness, set()))
     xyz = np.asarray(positions.value_in_unit(unit.nanometers))
     xyz = xyz + np.random.default_rng(0).normal(scale=0.01, size=xyz.shape)  # breaks exact coincidences
     integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
