@@ -18,8 +18,9 @@ import torch.distributed as dist
 from core_parallel.gemini.layout import ChunkSpec
 from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GradState
 from core_parallel.gemini.storage import HostPages, PageRecycler, TieredBuffer
+from core_parallel.host_comm import HostCollectives
 
-__all__ = ["Chunk"]
+__all__ = ["Chunk", "Reduction"]
 
 
 class Chunk:
@@ -46,6 +47,7 @@ class Chunk:
         self._pages: HostPages | None = None
         self._grad_pages: HostPages | None = None
         self.recycler: PageRecycler | None = None  # set by the manager on CPU devices
+        self.host_comm: HostCollectives | None = None  # set by the manager for CPU ranks sharing /dev/shm
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -97,8 +99,9 @@ class Chunk:
         return self.shard_numel * 4
 
     def start_gather(self, async_op: bool) -> None:
-        """Materialise `full` from every rank's master shard (async: finish with `wait`)."""
-        async_op = async_op and self.world > 1
+        """Materialise `full` from every rank's master shard (async through the process group: finish with
+        `wait`; one rank and shared-memory gathers are synchronous)."""
+        async_op = async_op and self.world > 1 and self.host_comm is None
         self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data
@@ -112,6 +115,8 @@ class Chunk:
         if self.world == 1:
             if src is not out:
                 out.copy_(src)
+        elif self.host_comm is not None:
+            self.host_comm.all_gather(out, src)
         else:
             self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
             self._src = src if async_op else None
@@ -165,9 +170,11 @@ class Chunk:
             self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
         self.pending = {}
 
-    def reduce_scatter(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Average the local gradients over ranks into `out` (this rank's part, [shard_numel] fp32 on the
-        compute device; a new tensor when None) and return it."""
+    def reduce_scatter(self, out: torch.Tensor | None = None, async_op: bool = False) -> Reduction:
+        """Start averaging the local gradients over ranks into `out` (this rank's part, [shard_numel] fp32 on
+        the compute device; a new tensor when None). `Reduction.finish()` waits, averages and frees the local
+        gradients; until then they stay untouched (async on several ranks: the collective runs in the
+        background)."""
         if self.pending:
             self.materialize_grad()
         if self.grad_full is None:
@@ -175,14 +182,14 @@ class Chunk:
         full = self.grad_full
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
+        work = None
         if self.world == 1:
             out.copy_(full)
+        elif self.host_comm is not None:
+            self.host_comm.reduce_scatter(out, full)
         else:
-            dist.reduce_scatter_single(out, full, group=self.group)
-            out.div_(self.world)
-        self.drop_local_grads()
-        self.sm.grad_reduced()
-        return out
+            work = dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)
+        return Reduction(self, out, work if async_op else None)
 
     def gather_fp32(self, buf: TieredBuffer) -> torch.Tensor:
         """The whole chunk of a shard buffer (master or an optimizer state) as [size] fp32 on the CPU."""
@@ -196,3 +203,24 @@ class Chunk:
 
     def has_local_grads(self) -> bool:
         return self.sm.grad is GradState.ACCUMULATING
+
+
+class Reduction:
+    """A chunk's gradient reduce-scatter, possibly still running: `finish()` waits for it, divides by the world
+    size, frees the chunk's local gradients and returns the shard."""
+
+    __slots__ = ("chunk", "out", "work")
+
+    def __init__(self, chunk: Chunk, out: torch.Tensor, work) -> None:
+        self.chunk, self.out, self.work = chunk, out, work
+
+    def finish(self) -> torch.Tensor:
+        c = self.chunk
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if c.world > 1:
+            self.out.div_(c.world)
+        c.drop_local_grads()
+        c.sm.grad_reduced()
+        return self.out

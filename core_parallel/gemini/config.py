@@ -58,6 +58,9 @@ class GeminiConfig:
     """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
     of the recorded order (it will be used again soon); None: `prefetch + 1`. Higher values trade a few
     gathered chunks of memory for fewer re-gathers (all-gathers on several ranks)."""
+    host_collectives: bool = True
+    """CPU ranks on one host all-gather and reduce-scatter through a shared-memory segment instead of the process
+    group (gloo's loopback TCP); the process group is used when the ranks cannot share `/dev/shm`."""
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm inside `step()`; None disables clipping."""
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
@@ -84,6 +87,8 @@ class GeminiConfig:
             raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.keep_gathered is not None and (not isinstance(self.keep_gathered, int) or self.keep_gathered < 0):
             raise ValueError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
+        if not isinstance(self.host_collectives, bool):
+            raise ValueError(f"host_collectives must be True or False, got {self.host_collectives!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not isinstance(self.loss_scaler, LossScalerConfig):

@@ -8,20 +8,18 @@ gradient on some rank therefore delays memory release but never mismatches or ha
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from core_parallel.gemini.chunk import Chunk
+from core_parallel.gemini.chunk import Chunk, Reduction
 from core_parallel.gemini.config import GeminiConfig
 from core_parallel.gemini.layout import ChunkSpec, Slot
 from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from core_parallel.gemini.state import ChunkState
 from core_parallel.gemini.storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
-
-logger = logging.getLogger(__name__)
+from core_parallel.host_comm import HostCollectives
 
 __all__ = ["ChunkManager"]
 
@@ -122,17 +120,23 @@ class ChunkManager(_StateDictIO):
         self.pages = PageRecycler(2 * largest) if device.type == "cpu" else None
         for c in self.chunks:
             c.recycler = self.pages
-        # Gathers on CPU ranks compete with compute for the same cores: prefetching there only holds the next
-        # chunk longer. Chunks needed again soon (`config.keep_gathered`) still stay gathered.
-        self.prefetch = config.prefetch if device.type != "cpu" else 0
-        if config.prefetch and device.type == "cpu":
-            logger.info("gemini: prefetch=%d is not used on a CPU device (gathers there cannot overlap compute)",
-                        config.prefetch)
+        # CPU ranks on one host all-gather and reduce-scatter through shared memory (a memcpy instead of gloo's
+        # loopback TCP), synchronously; without it they go through the process group, in gloo's threads.
+        self.host_comm = None
+        if device.type == "cpu" and world > 1 and config.host_collectives:
+            self.host_comm = HostCollectives.create(group, max((c.spec.size * 4 for c in self.chunks), default=1))
+            for c in self.chunks:
+                c.host_comm = self.host_comm
+        # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,
+        # and shared-memory gathers are synchronous: prefetching there would only hold the next chunk longer.
+        overlaps = device.type != "cpu" or (world > 1 and self.host_comm is None)
+        self.prefetch = config.prefetch if overlaps else 0
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
         self._in_backward = False
         self.passes = 0
         self._reduce_ptr = len(self.trainable_chunks) - 1
+        self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
         self._clock = 0
         self._last_used: dict[int, int] = {}
         self.param_dtypes = [p.dtype for p in params]
@@ -305,25 +309,38 @@ class ChunkManager(_StateDictIO):
             self._reduce_ptr -= 1
 
     def _reduce(self, c: Chunk) -> None:
-        held = c.local_grad_nbytes
+        """Start chunk `c`'s gradient reduce-scatter. On several ranks it runs in the background while backward
+        computes the next chunk's gradients; the reduction started before it is finished first, so one is in
+        flight at a time (its local gradients are freed when it finishes)."""
         if c.pending:  # the flat buffer first, then the shard: the parameter gradients are gone by then
+            held = c.local_grad_nbytes
             c.materialize_grad()
             self._account_local_grads(c, held)
-            held = c.local_grad_nbytes
-        if not c.grad.allocated and c.grad.tier == "device":  # straight into the shard: no temporary
+        direct = not c.grad.allocated and c.grad.tier == "device"  # straight into the shard: no temporary
+        if direct:
             c.grad.allocate()
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
-            c.reduce_scatter(out=c.grad.view())
-        elif not c.grad.allocated:
-            shard = c.reduce_scatter()
-            c.grad.allocate(fill=shard)
-            self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
-        else:
-            shard = c.reduce_scatter()
-            c.grad.view().add_(shard.to(c.grad.view().device))
-        self._account_local_grads(c, held)
-        c.grad.done()
-        self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
+        held = c.local_grad_nbytes  # accounted; a chunk without any gradient gets a zero buffer unaccounted
+        reduction = c.reduce_scatter(out=c.grad.view() if direct else None, async_op=self.world > 1)
+        self.finish_reductions()
+        self._reducing.append((reduction, direct, held))
+        if self.world == 1:
+            self.finish_reductions()
+
+    def finish_reductions(self) -> None:
+        """Wait for the reductions in flight and put their shards in place."""
+        while self._reducing:
+            reduction, direct, held = self._reducing.pop(0)
+            c = reduction.chunk
+            shard = reduction.finish()
+            if not direct and not c.grad.allocated:
+                c.grad.allocate(fill=shard)
+                self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
+            elif not direct:
+                c.grad.view().add_(shard.to(c.grad.view().device))
+            self._account_local_grads(c, held)
+            c.grad.done()
+            self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
 
     def end_backward(self) -> None:
         """End of a backward pass: reduce what is left (unless under no_sync) and release every chunk."""
@@ -331,6 +348,7 @@ class ChunkManager(_StateDictIO):
             while self._reduce_ptr >= 0:
                 self._reduce(self.trainable_chunks[self._reduce_ptr])
                 self._reduce_ptr -= 1
+            self.finish_reductions()
         for c in self.chunks:
             c.sm.users = 0
         self.release_idle()
@@ -338,6 +356,7 @@ class ChunkManager(_StateDictIO):
 
     def zero_grad(self) -> None:
         """Drop gradient shards, pending local gradients and the used-parameter flags."""
+        self.finish_reductions()
         for c in self.trainable_chunks:
             if c.grad.allocated:
                 self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
@@ -380,4 +399,6 @@ class ChunkManager(_StateDictIO):
     def close(self) -> None:
         if self.nvme is not None:
             self.nvme.close()
+        if self.host_comm is not None:
+            self.host_comm.close()
 

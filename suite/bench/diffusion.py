@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Gemini chunk size in MiB (raised to fit the largest parameter)")
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
                         help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="Gemini: chunks all-gathered ahead of use (several ranks; one CPU rank never prefetches)")
     parser.add_argument("--keep_gathered", type=int, default=None,
                         help="Gemini: keep a chunk gathered while it is among the next N chunks of the traced order "
                              "(default: Gemini's, prefetch + 1)")
@@ -153,7 +155,8 @@ def _gemini(model, optimizer, opts: dict):
     folder = tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None
     frac = 0.0 if offload == "none" else 1.0
     config = core_parallel.GeminiConfig(offload_param_frac=frac, offload_optim_frac=frac, offload_dir=folder,
-                                        chunk_mb=opts["chunk_mb"], keep_gathered=opts.get("keep_gathered"))
+                                        chunk_mb=opts["chunk_mb"], prefetch=opts.get("prefetch", 1),
+                                        keep_gathered=opts.get("keep_gathered"))
     model, optimizer = core_parallel.setup(model, optimizer, config)
     return model, optimizer, folder
 
@@ -225,6 +228,7 @@ def _taking_turns(step, turns, first: bool, warmup: int, repeat: int) -> list[fl
                 times.append(time.perf_counter() - t0)
             if first:
                 turns.wait()
+        turns.wait()  # the second variant's last step ends before the first variant's processes wind down
     except BaseException:
         turns.abort()  # the other variant's processes stop waiting
         raise

@@ -95,6 +95,8 @@ def train_sharded(rank: int, world: int, model, opt, steps: range, accum: int = 
 SCENARIOS = {
     "device": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20)),
     "optim_cpu": dict(kind="adamw", cfg=dict(chunk_mb=64 * 4 / 2**20, offload_optim_frac=1.0, prefetch=2)),
+    # collectives through gloo instead of shared memory: prefetched (async) gathers, reduce-scatters in flight
+    "gloo": dict(kind="adamw", cfg=dict(chunk_mb=40 * 4 / 2**20, prefetch=2, host_collectives=False)),
     "nvme": dict(kind="sgd", cfg=dict(chunk_mb=50 * 4 / 2**20, offload_param_frac=1.0, offload_optim_frac=1.0)),
     "auto": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, placement="auto", device_memory_budget=2600)),
     "accum_no_sync": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, max_grad_norm=0.5), accum=2),
@@ -112,7 +114,8 @@ def run_scenario(rank: int, world: int, name: str, tmp: str) -> dict:
     model, opt = core_parallel.setup(model, opt, GeminiConfig(**cfg))
     train_sharded(rank, world, model, opt, range(STEPS), sc.get("accum", 1), sc.get("mode", "no_sync"))
     report = model.memory_report()
-    out = {"model": model.state_dict(), "optim": opt.state_dict(), "report": report}
+    out = {"model": model.state_dict(), "optim": opt.state_dict(), "report": report,
+           "host_comm": model.gemini_manager.host_comm is not None}
     model.gemini_manager.close()
     return out
 

@@ -1,0 +1,115 @@
+"""Shared-memory collectives for CPU ranks against a float64 reference and gloo, on 1, 2 and 4 ranks: values,
+rank order, a barrier timeout that names the missing rank, the fallback when a rank cannot map the segment,
+and no file left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from core_parallel import run_on_ranks
+from core_parallel.host_comm import HostCollectives, host_collectives_supported
+
+pytestmark = pytest.mark.skipif(not host_collectives_supported(), reason="x86-64 Linux with /dev/shm only")
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def _data(rank: int, seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float64)
+
+
+def _collectives(rank: int, world: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    hc = HostCollectives.create(None, slot_bytes=4 * 3000)
+    out = {"created": hc is not None}
+    for dt in (torch.float32, torch.bfloat16):
+        n = 1001  # odd: no alignment luck
+        src = _data(rank, seed, n).to(dt)
+        got = torch.empty(world * n, dtype=dt)
+        hc.all_gather(got, src)
+        ref = torch.empty_like(got)
+        dist.all_gather_single(ref, src)
+        full = _data(rank, seed + 1, world * 700).to(dt)
+        mine = torch.empty(700, dtype=dt)
+        hc.reduce_scatter(mine, full)
+        out[str(dt)] = {"gather": got, "gloo_gather": ref, "reduced": mine.double()}
+    out["shm_files"] = sorted(os.listdir("/dev/shm"))  # after collectives: rank 0 has unlinked the name
+    hc.close()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_all_gather_and_reduce_scatter_match_float64_and_gloo(world):
+    seed = int(torch.randint(0, 10_000, ()).item())
+    results = run_on_ranks(_collectives, world, seed, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["created"]
+        assert not [f for f in res["shm_files"] if f.startswith("lowmem-host-comm-")]  # unlinked at setup
+        for dt in (torch.float32, torch.bfloat16):
+            r = res[str(dt)]
+            want = torch.cat([_data(k, seed, 1001).to(dt) for k in range(world)])
+            assert torch.equal(r["gather"], want)  # copies: exact, in rank order
+            assert torch.equal(r["gloo_gather"], want)
+            # float64 sum of what every rank put in (rounded to dt on the way in), this rank's part
+            parts = [_data(k, seed + 1, world * 700).to(dt).double()[rank * 700 : (rank + 1) * 700]
+                     for k in range(world)]
+            total, magnitude = sum(parts), sum(p.abs() for p in parts)
+            # world - 1 additions in dt, each rounding by at most a unit roundoff of the running sum
+            bound = (world - 1) * UNIT_ROUNDOFF[dt] * magnitude * 1.01
+            assert ((r["reduced"] - total).abs() <= bound).all(), (dt, (r["reduced"] - total).abs().max())
+
+
+def _late(rank: int, world: int) -> str:
+    hc = HostCollectives.create(None, slot_bytes=64, timeout=1.0)
+    if rank == 1:
+        return "skipped"  # never reaches the barrier
+    try:
+        hc.barrier()
+    except RuntimeError as exc:
+        return str(exc)
+    return "passed"
+
+
+@pytest.mark.distributed
+def test_barrier_names_the_rank_that_does_not_arrive():
+    results = run_on_ranks(_late, 2, timeout=60)
+    assert results[1] == "skipped"
+    assert "ranks [1] did not arrive within 1s" in results[0]
+
+
+def _cannot_map(rank: int, world: int) -> bool:
+    import core_parallel.host_comm as hcm
+
+    if rank == world - 1:  # this rank cannot open the segment (another host, another /dev/shm)
+        real = os.open
+
+        def failing(path, *args, **kwargs):
+            if "lowmem-host-comm-" in str(path):
+                raise FileNotFoundError(path)
+            return real(path, *args, **kwargs)
+
+        hcm.os.open = failing
+    return hcm.HostCollectives.create(None, slot_bytes=64) is None
+
+
+@pytest.mark.distributed
+def test_every_rank_falls_back_when_one_cannot_map_the_segment():
+    assert run_on_ranks(_cannot_map, 2, timeout=60) == [True, True]
+
+
+def _too_big(rank: int, world: int) -> str:
+    hc = HostCollectives.create(None, slot_bytes=4096)
+    try:
+        hc.all_gather(torch.empty(world * 2048), torch.zeros(2048))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_tensor_larger_than_the_slot_is_refused():
+    assert "exceed the slot of 4096" in run_on_ranks(_too_big, 1, timeout=60)[0]
