@@ -44,8 +44,9 @@ def host_collectives_supported() -> bool:
 
 
 class HostCollectives:
-    """Shared-memory all-gather and reduce-scatter among the ranks of `group` (all on this host), for
-    tensors of up to `slot_bytes` bytes per rank. Build with `create` (collective)."""
+    """Shared-memory all-gather and reduce-scatter among the ranks of `group` (all on this host). A slot holds
+    one rank's part: the gathered input, or the output of a reduce-scatter (`slot_bytes`, rounded up to a page).
+    Build with `create` (collective)."""
 
     def __init__(self, buf: mmap.mmap, rank: int, world: int, slot_bytes: int, timeout: float) -> None:
         self._buf, self.rank, self.world = buf, rank, world
@@ -110,19 +111,23 @@ class HostCollectives:
         self._barrier()  # every rank has read every slot: they may be written again
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        """`out` ([n]) <- the sum over ranks of their `full[rank * n : (rank + 1) * n]` (`full`: [world * n]);
-        summed in rank order, the same on every rank."""
+        """`out` ([n]) <- the sum over ranks of their `full[rank * n : (rank + 1) * n]` (`full`: [world * n]).
+
+        `world - 1` rounds, as in a ring: in round j each rank puts the part rank `(rank + j) % world` needs into
+        its slot, and adds the part rank `(rank - j) % world` put there for it. Each rank sums its own part in a
+        fixed order (its own values first), and a slot holds one part, not the whole tensor."""
         n = out.numel()
         if full.numel() != n * self.world or out.dtype != full.dtype:
             raise ValueError(f"reduce_scatter: full must hold {self.world} x {n} {out.dtype}, "
                              f"got {full.numel()} {full.dtype}")
-        self._slot(self.rank, full.numel(), full.dtype).copy_(full.reshape(-1))
-        self._barrier()
-        lo = self.rank * n
-        out.copy_(self._slot(0, full.numel(), full.dtype)[lo : lo + n])
-        for r in range(1, self.world):
-            out.add_(self._slot(r, full.numel(), full.dtype)[lo : lo + n])
-        self._barrier()
+        flat = full.reshape(-1)
+        out.copy_(flat[self.rank * n : (self.rank + 1) * n])
+        for j in range(1, self.world):
+            dest = (self.rank + j) % self.world
+            self._slot(self.rank, n, full.dtype).copy_(flat[dest * n : (dest + 1) * n])
+            self._barrier()
+            out.add_(self._slot((self.rank - j) % self.world, n, full.dtype))
+            self._barrier()
 
     def barrier(self) -> None:
         """All ranks meet (shared-memory counters; no process-group traffic)."""

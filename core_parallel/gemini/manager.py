@@ -124,7 +124,7 @@ class ChunkManager(_StateDictIO):
         # loopback TCP), synchronously; without it they go through the process group, in gloo's threads.
         self.host_comm = None
         if device.type == "cpu" and world > 1 and config.host_collectives:
-            self.host_comm = HostCollectives.create(group, max((c.spec.size * 4 for c in self.chunks), default=1))
+            self.host_comm = HostCollectives.create(group, max((c.shard_nbytes for c in self.chunks), default=1))
             for c in self.chunks:
                 c.host_comm = self.host_comm
         # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,

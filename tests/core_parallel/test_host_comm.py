@@ -24,7 +24,7 @@ def _data(rank: int, seed: int, n: int) -> torch.Tensor:
 def _collectives(rank: int, world: int, seed: int) -> dict:
     import torch.distributed as dist
 
-    hc = HostCollectives.create(None, slot_bytes=4 * 3000)
+    hc = HostCollectives.create(None, slot_bytes=4 * 1001)  # one part (a page, rounded up)
     out = {"created": hc is not None}
     for dt in (torch.float32, torch.bfloat16):
         n = 1001  # odd: no alignment luck
@@ -105,7 +105,7 @@ def test_every_rank_falls_back_when_one_cannot_map_the_segment():
 def _too_big(rank: int, world: int) -> str:
     hc = HostCollectives.create(None, slot_bytes=4096)
     try:
-        hc.all_gather(torch.empty(world * 2048), torch.zeros(2048))
+        hc.all_gather(torch.empty(world * 2048), torch.zeros(2048))  # 8 KiB
     except ValueError as exc:
         return str(exc)
     return "no error"
