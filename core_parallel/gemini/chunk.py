@@ -42,6 +42,7 @@ class Chunk:
         self.states: dict[str, TieredBuffer] = {}
         self.grad_full: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
+        self._pending_nbytes = 0
         self._work = None
         self._src: torch.Tensor | None = None
         self._pages: HostPages | None = None
@@ -88,7 +89,7 @@ class Chunk:
         """Forget the local gradients (the flat buffer and the pending parameter gradients)."""
         if self.grad_full is not None and self._grad_pages is not None:
             self.recycler.release(self._grad_pages)
-        self.grad_full, self.pending = None, {}
+        self.grad_full, self.pending, self._pending_nbytes = None, {}, 0
 
     @property
     def full_nbytes(self) -> int:
@@ -142,7 +143,7 @@ class Chunk:
     def local_grad_nbytes(self) -> int:
         """Bytes of local gradients held: `grad_full` and the parameter gradients waiting for it."""
         full = self.grad_full.numel() * 4 if self.grad_full is not None else 0
-        return full + sum(g.numel() * g.element_size() for g in self.pending.values())
+        return full + self._pending_nbytes
 
     def add_grad(self, offset: int, grad: torch.Tensor) -> None:
         """Add one parameter's local gradient ([*shape], compute dtype, not used by autograd any more).
@@ -158,6 +159,7 @@ class Chunk:
         elif grad._base is None and grad.is_contiguous() and (
                 grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
             self.pending[offset] = grad
+            self._pending_nbytes += grad.numel() * grad.element_size()
         else:
             self.materialize_grad()
             self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
@@ -168,7 +170,7 @@ class Chunk:
             self.grad_full = self._new_grad_full()
         for offset, g in self.pending.items():
             self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
-        self.pending = {}
+        self.pending, self._pending_nbytes = {}, 0
 
     def reduce_scatter(self, out: torch.Tensor | None = None, async_op: bool = False) -> Reduction:
         """Start averaging the local gradients over ranks into `out` (this rank's part, [shard_numel] fp32 on

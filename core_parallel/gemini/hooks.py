@@ -14,6 +14,8 @@ several modules are fine); using another module's parameter directly is not supp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
@@ -50,12 +52,22 @@ def _outside_modes():
     chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops of a
     gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
     rejects ("encountered during backward but not found in storage")."""
-    return _disable_current_modes()
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
-def _grad_tensors(tree) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+_FLAT = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _grad_tensors(args, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """Tensors that require grad among a call's arguments, or in a module's output (`args` alone)."""
+    if isinstance(args, torch.Tensor):
+        values = [args]
+    elif (isinstance(args, tuple) and all(isinstance(v, _FLAT) for v in args)
+          and all(isinstance(v, _FLAT) for v in (kwargs or {}).values())):
+        values = [*args, *(kwargs or {}).values()]  # the common case, without pytree's walk
+    else:
+        values, _ = tree_flatten((args, kwargs))  # nested containers, output classes
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ...]) -> list:
@@ -67,7 +79,7 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
         if torch.is_grad_enabled():
             call = _BackwardCall(mgr, ids)
             calls.append(call)
-            for t in _grad_tensors((args, kwargs)):
+            for t in _grad_tensors(args, kwargs):
                 t.register_hook(call.post)
 
     def post(mod, args, kwargs, output):

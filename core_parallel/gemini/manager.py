@@ -318,7 +318,7 @@ class ChunkManager(_StateDictIO):
             self._account_local_grads(c, held)
         direct = not c.grad.allocated and c.grad.tier == "device"  # straight into the shard: no temporary
         if direct:
-            c.grad.allocate()
+            c.grad.allocate(zero=False)  # the reduce-scatter writes all of it
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
         held = c.local_grad_nbytes  # accounted; a chunk without any gradient gets a zero buffer unaccounted
         reduction = c.reduce_scatter(out=c.grad.view() if direct else None, async_op=self.world > 1)

@@ -159,8 +159,9 @@ class TieredBuffer:
     def nbytes(self) -> int:
         return self.numel * _F32
 
-    def allocate(self, fill: torch.Tensor | None = None) -> None:
-        """Give the buffer storage in its tier, zeroed or copied from `fill` ([numel])."""
+    def allocate(self, fill: torch.Tensor | None = None, zero: bool = True) -> None:
+        """Give the buffer storage in its tier, zeroed or copied from `fill` ([numel]); `zero=False` leaves the
+        contents of an in-memory buffer undefined (the caller writes all of it)."""
         if self.tier == "nvme":
             data = fill if fill is not None else torch.zeros(self.numel, dtype=torch.float32)
             self._nvme.write(self._offset, data.detach().to(device="cpu", dtype=torch.float32).contiguous())
@@ -168,7 +169,7 @@ class TieredBuffer:
         else:
             device = self.device if self.tier == "device" else torch.device("cpu")
             if fill is None:
-                t = torch.zeros(self.numel, dtype=torch.float32, device=device)
+                t = (torch.zeros if zero else torch.empty)(self.numel, dtype=torch.float32, device=device)
             else:
                 t = torch.empty(self.numel, dtype=torch.float32, device=device).copy_(fill)
             self._tensor = t

@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("suite.bench.kernels", "LayerNorm, masked-bias softmax and attention vs torch"),
     "zero": ("suite.bench.zero", "ZeRO-1/2 vs torch DDP and FSDP2: per-rank memory and step time"),
     "gemini": ("suite.bench.gemini", "Gemini vs FSDP2, DDP and ZeRO-2; largest model within a RAM budget"),
+    "collectives": ("suite.bench.collectives", "CPU ranks' all-gather and reduce-scatter: gloo vs shared memory"),
     "strategies": ("suite.bench.strategies", "Lightning strategies: ddp, fsdp, zero2, gemini"),
     "diffusion": ("suite.bench.diffusion", "plain diffusers-style loop vs ours on one UNet"),
     "fold-model": ("suite.bench.fold_model", "AlphaFold model pass: chunked vs unchunked"),

@@ -42,3 +42,25 @@ def test_env_text(capsys):
     out = capsys.readouterr().out
     for word in ("torch", "triton", "diffusers", "lightning", "ray", "openmm", "gloo", "kernel backends"):
         assert word in out
+
+
+@pytest.mark.distributed
+def test_bench_collectives_writes_both_paths(tmp_path):
+    from core_parallel.host_comm import host_collectives_supported
+
+    if not host_collectives_supported():
+        pytest.skip("host collectives need x86-64 Linux with /dev/shm")
+    path = tmp_path / "c.json"
+    out = _run("bench", "collectives", "--mb", "0.05", "--repeat", "2", "--warmup", "1", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["op"], r["MiB"]) for r in rows] == [("all_gather", 0.05), ("reduce_scatter", 0.05)]
+    for r in rows:
+        assert r["gloo_ms"] > 0 and r["host_ms"] > 0
+        assert r["host_vs_gloo"] == pytest.approx(r["host_ms"] / r["gloo_ms"], rel=0.01, abs=0.002)
+    assert "host_vs_gloo" in out.stdout
+
+
+def test_bench_collectives_bad_sizes_exit_2():
+    out = _run("bench", "collectives", "--mb", "4,x")
+    assert out.returncode == 2 and "--mb" in out.stderr
