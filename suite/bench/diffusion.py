@@ -24,8 +24,8 @@ Memory is the training memory of one rank, measured from before the models are b
   Gemini drops them they live in the file (and the kernel's page cache, reclaimable) and do not count.
 Times come from separate processes with the default allocator (CUDA: the same run, synchronised): the
 median of `--steps` steps after `--warmup`. On CPU, plain and ours run at the same time and take turns step
-by step (a barrier across all their processes: plain steps while ours waits, then ours steps while plain
-waits), and the time ratio is the median of the per-step ratios: this VM's speed drifts by up to 30% from
+by step (a barrier across all their processes: one steps while the other waits, plain first in even rounds
+and ours first in odd ones), and the time ratio is the median of the per-step ratios: this VM's speed drifts by up to 30% from
 one minute to the next, which a plain-then-ours pass would charge to one side. Each variant starts fresh
 processes (`core_parallel.run_on_ranks`) after one step of a small model on the same code path (imports,
 thread pools, kernel caches).
@@ -211,14 +211,16 @@ def _device(rank: int, opts: dict):
     return device
 
 
-def _taking_turns(step, turns, first: bool, warmup: int, repeat: int) -> list[float]:
+def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[float]:
     """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes: all
-    meet at `turns` (a barrier), the `first` variant steps while the other waits at the next meeting."""
+    meet at `turns` (a barrier), one variant steps while the other waits at the next meeting, then the other
+    steps. Plain goes first in even rounds and ours in odd ones, so neither always runs right after the other."""
     import time
 
     times = []
     try:
         for i in range(warmup + repeat):
+            first = plain == (i % 2 == 0)
             turns.wait()
             if not first:
                 turns.wait()
@@ -228,7 +230,7 @@ def _taking_turns(step, turns, first: bool, warmup: int, repeat: int) -> list[fl
                 times.append(time.perf_counter() - t0)
             if first:
                 turns.wait()
-        turns.wait()  # the second variant's last step ends before the first variant's processes wind down
+        turns.wait()  # the last step ends before the other variant's processes wind down
     except BaseException:
         turns.abort()  # the other variant's processes stop waiting
         raise
