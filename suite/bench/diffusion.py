@@ -26,9 +26,9 @@ Times come from separate processes with the default allocator (CUDA: the same ru
 median of `--steps` steps after `--warmup`. On CPU, plain and ours run at the same time and take turns step
 by step (a barrier across all their processes: one steps while the other waits, plain first in even rounds
 and ours first in odd ones), and the time ratio is the median of the per-step ratios: this VM's speed
-drifts by up to 30% from one minute to the next, which a plain-then-ours pass would charge to one side. Each variant starts fresh
-processes (`core_parallel.run_on_ranks`) after one step of a small model on the same code path (imports,
-thread pools, kernel caches).
+drifts by up to 30% from one minute to the next, which a plain-then-ours pass would charge to one side.
+Each variant starts fresh processes (`core_parallel.run_on_ranks`) after one step of a small model on the
+same code path (imports, thread pools, kernel caches).
 """
 
 from __future__ import annotations
