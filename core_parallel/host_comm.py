@@ -44,9 +44,9 @@ def host_collectives_supported() -> bool:
 
 
 class HostCollectives:
-    """Shared-memory all-gather and reduce-scatter among the ranks of `group` (all on this host). A slot holds
-    one rank's part: the gathered input, or the output of a reduce-scatter (`slot_bytes`, rounded up to a page).
-    Build with `create` (collective)."""
+    """Shared-memory all-gather and reduce-scatter among the ranks of `group` (all on this host). Each rank has
+    one slot of `slot_bytes` (rounded up to a page); larger tensors go through it in pieces, so the segment's
+    size, which every rank maps and touches, does not grow with the tensors. Build with `create` (collective)."""
 
     def __init__(self, buf: mmap.mmap, rank: int, world: int, slot_bytes: int, timeout: float) -> None:
         self._buf, self.rank, self.world = buf, rank, world
@@ -99,35 +99,39 @@ class HostCollectives:
 
     # ---- collectives -------------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> None:
-        """`out` ([world * n], contiguous CPU) <- every rank's `src` ([n], same dtype) in rank order."""
+        """`out` ([world * n], contiguous CPU) <- every rank's `src` ([n], same dtype) in rank order; in pieces
+        of at most a slot."""
         n = src.numel()
         if out.numel() != n * self.world or out.dtype != src.dtype:
             raise ValueError(f"all_gather: out must hold {self.world} x {n} {src.dtype}, got {out.numel()} {out.dtype}")
-        self._slot(self.rank, n, src.dtype).copy_(src.reshape(-1))
-        self._barrier()
-        for r in range(self.world):
-            part = out[r * n : (r + 1) * n]
-            part.copy_(src.reshape(-1) if r == self.rank else self._slot(r, n, src.dtype))
-        self._barrier()  # every rank has read every slot: they may be written again
+        src = src.reshape(-1)
+        for lo, hi in self._pieces(n, src.dtype):
+            self._slot(self.rank, hi - lo, src.dtype).copy_(src[lo:hi])
+            self._barrier()
+            for r in range(self.world):
+                part = out[r * n + lo : r * n + hi]
+                part.copy_(src[lo:hi] if r == self.rank else self._slot(r, hi - lo, src.dtype))
+            self._barrier()  # every rank has read every slot: they may be written again
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """`out` ([n]) <- the sum over ranks of their `full[rank * n : (rank + 1) * n]` (`full`: [world * n]).
 
-        `world - 1` rounds, as in a ring: in round j each rank puts the part rank `(rank + j) % world` needs into
-        its slot, and adds the part rank `(rank - j) % world` put there for it. Each rank sums its own part in a
-        fixed order (its own values first), and a slot holds one part, not the whole tensor."""
+        Per piece of at most a slot, `world - 1` rounds as in a ring: in round j each rank puts the piece rank
+        `(rank + j) % world` needs into its slot, and adds the piece rank `(rank - j) % world` put there for it.
+        Each rank sums its own part in a fixed order (its own values first)."""
         n = out.numel()
         if full.numel() != n * self.world or out.dtype != full.dtype:
             raise ValueError(f"reduce_scatter: full must hold {self.world} x {n} {out.dtype}, "
                              f"got {full.numel()} {full.dtype}")
         flat = full.reshape(-1)
         out.copy_(flat[self.rank * n : (self.rank + 1) * n])
-        for j in range(1, self.world):
-            dest = (self.rank + j) % self.world
-            self._slot(self.rank, n, full.dtype).copy_(flat[dest * n : (dest + 1) * n])
-            self._barrier()
-            out.add_(self._slot((self.rank - j) % self.world, n, full.dtype))
-            self._barrier()
+        for lo, hi in self._pieces(n, full.dtype):
+            for j in range(1, self.world):
+                dest = (self.rank + j) % self.world
+                self._slot(self.rank, hi - lo, full.dtype).copy_(flat[dest * n + lo : dest * n + hi])
+                self._barrier()
+                out[lo:hi].add_(self._slot((self.rank - j) % self.world, hi - lo, full.dtype))
+                self._barrier()
 
     def barrier(self) -> None:
         """All ranks meet (shared-memory counters; no process-group traffic)."""
@@ -145,11 +149,12 @@ class HostCollectives:
             self._buf = None
 
     # ---- internals ---------------------------------------------------------------------------------
+    def _pieces(self, n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        per = self.slot_bytes // dtype.itemsize
+        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
     def _slot(self, r: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"host collectives: {nbytes} bytes exceed the slot of {self.slot_bytes}")
-        return self._slots[r][:nbytes].view(dtype)
+        return self._slots[r][: numel * dtype.itemsize].view(dtype)
 
     def _barrier(self) -> None:
         self._seq += 1

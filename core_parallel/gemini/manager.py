@@ -23,6 +23,10 @@ from core_parallel.host_comm import HostCollectives
 
 __all__ = ["ChunkManager"]
 
+HOST_COMM_SLOT_BYTES = 4 << 20
+"""Largest slot per rank of the host collectives' shared segment (each rank maps all `world` slots); bigger
+chunk shards go through in pieces."""
+
 
 class _StateDictIO:
     """model.state_dict() / load_state_dict() through the chunks: saving gathers fp32 master chunks (a
@@ -124,7 +128,8 @@ class ChunkManager(_StateDictIO):
         # loopback TCP), synchronously; without it they go through the process group, in gloo's threads.
         self.host_comm = None
         if device.type == "cpu" and world > 1 and config.host_collectives:
-            self.host_comm = HostCollectives.create(group, max((c.shard_nbytes for c in self.chunks), default=1))
+            slot = min(max((c.shard_nbytes for c in self.chunks), default=1), HOST_COMM_SLOT_BYTES)
+            self.host_comm = HostCollectives.create(group, slot)
             for c in self.chunks:
                 c.host_comm = self.host_comm
         # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,

@@ -24,17 +24,17 @@ def _data(rank: int, seed: int, n: int) -> torch.Tensor:
 def _collectives(rank: int, world: int, seed: int) -> dict:
     import torch.distributed as dist
 
-    hc = HostCollectives.create(None, slot_bytes=4 * 1001)  # one part (a page, rounded up)
+    hc = HostCollectives.create(None, slot_bytes=100)  # one page: the tensors below go through in pieces
     out = {"created": hc is not None}
     for dt in (torch.float32, torch.bfloat16):
-        n = 1001  # odd: no alignment luck
+        n = 3001  # 12 KiB of fp32: three pieces of a 4 KiB slot, the last one partial
         src = _data(rank, seed, n).to(dt)
         got = torch.empty(world * n, dtype=dt)
         hc.all_gather(got, src)
         ref = torch.empty_like(got)
         dist.all_gather_single(ref, src)
-        full = _data(rank, seed + 1, world * 700).to(dt)
-        mine = torch.empty(700, dtype=dt)
+        full = _data(rank, seed + 1, world * 1500).to(dt)
+        mine = torch.empty(1500, dtype=dt)
         hc.reduce_scatter(mine, full)
         out[str(dt)] = {"gather": got, "gloo_gather": ref, "reduced": mine.double()}
     out["shm_files"] = sorted(os.listdir("/dev/shm"))  # after collectives: rank 0 has unlinked the name
@@ -52,11 +52,11 @@ def test_all_gather_and_reduce_scatter_match_float64_and_gloo(world):
         assert not [f for f in res["shm_files"] if f.startswith("lowmem-host-comm-")]  # unlinked at setup
         for dt in (torch.float32, torch.bfloat16):
             r = res[str(dt)]
-            want = torch.cat([_data(k, seed, 1001).to(dt) for k in range(world)])
+            want = torch.cat([_data(k, seed, 3001).to(dt) for k in range(world)])
             assert torch.equal(r["gather"], want)  # copies: exact, in rank order
             assert torch.equal(r["gloo_gather"], want)
             # float64 sum of what every rank put in (rounded to dt on the way in), this rank's part
-            parts = [_data(k, seed + 1, world * 700).to(dt).double()[rank * 700 : (rank + 1) * 700]
+            parts = [_data(k, seed + 1, world * 1500).to(dt).double()[rank * 1500 : (rank + 1) * 1500]
                      for k in range(world)]
             total, magnitude = sum(parts), sum(p.abs() for p in parts)
             # world - 1 additions in dt, each rounding by at most a unit roundoff of the running sum
@@ -102,14 +102,14 @@ def test_every_rank_falls_back_when_one_cannot_map_the_segment():
     assert run_on_ranks(_cannot_map, 2, timeout=60) == [True, True]
 
 
-def _too_big(rank: int, world: int) -> str:
+def _mismatch(rank: int, world: int) -> str:
     hc = HostCollectives.create(None, slot_bytes=4096)
     try:
-        hc.all_gather(torch.empty(world * 2048), torch.zeros(2048))  # 8 KiB
+        hc.all_gather(torch.empty(world * 2048 + 1), torch.zeros(2048))
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_tensor_larger_than_the_slot_is_refused():
-    assert "exceed the slot of 4096" in run_on_ranks(_too_big, 1, timeout=60)[0]
+def test_all_gather_output_of_the_wrong_size_is_refused():
+    assert "out must hold 1 x 2048" in run_on_ranks(_mismatch, 1, timeout=60)[0]
