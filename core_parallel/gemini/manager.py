@@ -329,7 +329,7 @@ class ChunkManager(_StateDictIO):
         reduction = c.reduce_scatter(out=c.grad.view() if direct else None, async_op=self.world > 1)
         self.finish_reductions()
         self._reducing.append((reduction, direct, held))
-        if self.world == 1:
+        if reduction.work is None:  # done already (one rank, host collectives): free the local gradients now
             self.finish_reductions()
 
     def finish_reductions(self) -> None:
