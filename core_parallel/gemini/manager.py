@@ -314,9 +314,9 @@ class ChunkManager(_StateDictIO):
             self._reduce_ptr -= 1
 
     def _reduce(self, c: Chunk) -> None:
-        """Start chunk `c`'s gradient reduce-scatter. On several ranks it runs in the background while backward
-        computes the next chunk's gradients; the reduction started before it is finished first, so one is in
-        flight at a time (its local gradients are freed when it finishes)."""
+        """Start chunk `c`'s gradient reduce-scatter. Through the process group on several ranks it runs in the
+        background while backward computes the next chunk's gradients: once it is started, the one before it is
+        finished, so at most two are in flight (local gradients are freed when their reduction finishes)."""
         if c.pending:  # the flat buffer first, then the shard: the parameter gradients are gone by then
             held = c.local_grad_nbytes
             c.materialize_grad()
