@@ -11,7 +11,8 @@ meets the others at a barrier, and reads what it needs (well under a millisecond
   crash leaves nothing behind in `/dev/shm`.
 - The barrier: each rank bumps its own counter (one writer per cache line), then waits until every counter
   has reached its own. Waiting spins with `sched_yield` for a short while, then sleeps in short naps, so
-  more ranks than cores still make progress; a rank that does not arrive within `timeout` seconds raises.
+  more ranks than cores still make progress; a rank that does not arrive within the process group's timeout
+  (as its own collectives would wait) raises, naming the rank.
 - x86-64 Linux only (its stores become visible in program order, which the counters rely on).
 - Collectives are synchronous and run in the caller's thread, in program order, independently of the
   process group's own collectives.
@@ -59,10 +60,14 @@ class HostCollectives:
                                         offset=self._header + r * slot_bytes) for r in range(world)]
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup | None, slot_bytes: int, timeout: float = 600.0) -> HostCollectives | None:
+    def create(cls, group: dist.ProcessGroup | None, slot_bytes: int,
+               timeout: float | None = None) -> HostCollectives | None:
         """Collective over `group`: a segment for `world` slots of `slot_bytes`, or None on every rank when
-        some rank cannot map it (another host, another /dev/shm, an unsupported platform)."""
+        some rank cannot map it (another host, another /dev/shm, an unsupported platform). `timeout`: seconds a
+        barrier waits for the other ranks (None: the process group's own timeout, as its collectives wait)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if timeout is None:
+            timeout = _group_timeout(group)
         slot_bytes = _round_up(max(slot_bytes, 1), _ALIGN)
         size = _round_up(world * _LINE, _ALIGN) + world * slot_bytes
         name = [None]
@@ -176,6 +181,17 @@ class HostCollectives:
                 missing = [r for r in range(self.world) if every[r] < self._seq]
                 raise RuntimeError(f"host collectives: ranks {missing} did not arrive within {self.timeout:.0f}s")
             time.sleep(0.0002)
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> float:
+    """The process group's collective timeout in seconds (torch's default, 30 minutes, when unreadable)."""
+    from torch.distributed.constants import default_pg_timeout
+
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return default_pg_timeout.total_seconds()
 
 
 def _round_up(n: int, k: int) -> int:

@@ -82,6 +82,15 @@ def test_barrier_names_the_rank_that_does_not_arrive():
     assert "ranks [1] did not arrive within 1s" in results[0]
 
 
+def _timeout(rank: int, world: int) -> float:
+    return HostCollectives.create(None, slot_bytes=64).timeout
+
+
+def test_barrier_waits_as_long_as_the_process_group():
+    # run_on_ranks sets the group's timeout to max(5, its own timeout)
+    assert run_on_ranks(_timeout, 1, timeout=77) == [77.0]
+
+
 def _cannot_map(rank: int, world: int) -> bool:
     import core_parallel.host_comm as hcm
 
