@@ -70,19 +70,20 @@ class HostCollectives:
             timeout = _group_timeout(group)
         slot_bytes = _round_up(max(slot_bytes, 1), _ALIGN)
         size = _round_up(world * _LINE, _ALIGN) + world * slot_bytes
+        supported = host_collectives_supported()
         name = [None]
         fd = -1
-        if rank == 0 and host_collectives_supported():
+        if rank == 0 and supported:
             try:
                 fd, path = tempfile.mkstemp(prefix=f"lowmem-host-comm-{uuid.uuid4().hex[:8]}-", dir="/dev/shm")
-                os.ftruncate(fd, size)
                 name[0] = path
-            except OSError:
-                name[0] = None
+                os.ftruncate(fd, size)
+            except OSError:  # no room in /dev/shm: rank 0 maps nothing below, so every rank falls back
+                pass
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         buf = None
         try:
-            if name[0] is not None and host_collectives_supported():
+            if name[0] is not None and supported:
                 if rank != 0:
                     fd = os.open(name[0], os.O_RDWR)
                 if os.fstat(fd).st_size == size:

@@ -191,7 +191,7 @@ class Chunk:
             self.host_comm.reduce_scatter(out, full)
         else:
             work = dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)
-        return Reduction(self, out, work if async_op else None)
+        return Reduction(self, out, work)  # work: None unless async through the process group
 
     def gather_fp32(self, buf: TieredBuffer) -> torch.Tensor:
         """The whole chunk of a shard buffer (master or an optimizer state) as [size] fp32 on the CPU."""

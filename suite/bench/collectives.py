@@ -76,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
         for mb in sizes:
             gloo = max(r[f"{op}/{mb}/gloo"] for r in per_rank)
             host = max(r[f"{op}/{mb}/host"] for r in per_rank)
-            rows.append({"op": op, "MiB": mb, "gloo_ms": round(gloo, 3), "host_ms": round(host, 3),
-                         "host_vs_gloo": round(host / gloo, 3)})
+            rows.append({"op": op, "MiB": mb, "gloo_ms": gloo, "host_ms": host, "host_vs_gloo": host / gloo})
     print_table(rows, title=f"collectives between {args.ranks} local CPU ranks (fp32, slowest rank, median "
                             f"of {args.repeat})")
     write_json(args.json, {"benchmark": "collectives", "ranks": args.ranks, "rows": rows})
