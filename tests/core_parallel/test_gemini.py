@@ -128,8 +128,9 @@ def test_ledger_accounts_bytes_peak_and_traffic():
 
 
 # ---- flat optimizer updates against torch in float64 -------------------------------------------------
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_flat_adam_matches_torch_float64(decoupled):
+def test_flat_adam_matches_torch_float64(decoupled, fused):
     n = 1031
     p64 = torch.randn(n, dtype=torch.float64, requires_grad=True)
     ref = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p64], lr=3e-3, betas=(0.8, 0.95), eps=1e-7,
@@ -140,9 +141,23 @@ def test_flat_adam_matches_torch_float64(decoupled):
         g = torch.randn(n, dtype=torch.float64)
         p64.grad = g.clone()
         ref.step()
-        adam_update_(p, g.float(), m, v, step, h)
+        adam_update_(p, g.float(), m, v, step, h, fused=fused)
     torch.testing.assert_close(p.double(), p64.detach(), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(v.double(), ref.state[p64]["exp_avg_sq"], rtol=2e-5, atol=1e-7)
+
+
+def test_flat_adam_runs_torchs_fused_kernel_on_cpu(monkeypatch):
+    calls = []
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    p, g, m, v = torch.randn(64), torch.randn(64), torch.zeros(64), torch.zeros(64)
+    for decoupled in (False, True):
+        adam_update_(p, g, m, v, 1, AdamHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                              decoupled=decoupled))
+    adam_update_(p, g, m, v, 2, AdamHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+                                          decoupled=True), fused=False)
+    assert calls == ["_fused_adam_", "_fused_adamw_"]
 
 
 def test_flat_sgd_matches_torch_float64():
