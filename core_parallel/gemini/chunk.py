@@ -48,12 +48,13 @@ class Chunk:
         self._pages: HostPages | None = None
         self._grad_pages: HostPages | None = None
         self.recycler: PageRecycler | None = None  # set by the manager on CPU devices
+        self.map_elems = spec.size  # elements of the CPU mappings: the manager sizes all alike, so pages move
         self.host_comm: HostCollectives | None = None  # set by the manager for CPU ranks sharing /dev/shm
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
         if self.recycler is not None:  # CPU device
-            self._pages = HostPages(self.spec.size * self.full.element_size())
+            self._pages = HostPages(self.map_elems * self.full.element_size())
             self.full = self._pages.tensor(self.full.dtype, self.spec.size)
         else:
             self.full = torch.empty(self.spec.size, dtype=self.full.dtype, device=self.full.device)
@@ -81,7 +82,7 @@ class Chunk:
         if self._pages is None:
             return torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
         if self._grad_pages is None:
-            self._grad_pages = HostPages(self.spec.size * 4)
+            self._grad_pages = HostPages(self.map_elems * 4)
         out = self._grad_pages.tensor(torch.float32, self.spec.size)
         return out.zero_() if self.recycler.acquire(self._grad_pages) else out
 
@@ -174,20 +175,20 @@ class Chunk:
 
     def reduce_scatter(self, out: torch.Tensor | None = None, async_op: bool = False) -> Reduction:
         """Start averaging the local gradients over ranks into `out` (this rank's part, [shard_numel] fp32 on
-        the compute device; a new tensor when None). `Reduction.finish()` waits, averages and frees the local
-        gradients; until then they stay untouched (async on several ranks: the collective runs in the
-        background)."""
+        the compute device). `out=None`: a new tensor on several ranks; on one rank the flat gradient buffer itself
+        (no copy). `Reduction.finish()` waits and averages, `Reduction.close()` frees the local gradients; until
+        then they stay untouched (async on several ranks: the collective runs in the background)."""
         if self.pending:
             self.materialize_grad()
         if self.grad_full is None:
             self.grad_full = self._new_grad_full()
         full = self.grad_full
+        work = None
+        if self.world == 1:  # the shard is the whole buffer
+            return Reduction(self, full if out is None else out.copy_(full), None)
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
-        work = None
-        if self.world == 1:
-            out.copy_(full)
-        elif self.host_comm is not None:
+        if self.host_comm is not None:
             self.host_comm.reduce_scatter(out, full)
         else:
             work = dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)
@@ -209,7 +210,8 @@ class Chunk:
 
 class Reduction:
     """A chunk's gradient reduce-scatter, possibly still running: `finish()` waits for it, divides by the world
-    size, frees the chunk's local gradients and returns the shard."""
+    size and returns the shard; `close()`, once the shard has been used, frees the chunk's local gradients (on one
+    rank the shard is the chunk's flat gradient buffer)."""
 
     __slots__ = ("chunk", "out", "work")
 
@@ -223,6 +225,10 @@ class Reduction:
             self.work = None
         if c.world > 1:
             self.out.div_(c.world)
+        return self.out
+
+    def close(self) -> None:
+        c = self.chunk
         c.drop_local_grads()
         c.sm.grad_reduced()
-        return self.out
+        self.out = None

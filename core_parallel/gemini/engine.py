@@ -87,6 +87,6 @@ def setup_gemini(
     model.memory_report = manager.memory_report
     model.gemini_manager = manager
     padding = sum(s.size for s in specs) - sum(i.numel for i in infos)
-    logger.info("gemini: %d parameters in %d chunks of %d elements (%d padding) on %d rank(s)",
-                len(params), len(specs), specs[0].size, padding, world)
+    logger.info("gemini: %d parameters in %d chunks of at most %d elements (%d padding) on %d rank(s)",
+                len(params), len(specs), max(s.size for s in specs), padding, world)
     return model, GeminiOptimizer(optimizer, manager, index_of, config)

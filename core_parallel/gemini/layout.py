@@ -1,9 +1,13 @@
-"""Chunk layout: parameters packed in order of use into fixed-size chunks, one chunk group per
-(dtype, trainable) pair. Pure and deterministic: no torch.distributed, no tensors.
+"""Chunk layout: parameters packed in order of use into chunks of at most a given capacity, one chunk group
+per (dtype, trainable) pair. Pure and deterministic: no torch.distributed, no tensors.
 
-Every chunk of a group has the same size (a multiple of the world size, so it shards evenly); a parameter
-never straddles two chunks. With `chunk_elems=None` the size is searched: the candidate that wastes the
-fewest padding elements over all groups wins, ties going to the smaller chunk (finer-grained memory).
+A parameter never straddles two chunks, so a chunk rarely fills its capacity exactly; each chunk is sized to
+what it holds, rounded up to a multiple of the world size (so it shards evenly). Padding is then at most
+`world - 1` elements per chunk, instead of the unfilled rest of a fixed-size chunk (28% of a diffusers UNet's
+elements with 4.5 MiB chunks), which every gather, reduction and NVMe transfer would move. With
+`chunk_elems=None` the capacity is searched: the candidate whose fixed-size packing wastes the fewest elements
+over all groups wins (its chunks come out evenly filled), ties going to the smaller chunk (finer-grained
+memory).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    """A chunk: `size` elements (a multiple of the world size) holding `slots` back to back."""
+    """A chunk: `size` elements (its slots' total rounded up to a multiple of the world size) holding `slots`
+    back to back."""
 
     index: int
     dtype: str
@@ -129,9 +134,10 @@ def search_chunk_elems(groups: Sequence[Sequence[int]], world: int, n_candidates
 
 
 def plan_chunks(params: Sequence[ParamInfo], world: int, chunk_elems: int | None = None) -> list[ChunkSpec]:
-    """Pack `params` (in the given order) into chunks; `chunk_elems=None` searches the size.
+    """Pack `params` (in the given order) into chunks of at most `chunk_elems` elements, each sized to its
+    contents; `chunk_elems=None` searches the capacity.
 
-    A chunk size smaller than the largest parameter is raised to fit it (and logged).
+    A capacity smaller than the largest parameter is raised to fit it (and logged).
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -151,7 +157,8 @@ def plan_chunks(params: Sequence[ParamInfo], world: int, chunk_elems: int | None
             for i in positions:
                 slots.append(Slot(param=members[i].index, chunk=len(specs), offset=offset, numel=members[i].numel))
                 offset += members[i].numel
-            specs.append(ChunkSpec(index=len(specs), dtype=dtype, trainable=trainable, size=size, slots=tuple(slots)))
+            specs.append(ChunkSpec(index=len(specs), dtype=dtype, trainable=trainable,
+                                   size=_round_up(max(offset, 1), world), slots=tuple(slots)))
     return specs
 
 

@@ -122,8 +122,9 @@ class ChunkManager(_StateDictIO):
         # released buffer to the next one filled; two of the largest stay resident for that
         largest = max((max(c.full_nbytes, c.spec.size * 4) for c in self.chunks), default=0)
         self.pages = PageRecycler(2 * largest) if device.type == "cpu" else None
+        map_elems = max((c.spec.size for c in self.chunks), default=0)  # one mapping size: pages move between any
         for c in self.chunks:
-            c.recycler = self.pages
+            c.recycler, c.map_elems = self.pages, map_elems
         # CPU ranks on one host all-gather and reduce-scatter through shared memory (a memcpy instead of gloo's
         # loopback TCP), synchronously; without it they go through the process group, in gloo's threads.
         self.host_comm = None
@@ -343,6 +344,7 @@ class ChunkManager(_StateDictIO):
                 self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
             elif not direct:
                 c.grad.view().add_(shard.to(c.grad.view().device))
+            reduction.close()
             self._account_local_grads(c, held)
             c.grad.done()
             self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
@@ -365,7 +367,8 @@ class ChunkManager(_StateDictIO):
         for c in self.trainable_chunks:
             if c.grad.allocated:
                 self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
-                self.host.released(c.grad.nbytes)
+                if c.grad.tier != "nvme":  # a heap block (an NVMe shard lives in the file)
+                    self.host.released(c.grad.nbytes)
                 c.grad.free()
             held = c.local_grad_nbytes
             c.drop_local_grads()
@@ -398,7 +401,7 @@ class ChunkManager(_StateDictIO):
         report = self.ledger.report()
         report["budget_bytes"] = self.budget
         report["chunks"] = len(self.chunks)
-        report["chunk_elements"] = self.chunks[0].spec.size if self.chunks else 0
+        report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report
 
     def close(self) -> None:

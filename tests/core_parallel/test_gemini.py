@@ -54,7 +54,8 @@ def test_plan_packs_in_order_without_straddling(world):
     specs = plan_chunks(_infos(numels, trainable), world, chunk_elems=30)
     seen = []
     for spec in specs:
-        assert spec.size % world == 0 and spec.size >= 50  # raised to fit the 50-element parameter
+        # sized to its contents (padding only to shard evenly); capacity 30 raised to fit the 50-element parameter
+        assert spec.size % world == 0 and 0 <= spec.size - spec.used < world and spec.used <= 50
         assert len({trainable[s.param] for s in spec.slots}) == 1 and spec.trainable == trainable[spec.slots[0].param]
         offset = 0
         for s in spec.slots:
@@ -62,6 +63,7 @@ def test_plan_packs_in_order_without_straddling(world):
             offset += s.numel
         seen += [s.param for s in spec.slots]
     assert sorted(seen) == list(range(len(numels)))
+    assert [s.used for s in specs] == [20, 50, 43, 4]  # capacity 50: 7+13 | 50 | 3+29+11 | frozen 1+3
     for group in (True, False):  # order of use kept within each group
         order = [p for p in seen if trainable[p] is group]
         assert order == sorted(order)
