@@ -215,12 +215,16 @@ class ChunkManager(_StateDictIO):
 
     def done(self, ids: Iterable[int]) -> None:
         """Modules are done with chunks `ids`; chunks nobody uses are released (unless needed again right away)."""
-        keep = self.config.keep_gathered
-        soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep) if self.trace.frozen else ()
+        soon = None  # the chunks needed again shortly, looked up once a chunk becomes idle
         for i in ids:
             c = self.chunks[i]
-            if c.sm.release_use() and i not in soon and c.sm.data is not ChunkState.RELEASED:
-                self._release(c)
+            if c.sm.release_use() and c.sm.data is not ChunkState.RELEASED:
+                if soon is None:
+                    keep = self.config.keep_gathered
+                    soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep) \
+                        if self.trace.frozen else ()
+                if i not in soon:
+                    self._release(c)
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
         self._make_room(c.full_nbytes, exclude={c.index})
