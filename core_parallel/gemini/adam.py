@@ -10,11 +10,14 @@ updated by torch within fp32 rounding.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AdamHyper", "SgdHyper", "adam_update_", "sgd_update_", "blocked"]
 
@@ -70,7 +73,9 @@ def adam_update_(
                    lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
                    maximize=False)
             return
-        except (RuntimeError, NotImplementedError):  # a build without the kernel for this device
+        except (RuntimeError, NotImplementedError) as exc:  # a build without the kernel for this device
+            logger.info("gemini: torch's fused Adam kernel failed on %s (%s); using the op-by-op update",
+                        param.device.type, exc)
             _fused_failed.add(param.device.type)
     if h.weight_decay != 0:
         if h.decoupled:

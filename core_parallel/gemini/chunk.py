@@ -183,11 +183,11 @@ class Chunk:
         if self.grad_full is None:
             self.grad_full = self._new_grad_full()
         full = self.grad_full
-        work = None
         if self.world == 1:  # the shard is the whole buffer
             return Reduction(self, full if out is None else out.copy_(full), None)
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
+        work = None
         if self.host_comm is not None:
             self.host_comm.reduce_scatter(out, full)
         else:
