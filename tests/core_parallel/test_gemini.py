@@ -248,6 +248,25 @@ def test_page_recycler_moves_pages_to_the_next_buffer_and_bounds_idle_memory(mre
     assert all(_resident_pages(p) == 0 for p in (a, b, c, d))
 
 
+def test_chunks_are_sized_to_their_contents_in_every_tier(tmp_path):
+    model, opt, cfg, _ = _nvme_setup(tmp_path, offload_param_frac=1.0, offload_optim_frac=1.0)
+    numels = {id(p): p.numel() for p in model.parameters()}
+    trained = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    model, opt = setup_gemini(model, opt, cfg)
+    mgr = model.gemini_manager
+    sizes = [c.spec.size for c in mgr.chunks]
+    assert sum(sizes) == sum(numels.values())  # one rank: not one element of padding
+    capacity = max(40, *numels.values())  # 40 elements, raised to fit the largest parameter
+    assert len(set(sizes)) > 1 and max(sizes) <= capacity  # the capacity did not size every chunk
+    nvme = model.memory_report()["bytes"]["nvme"]
+    assert nvme["params"] == 4 * sum(numels.values()) and nvme["optim"] == 2 * 4 * trained  # fp32 master; Adam x2
+    x, y = batch(0)
+    ((model(x, True) - y) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    mgr.close()
+
+
 def test_nvme_folder_too_small_fails_at_setup_and_leaves_the_model(tmp_path):
     model, opt, cfg, keep = _nvme_setup(tmp_path, offload_param_frac=1.0, offload_optim_frac=1.0)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
