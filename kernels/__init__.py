@@ -62,3 +62,28 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, str]:
         else:
             report[op] = cpu_path
     return report
+
+
+def _hub_kernels_version() -> str | None:
+    """Version of Hugging Face's `kernels` distribution when it is installed, else None. It ships a top-level
+    package of the same import name as this one (transformers >= 5.25 depends on it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def __getattr__(name: str):
+    """A missing name: when Hugging Face's `kernels` is installed, whoever imports it gets this package instead
+    (transformers' hub-kernel integration does, at import); say so in one line instead of a bare ImportError."""
+    version = None if name.startswith("_") else _hub_kernels_version()
+    if version is not None:
+        raise ImportError(
+            f"kernels.{name}: this `kernels` is lowmem-suite's package, which shares its import name with Hugging "
+            f"Face's `kernels` {version} (a dependency of transformers >= 5.25); lowmem-suite pins "
+            "transformers<5.25: run `pip install 'transformers<5.25'` and `pip uninstall kernels`",
+            name=name,
+        )
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -72,3 +72,20 @@ def test_backend_report_names_a_bad_env_var(monkeypatch):
     monkeypatch.setenv("SUITE_KERNEL_BACKEND", "bogus")
     report = kernels.backend_report("cpu")
     assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v for v in report.values())
+
+
+def test_name_shared_with_hugging_face_kernels_is_explained(monkeypatch):
+    """transformers >= 5.25 imports Hugging Face's `kernels` (same import name as ours): the failure names the pin."""
+    from importlib import metadata
+
+    import kernels
+
+    with pytest.raises(AttributeError, match="no attribute 'CUDAProperties'"):
+        kernels.CUDAProperties  # noqa: B018 -- the Hugging Face package is not installed here
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.19.1" if dist == "kernels" else real(dist))
+    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` 0\.19\.1.*transformers<5\.25"):
+        from kernels import CUDAProperties  # noqa: F401
+    with pytest.raises(AttributeError):  # private and dunder lookups stay plain AttributeErrors
+        kernels._not_there  # noqa: B018
+    from kernels import attention, layer_norm  # noqa: F401 -- our own names are unaffected
