@@ -7,11 +7,14 @@ Deterministic (no randomness), written as an imagefolder with `metadata.jsonl` i
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from core_parallel.fileio import atomic_dir
+from core_parallel.fileio import fsync_dir, replace_dir
 
 __all__ = ["SAMPLE_CAPTIONS", "write_sample_data"]
 
@@ -37,15 +40,30 @@ def _draw(shape: str, colour: str, background: str, size: int) -> Image.Image:
 
 
 def write_sample_data(folder: str | Path, *, size: int = 64) -> Path:
-    """Write the 16-image set to `folder` (kept if already complete); returns the folder."""
+    """Write the 16-image set to `folder` (kept if already complete); returns the folder.
+
+    Safe with several processes at once (every rank of a distributed run writes it): each writes its own staging
+    folder and the first to finish renames it into place; later ones find the complete set there and leave it,
+    so a rank already reading the folder never sees it replaced. A leftover folder without the set is replaced.
+    """
     folder = Path(folder)
     if (folder / "metadata.jsonl").is_file():
         return folder
-    with atomic_dir(folder) as tmp:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
         lines = []
         for i, (s, c, b) in enumerate((s, c, b) for s in _SHAPES for c in _COLOURS for b in _BACKGROUNDS):
             name = f"{i:02d}_{c}_{s}_{b}.png"
             _draw(s, c, b, size).save(tmp / name)
             lines.append(json.dumps({"file_name": name, "text": f"a {c} {s} on a {b} background"}))
         (tmp / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+        try:
+            os.rename(tmp, folder)  # atomic; refused when another process put a folder there first
+            fsync_dir(folder.parent)
+        except OSError:
+            if not (folder / "metadata.jsonl").is_file():  # a leftover without the set
+                replace_dir(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder

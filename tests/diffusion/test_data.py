@@ -114,3 +114,30 @@ def test_kernels_attention_processor_matches_default(tiny, backend):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for g, r in zip((p.grad for p in unet.parameters()), ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10)
+
+
+def test_sample_data_written_by_two_processes_at_once_is_never_replaced(tmp_path, monkeypatch):
+    """Every rank writes the built-in set: the first complete folder stays in place (a rank may be reading it)."""
+    from diffusion import sample_data
+
+    folder = tmp_path / "sample_data"
+    draw = sample_data._draw
+    calls = []
+
+    def racing_draw(*args):
+        if not calls:  # another process completes the folder while this one is still drawing
+            calls.append(1)
+            monkeypatch.setattr(sample_data, "_draw", draw)
+            sample_data.write_sample_data(folder)
+            (folder / "marker").write_text("first")
+            monkeypatch.setattr(sample_data, "_draw", racing_draw)
+        return draw(*args)
+
+    monkeypatch.setattr(sample_data, "_draw", racing_draw)
+    assert sample_data.write_sample_data(folder) == folder
+    assert (folder / "marker").read_text() == "first"  # not replaced by the later writer
+    assert len(scan_image_folder(folder, DataConfig())) == 16
+    assert [p.name for p in tmp_path.iterdir()] == ["sample_data"]  # no staging folder left behind
+    (folder / "metadata.jsonl").unlink()  # a leftover without the set is replaced
+    sample_data.write_sample_data(folder)
+    assert not (folder / "marker").exists() and len(scan_image_folder(folder, DataConfig())) == 16
