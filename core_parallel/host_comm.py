@@ -54,6 +54,7 @@ class HostCollectives:
         self.slot_bytes, self.timeout = slot_bytes, timeout
         self._header = _round_up(world * _LINE, _ALIGN)
         self._counters = np.frombuffer(buf, dtype=np.int64, count=world * _LINE // 8)
+        self._arrived = self._counters[:: _LINE // 8]  # each rank's counter (one per cache line)
         self._seq = 0
         self._fence = threading.Lock()
         self._slots = [torch.frombuffer(buf, dtype=torch.uint8, count=slot_bytes,
@@ -146,7 +147,7 @@ class HostCollectives:
     def close(self) -> None:
         """Unmap the segment (the memory goes once every rank has closed it or exited)."""
         self._slots = []
-        self._counters = None
+        self._counters = self._arrived = None
         if self._buf is not None:
             try:
                 self._buf.close()
@@ -166,8 +167,8 @@ class HostCollectives:
         self._seq += 1
         with self._fence:  # a locked instruction: the slot's data is visible before the counter
             pass
-        self._counters[self.rank * (_LINE // 8)] = self._seq
-        every = self._counters[:: _LINE // 8]
+        self._arrived[self.rank] = self._seq
+        every = self._arrived
         spins = 0
         deadline = None
         while (every < self._seq).any():

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdamHyper", "SgdHyper", "adam_update_", "sgd_update_", "blocked"]
+__all__ = ["AdamHyper", "SgdHyper", "adam_update_", "sgd_update_"]
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,3 @@ def sgd_update_(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | Non
         grad = grad.add(buf, alpha=h.momentum) if h.nesterov else buf
     param.add_(grad, alpha=-h.lr)
 
-
-def blocked(start: int, stop: int, block: int, fn: Callable[[int, int], None]) -> None:
-    """Call `fn(lo, hi)` on consecutive blocks of [start, stop) of at most `block` elements."""
-    for lo in range(start, stop, block):
-        fn(lo, min(stop, lo + block))

@@ -120,9 +120,10 @@ class ChunkManager(_StateDictIO):
         self.host = HostHeap(enabled=device.type == "cpu")
         # CPU devices: gathered chunks and gradient buffers live in anonymous mappings whose pages move from a
         # released buffer to the next one filled; two of the largest stay resident for that
-        largest = max((max(c.full_nbytes, c.spec.size * 4) for c in self.chunks), default=0)
-        self.pages = PageRecycler(2 * largest) if device.type == "cpu" else None
-        map_elems = max((c.spec.size for c in self.chunks), default=0)  # one mapping size: pages move between any
+        # one mapping size for every chunk (its largest), so pages move between any two; the fp32 gradient buffer is
+        # the largest mapping (the compute dtype takes at most 4 bytes)
+        map_elems = max((c.spec.size for c in self.chunks), default=0)
+        self.pages = PageRecycler(2 * map_elems * 4) if device.type == "cpu" else None
         for c in self.chunks:
             c.recycler, c.map_elems = self.pages, map_elems
         # CPU ranks on one host all-gather and reduce-scatter through shared memory (a memcpy instead of gloo's

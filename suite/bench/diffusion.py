@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
                         help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
     parser.add_argument("--prefetch", type=int, default=1,
-                        help="Gemini: chunks all-gathered ahead of use (several ranks; one CPU rank never prefetches)")
+                        help="Gemini: chunks all-gathered ahead of use (where a gather overlaps compute: not on one "
+                             "CPU rank, nor through shared memory)")
     parser.add_argument("--keep_gathered", type=int, default=None,
                         help="Gemini: keep a chunk gathered while it is among the next N chunks of the traced order "
                              "(default: Gemini's, prefetch + 1)")
