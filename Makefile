@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/suite demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/pytest -q tests
 
 lint: install
 	$(BIN)/ruff check .

@@ -5,20 +5,20 @@ Heavy parts are imported on first use (`core_parallel.setup`, `core_parallel.Zer
 
 from __future__ import annotations
 
-from core_parallel._lazy import lazy_getattr
-from core_parallel.launch import RankError, run_on_ranks
+from ._lazy import lazy_getattr
+from .launch import RankError, run_on_ranks
 
 # Importing the package stays free of torch (Ray workers and parsers import it cheaply).
 _LAZY = {
-    "Axis": "core_parallel.topology",
-    "Topology": "core_parallel.topology",
-    "default_backend": "core_parallel.topology",
-    "setup": "core_parallel.api",
-    "save_checkpoint": "core_parallel.api",
-    "load_checkpoint": "core_parallel.api",
-    "consolidate_checkpoint": "core_parallel.api",
-    "ZeroConfig": "core_parallel.zero",
-    "GeminiConfig": "core_parallel.gemini",
+    "Axis": ".topology",
+    "Topology": ".topology",
+    "default_backend": ".topology",
+    "setup": ".api",
+    "save_checkpoint": ".api",
+    "load_checkpoint": ".api",
+    "consolidate_checkpoint": ".api",
+    "ZeroConfig": ".zero",
+    "GeminiConfig": ".gemini",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 

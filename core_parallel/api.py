@@ -1,7 +1,7 @@
 """The single entry point of core_parallel: `setup(model, optimizer, config, group)`, and checkpoints.
 
 ```python
-import core_parallel
+from lowmem import core_parallel
 model, optimizer = core_parallel.setup(model, optimizer, core_parallel.ZeroConfig(stage=2), group=None)
 optimizer.backward(loss); optimizer.step(); optimizer.zero_grad()
 core_parallel.save_checkpoint("ckpt", model, optimizer)      # folder: index.json + safetensors shards
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core_parallel.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["consolidate_checkpoint", "load_checkpoint", "save_checkpoint", "setup"]
 
@@ -36,12 +36,12 @@ def setup(
     Call it after building the optimizer over the model's parameters and before the first step.
     Returns `(model, optimizer)`: use both from then on (the model may be cast to the compute dtype).
     """
-    from core_parallel.zero import ZeroConfig, ZeroOptimizer
+    from .zero import ZeroConfig, ZeroOptimizer
 
     if isinstance(config, ZeroConfig):
         return model, ZeroOptimizer(model, optimizer, config, group)
-    if type(config).__module__.startswith("core_parallel.gemini"):
-        from core_parallel.gemini import setup_gemini
+    if type(config).__module__.startswith(f"{__package__}.gemini"):
+        from .gemini import setup_gemini
 
         return setup_gemini(model, optimizer, config, group)
     raise TypeError(f"config must be a ZeroConfig or GeminiConfig, got {type(config).__name__}")

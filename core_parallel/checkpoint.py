@@ -61,8 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core_parallel import flat
-from core_parallel.fileio import atomic_dir, atomic_write
+from . import flat
+from .fileio import atomic_dir, atomic_write
 
 __all__ = [
     "FORMAT",

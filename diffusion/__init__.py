@@ -11,20 +11,20 @@ The Lightning recipe is `recipes.StableDiffusionFineTune`; the command is `suite
 
 from __future__ import annotations
 
-from core_parallel._lazy import lazy_getattr
+from ..core_parallel._lazy import lazy_getattr
 
 _LAZY = {
-    "FineTuneConfig": "diffusion.config",
-    "TinyPipelineConfig": "diffusion.tiny",
-    "build_tiny_components": "diffusion.tiny",
-    "load_components": "diffusion.models",
-    "make_pipeline": "diffusion.models",
-    "DataConfig": "diffusion.data",
-    "LossConfig": "diffusion.training",
-    "EMA": "diffusion.training",
-    "diffusion_loss": "diffusion.training",
-    "KernelsAttnProcessor": "diffusion.attention",
-    "InputError": "diffusion.errors",
+    "FineTuneConfig": ".config",
+    "TinyPipelineConfig": ".tiny",
+    "build_tiny_components": ".tiny",
+    "load_components": ".models",
+    "make_pipeline": ".models",
+    "DataConfig": ".data",
+    "LossConfig": ".training",
+    "EMA": ".training",
+    "diffusion_loss": ".training",
+    "KernelsAttnProcessor": ".attention",
+    "InputError": ".errors",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 __all__ = list(_LAZY)

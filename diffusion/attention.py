@@ -25,8 +25,8 @@ def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
                     backend: str) -> torch.Tensor:
     """`kernels.attention` under `backend`; PyTorch's SDPA (logged once) until the kernels module exists."""
     try:
-        import kernels
-        from kernels.backend import use_backend
+        from .. import kernels
+        from ..kernels.backend import use_backend
 
         attention = kernels.attention
     except (ImportError, AttributeError) as exc:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffusion.data import DataConfig
-from diffusion.errors import InputError
-from diffusion.training import LossConfig
+from .data import DataConfig
+from .errors import InputError
+from .training import LossConfig
 
 __all__ = ["LR_SCHEDULERS", "MIXED_PRECISION", "FineTuneConfig", "load_yaml_config"]
 

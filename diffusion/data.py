@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion.errors import InputError
+from .errors import InputError
 
 __all__ = [
     "IMAGE_SUFFIXES",

@@ -7,7 +7,7 @@ when `suite` is importable (it always is in this repository), so the CLI prints 
 from __future__ import annotations
 
 try:
-    from suite.errors import UsageError as _Base
+    from ..suite.errors import UsageError as _Base
 except ImportError:  # pragma: no cover - diffusion used without the suite package
     _Base = ValueError
 

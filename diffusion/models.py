@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from diffusion.errors import InputError
+from .errors import InputError
 
 __all__ = ["COMPONENTS", "check_pipeline_folder", "load_components", "make_pipeline"]
 
@@ -83,7 +83,7 @@ def load_components(pretrained: str | None, *, tiny_resolution: int = 32) -> dic
     The training noise scheduler is always a `DDPMScheduler` with the pipeline's scheduler config.
     """
     if pretrained is None:
-        from diffusion.tiny import TinyPipelineConfig, build_tiny_components
+        from .tiny import TinyPipelineConfig, build_tiny_components
 
         logger.info("no --pretrained_model_name_or_path: using the tiny built-in pipeline (random weights)")
         return build_tiny_components(TinyPipelineConfig(sample_size=tiny_resolution))

@@ -1,16 +1,16 @@
 """fastfold: AlphaFold2-style protein structure inference (FastFold flavour).
 
-`from fastfold import AlphaFold`; `fastfold.parallelize_dap(model, group)`. Names resolve on first use.
+`from lowmem.fastfold import AlphaFold`; `fastfold.parallelize_dap(model, group)`. Names resolve on first use.
 """
 
 from __future__ import annotations
 
-from core_parallel._lazy import lazy_getattr
+from ..core_parallel._lazy import lazy_getattr
 
 _LAZY = {
-    "AlphaFold": "fastfold.model",
-    "InferenceOptions": "fastfold.model",
-    "parallelize_dap": "fastfold.dap",
+    "AlphaFold": ".model",
+    "InferenceOptions": ".model",
+    "parallelize_dap": ".dap",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 

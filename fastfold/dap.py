@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core_parallel import dap as comm
-from fastfold.model.evoformer import (
+from ..core_parallel import dap as comm
+from .model.evoformer import (
     EvoformerStack,
     ExtraMSAStack,
     MSARowAttentionWithPairBias,
@@ -42,8 +42,8 @@ from fastfold.model.evoformer import (
     TriangleAttention,
     TriangleMultiplication,
 )
-from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import mask_keep
+from .model.options import InferenceOptions
+from .model.primitives import mask_keep
 
 logger = logging.getLogger(__name__)
 

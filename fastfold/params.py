@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core_parallel.fileio import atomic_write
-from fastfold.model import config as cfgs
-from fastfold.model.alphafold import AlphaFold
+from ..core_parallel.fileio import atomic_write
+from .model import config as cfgs
+from .model.alphafold import AlphaFold
 
 __all__ = ["OPENFOLD_RENAMES", "TABLE", "ParamsError", "config_from_arrays", "load_model", "load_npz", "save_npz"]
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from core_parallel.fileio import atomic_write
-from fastfold.data.features import FeatureConfig, make_sequence_features, process_features
-from fastfold.data.targets import (
+from ..core_parallel.fileio import atomic_write
+from .data.features import FeatureConfig, make_sequence_features, process_features
+from .data.targets import (
     AlignmentConfig,
     Target,
     read_alignment_dir,
@@ -41,7 +41,7 @@ from fastfold.data.targets import (
     run_alignment_tools,
     target_raw_features,
 )
-from fastfold.io.protein import Protein
+from .io.protein import Protein
 
 __all__ = [
     "AlignmentConfig",
@@ -190,8 +190,8 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
     """The model (eval mode, `spec.precision`) and the feature sizes it wants."""
     import torch
 
-    from fastfold.model import AlphaFold
-    from fastfold.model import config as model_config
+    from .model import AlphaFold
+    from .model import config as model_config
 
     if spec.param_path is not None:
         model = AlphaFold.from_params(spec.param_path, preset=spec.model_name)
@@ -219,7 +219,7 @@ def features_for_model(raw: dict[str, np.ndarray], feature_config: FeatureConfig
 
 
 def _inference_options(spec: ModelSpec) -> Any:
-    from fastfold.model import InferenceOptions
+    from .model import InferenceOptions
 
     return InferenceOptions(chunk_size=spec.chunk_size)
 
@@ -237,7 +237,7 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
     """Run `model` on one processed batch (no gradients) and collect the outputs."""
     import torch
 
-    from fastfold.data.features import to_torch
+    from .data.features import to_torch
 
     param = next(model.parameters())
     # bf16 models get float32 features (coordinates and masks keep their precision; the model casts)
@@ -257,8 +257,8 @@ def _dap_rank(rank: int, world_size: int, spec: ModelSpec, batch_path: str) -> P
     """One DAP rank: build the model, receive the batch from rank 0, run the DAP-parallel model."""
     import torch.distributed as dist
 
-    from fastfold.dap import broadcast_batch, parallelize_dap
-    from fastfold.data.features import to_torch
+    from .dap import broadcast_batch, parallelize_dap
+    from .data.features import to_torch
 
     model, _ = load_model(dataclasses.replace(spec, device="cpu"))  # gloo ranks: CPU tensors
     batch = to_torch(dict(np.load(batch_path))) if rank == 0 else None
@@ -271,7 +271,7 @@ def _dap_rank(rank: int, world_size: int, spec: ModelSpec, batch_path: str) -> P
 
 def predict_dap(spec: ModelSpec, batch: dict[str, np.ndarray], devices: int, scratch: Path) -> Prediction:
     """`predict` across `devices` gloo ranks with the Evoformer split by DAP; rank 0's result."""
-    from core_parallel.launch import run_on_ranks
+    from ..core_parallel.launch import run_on_ranks
 
     path = scratch / ".dap_batch.npz"
     with atomic_write(path, "wb") as f:
@@ -299,7 +299,7 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _write_structure(folder: Path, stem: str, protein: Protein, remark: str) -> list[str]:
-    from fastfold.io.protein import to_mmcif, to_pdb
+    from .io.protein import to_mmcif, to_pdb
 
     _write_text(folder / f"{stem}.pdb", to_pdb(protein, remark=remark))
     _write_text(folder / f"{stem}.cif", to_mmcif(protein, name=stem))
@@ -307,7 +307,7 @@ def _write_structure(folder: Path, stem: str, protein: Protein, remark: str) -> 
 
 
 def _write_confidence(folder: Path, name: str, pred: Prediction) -> list[str]:
-    from fastfold.io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
+    from .io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
 
     write_confidence_json(folder / f"{name}_confidence.json", confidence_dict(pred.plddt, pred.ptm, pred.pae))
     plot_plddt(folder / f"{name}_plddt.png", pred.plddt, f"{name}: mean pLDDT {pred.plddt.mean():.1f}")
@@ -336,7 +336,7 @@ def write_target_outputs(
     folder.mkdir(parents=True, exist_ok=True)
     timings = timings if timings is not None else {}
     files = []
-    from fastfold.io.protein import to_pdb
+    from .io.protein import to_pdb
 
     for label, pred in predictions.items():
         text = to_pdb(prediction_to_protein(target, pred), remark=remark)
@@ -349,7 +349,7 @@ def write_target_outputs(
     files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip())
     relax_summary = None
     if relax_config is not None:
-        from fastfold.relax import relax_protein
+        from .relax import relax_protein
 
         result = relax_protein(unrelaxed, relax_config)
         relax_summary = result.summary()

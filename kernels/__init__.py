@@ -1,6 +1,6 @@
 """kernels: LayerNorm, masked-bias softmax and attention with Triton kernels, fast PyTorch paths and references.
 
-    import kernels
+    from lowmem import kernels
     y = kernels.layer_norm(x, weight, bias)                 # x [*, N]
     p = kernels.softmax(x, mask=mask, bias=bias, scale=s)   # x [B, S, H, Q, K], mask [B, S, 1, 1, K], ...
     o = kernels.attention(q, k, v, bias=bias, mask=mask)    # q [*, H, Q, D], bias [*, H, Q, K] broadcastable
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import attention, attention_reference
-from kernels.backend import BACKENDS, ENV_VAR, current_backend, triton_unavailable_reason, use_backend
-from kernels.layer_norm import LayerNorm, layer_norm, layer_norm_reference
-from kernels.softmax import softmax, softmax_reference
+from .attention import attention, attention_reference
+from .backend import BACKENDS, ENV_VAR, current_backend, triton_unavailable_reason, use_backend
+from .layer_norm import LayerNorm, layer_norm, layer_norm_reference
+from .softmax import softmax, softmax_reference
 
 __all__ = [
     "BACKENDS",
@@ -62,28 +62,3 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, str]:
         else:
             report[op] = cpu_path
     return report
-
-
-def _hub_kernels_version() -> str | None:
-    """Version of Hugging Face's `kernels` distribution when it is installed, else None. It ships a top-level
-    package of the same import name as this one (transformers >= 5.25 depends on it)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("kernels")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def __getattr__(name: str):
-    """A missing name: when Hugging Face's `kernels` is installed, whoever imports it gets this package instead
-    (transformers' hub-kernel integration does, at import); say so in one line instead of a bare ImportError."""
-    version = None if name.startswith("_") else _hub_kernels_version()
-    if version is not None:
-        raise ImportError(
-            f"kernels.{name}: this `kernels` is lowmem-suite's package, which shares its import name with Hugging "
-            f"Face's `kernels` {version} (a dependency of transformers >= 5.25); lowmem-suite pins "
-            "transformers<5.25: run `pip install 'transformers<5.25'` and `pip uninstall kernels`",
-            name=name,
-        )
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

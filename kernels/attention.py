@@ -24,9 +24,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
-from kernels.backend import select_path
-from kernels.softmax import softmax_reference
+from ._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
+from .backend import select_path
+from .softmax import softmax_reference
 
 try:
     import triton

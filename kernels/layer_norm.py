@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import select_path
+from .backend import select_path
 
 try:
     import triton

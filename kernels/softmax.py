@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
-from kernels.backend import select_path
+from ._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
+from .backend import select_path
 
 try:
     import triton

@@ -1,6 +1,6 @@
 """recipes: Lightning strategies (registered by name on import) and the Lightning recipes of both apps.
 
-`from recipes import ZeroStrategy, GeminiStrategy, DAPStrategy, StableDiffusionFineTune, ...`.
+`from lowmem.recipes import ZeroStrategy, GeminiStrategy, DAPStrategy, StableDiffusionFineTune, ...`.
 Importing `recipes` registers the strategy names with Lightning, so `Trainer(strategy="zero2")` works.
 """
 
@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import importlib
 
-from core_parallel._lazy import lazy_getattr
+from ..core_parallel._lazy import lazy_getattr
 
 _LAZY = {
-    "ZeroStrategy": "recipes.strategies",
-    "GeminiStrategy": "recipes.strategies",
-    "DAPStrategy": "recipes.dap",
-    "StableDiffusionFineTune": "recipes.diffusion",
-    "ImageCaptionData": "recipes.diffusion",
-    "AlphaFoldPredictor": "recipes.fold",
-    "FoldDataModule": "recipes.fold",
-    "FoldPredictionWriter": "recipes.fold",
+    "ZeroStrategy": ".strategies",
+    "GeminiStrategy": ".strategies",
+    "DAPStrategy": ".dap",
+    "StableDiffusionFineTune": ".diffusion",
+    "ImageCaptionData": ".diffusion",
+    "AlphaFoldPredictor": ".fold",
+    "FoldDataModule": ".fold",
+    "FoldPredictionWriter": ".fold",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
 # Modules whose import registers strategy names with Lightning's StrategyRegistry.
-_REGISTERING = ("recipes.strategies", "recipes.dap")
+_REGISTERING = (".strategies", ".dap")
 for _module in _REGISTERING:
-    importlib.import_module(_module)
+    importlib.import_module(_module, __name__)
 
 __all__ = list(_LAZY)

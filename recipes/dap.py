@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from core_parallel import Axis, Topology
+from ..core_parallel import Axis, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class DAPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             raise ValueError("DAPStrategy supports Trainer.predict, validate and test, not fit")
-        from fastfold.dap import parallelize_dap
+        from ..fastfold.dap import parallelize_dap
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -95,7 +95,7 @@ class DAPStrategy(DDPStrategy):
         if group is None:
             return batch
         if isinstance(batch, Mapping):
-            from fastfold.dap import broadcast_batch
+            from ..fastfold.dap import broadcast_batch
 
             return broadcast_batch(batch if self.global_rank == 0 else None, group, src=0, device=self.root_device)
         return super().batch_to_device(self.broadcast(batch, src=0), device, dataloader_idx)

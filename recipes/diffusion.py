@@ -1,7 +1,7 @@
 """The Stable Diffusion fine-tuning recipe: `StableDiffusionFineTune` (LightningModule), `ImageCaptionData`
 (LightningDataModule), the checkpoint/validation/export callbacks and `fit_finetune(config)`.
 
-    from recipes import StableDiffusionFineTune, ImageCaptionData
+    from lowmem.recipes import StableDiffusionFineTune, ImageCaptionData
     cfg = FineTuneConfig(rank=4, max_train_steps=100, output_dir="out")
     model = StableDiffusionFineTune(cfg); data = ImageCaptionData(cfg, model.tokenizer)
     Trainer(max_steps=100, strategy="zero2").fit(model, data)
@@ -23,8 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from diffusion.config import MIXED_PRECISION, FineTuneConfig
-from diffusion.data import (
+from ..diffusion.config import MIXED_PRECISION, FineTuneConfig
+from ..diffusion.data import (
     CaptionedImages,
     ImageRecord,
     StepBatchSampler,
@@ -32,8 +32,8 @@ from diffusion.data import (
     scan_instance_folder,
     validate_records,
 )
-from diffusion.errors import InputError
-from diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
+from ..diffusion.errors import InputError
+from ..diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 
 __all__ = ["ImageCaptionData", "StableDiffusionFineTune", "find_checkpoint", "fit_finetune", "fit_with_ray"]
 
@@ -52,8 +52,8 @@ class StableDiffusionFineTune(pl.LightningModule):
 
     def __init__(self, config: FineTuneConfig | None = None, components: dict[str, Any] | None = None) -> None:
         super().__init__()
-        from diffusion.attention import set_kernels_attention
-        from diffusion.models import load_components
+        from ..diffusion.attention import set_kernels_attention
+        from ..diffusion.models import load_components
 
         self.config = cfg = config or FineTuneConfig()
         comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution)
@@ -74,7 +74,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.mixed_precision]
 
     def _freeze_and_cast(self) -> None:
-        from diffusion.lora import add_lora
+        from ..diffusion.lora import add_lora
 
         cfg = self.config
         self.vae.requires_grad_(False).to(self.weight_dtype)
@@ -88,7 +88,7 @@ class StableDiffusionFineTune(pl.LightningModule):
                 self.text_encoder.to(self.weight_dtype)
                 add_lora(self.text_encoder, cfg.rank, text_encoder=True)
         if cfg.gradient_checkpointing:
-            from diffusion.memory import enable_checkpointing
+            from ..diffusion.memory import enable_checkpointing
 
             # recompute every block but not the attention (same gradients, no second attention pass)
             enable_checkpointing(self.unet, "keep_attention")
@@ -181,7 +181,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         """A `StableDiffusionPipeline` over the current modules (EMA weights copied into a UNet copy)."""
         import copy
 
-        from diffusion.models import make_pipeline
+        from ..diffusion.models import make_pipeline
 
         unet = self.unet
         if use_ema and self.ema is not None:
@@ -194,7 +194,7 @@ class StableDiffusionFineTune(pl.LightningModule):
     @torch.no_grad()
     def generate(self, prompt: str, num_images: int, seed: int) -> list[Any]:
         """Images of `prompt` from the current weights (eval mode, fp32 UNet calls under autocast off)."""
-        from diffusion.export import generate_images
+        from ..diffusion.export import generate_images
 
         was_training = self.training
         self.eval()
@@ -223,7 +223,7 @@ class ImageCaptionData(pl.LightningDataModule):
     def _train_dir(self) -> Path:
         if self.config.train_data_dir:
             return Path(self.config.train_data_dir)
-        from diffusion.sample_data import write_sample_data
+        from ..diffusion.sample_data import write_sample_data
 
         return write_sample_data(Path(self.config.output_dir) / "sample_data")
 
@@ -259,7 +259,7 @@ class ImageCaptionData(pl.LightningDataModule):
         logger.info("generating %d class images of %r in %s", cfg.num_class_images - have, cfg.class_prompt, folder)
         images = self.trainer.lightning_module.generate(cfg.class_prompt, cfg.num_class_images - have, cfg.seed)
         for i, img in enumerate(images):
-            from core_parallel.fileio import atomic_write
+            from ..core_parallel.fileio import atomic_write
 
             with atomic_write(folder / f"class-{have + i:05d}.png", "wb") as f:
                 img.save(f, format="PNG")
@@ -337,7 +337,7 @@ def materialize(module: StableDiffusionFineTune) -> dict[str, Any]:
 
 
 def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict[str, dict]:
-    from diffusion.lora import lora_state_dicts
+    from ..diffusion.lora import lora_state_dicts
 
     state = parts.get("state")
     te = module.text_encoder if module.config.train_text_encoder else None
@@ -348,7 +348,7 @@ def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict
 
 def _write_weights(module: StableDiffusionFineTune, folder: Path, parts: dict[str, Any]) -> None:
     """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); rank 0."""
-    from diffusion.lora import save_lora_weights
+    from ..diffusion.lora import save_lora_weights
 
     cfg = module.config
     if cfg.lora:
@@ -385,7 +385,7 @@ class CheckpointEvery(pl.Callback):
         parts = materialize(module)
         if trainer.is_global_zero:
             _write_weights(module, tmp, parts)
-            from diffusion.export import move_into
+            from ..diffusion.export import move_into
 
             staging = self.output_dir / f".checkpoint-{step}.stage"
             shutil.rmtree(staging, ignore_errors=True)
@@ -420,7 +420,7 @@ class ValidateEvery(pl.Callback):
             self.validate(trainer, module, f"step-{step:06d}")
 
     def validate(self, trainer: pl.Trainer, module: StableDiffusionFineTune, name: str) -> None:
-        from diffusion.export import save_grid
+        from ..diffusion.export import save_grid
 
         cfg = module.config
         images = module.generate(cfg.validation_prompt, cfg.num_validation_images, cfg.seed)
@@ -507,7 +507,7 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
                   resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
-    import recipes  # noqa: F401 - registers the strategy names
+    from .. import recipes  # noqa: F401 - registers the strategy names
 
     if cfg.offload_dir:
         os.environ["SUITE_OFFLOAD_DIR"] = str(cfg.offload_dir)
@@ -522,9 +522,9 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
 
     Call on every rank (gathering sharded weights is collective); rank 0 writes.
     """
-    from diffusion.export import save_pipeline
-    from diffusion.lora import save_lora_weights
-    from diffusion.models import make_pipeline
+    from ..diffusion.export import save_pipeline
+    from ..diffusion.lora import save_lora_weights
+    from ..diffusion.models import make_pipeline
 
     cfg, out = module.config, Path(module.config.output_dir)
     parts = materialize(module)
@@ -568,7 +568,7 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
 
 def _ray_job(cfg: FineTuneConfig, max_steps: int, ckpt: str | None, resumed_step: int | None) -> Any:
     """The job every Ray worker builds (module-level, so cloudpickle sends it by reference)."""
-    from recipes.ray import FitJob
+    from .ray import FitJob
 
     module = StableDiffusionFineTune(cfg)
     data = ImageCaptionData(cfg, module.tokenizer)
@@ -582,7 +582,7 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
     import dataclasses
     import functools
 
-    from recipes.ray import RayConfig, fit_on_ray
+    from .ray import RayConfig, fit_on_ray
 
     # Ray workers run in their own working folders: every path must be absolute.
     paths = ("output_dir", "train_data_dir", "instance_data_dir", "class_data_dir", "pretrained_model_name_or_path",

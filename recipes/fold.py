@@ -1,6 +1,6 @@
 """Protein structure prediction as a Lightning recipe, on `suite fold`'s own functions (`fastfold.pipeline`).
 
-    from recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
+    from lowmem.recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
     trainer = Trainer(strategy="dap", accelerator="cpu", devices=2, callbacks=[FoldPredictionWriter("out")])
     trainer.predict(AlphaFoldPredictor("params_model_1_ptm.npz"), datamodule=FoldDataModule("targets.fasta"))
 
@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, IterableDataset
 
-from fastfold import pipeline
+from ..fastfold import pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class _TargetStream(IterableDataset):
                 yield {**_target_keys(target), _ERROR: str(raw)}
                 continue
             batch = pipeline.features_for_model(raw, self.feature_config, self.module.seed)
-            from fastfold.data.features import to_torch
+            from ..fastfold.data.features import to_torch
 
             yield {**_target_keys(target), _SECONDS: seconds, **to_torch(batch)}
 
@@ -193,7 +193,7 @@ class FoldPredictionWriter(BasePredictionWriter):
         self.output_dir = str(output_dir)
         self.overwrite = overwrite
         if relax and relax_config is None:
-            from fastfold.relax import RelaxConfig
+            from ..fastfold.relax import RelaxConfig
 
             relax_config = RelaxConfig()
         self.relax_config = relax_config if relax else None

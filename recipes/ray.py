@@ -3,7 +3,7 @@
 This is what the app commands call for `--ray_address ADDRESS --num_workers N`:
 
 ```python
-from recipes.ray import FitJob, RayConfig, add_ray_arguments, fit_on_ray
+from lowmem.recipes.ray import FitJob, RayConfig, add_ray_arguments, fit_on_ray
 
 add_ray_arguments(parser)                          # --ray_address, --num_workers, --ray_storage_path
 ...
@@ -158,7 +158,7 @@ def ray_strategy(name: str, **kwargs: Any) -> Any:
     """A Ray-compatible instance of the registered strategy `name` (device and sampler from Ray)."""
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-    import recipes  # noqa: F401  (registers zero*/gemini*)
+    from .. import recipes  # noqa: F401  (registers zero*/gemini*)
 
     if name not in StrategyRegistry:
         raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(sorted(StrategyRegistry))}")

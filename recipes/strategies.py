@@ -1,7 +1,7 @@
 """Lightning strategies for ZeRO (stages 1, 2) and Gemini (chunked ZeRO-3), registered by name.
 
 ```python
-import recipes                       # registers the names below with Lightning's StrategyRegistry
+from lowmem import recipes                       # registers the names below with Lightning's StrategyRegistry
 trainer = Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed",
                   accumulate_grad_batches=4, gradient_clip_val=1.0)
 trainer = Trainer(strategy=recipes.GeminiStrategy(placement="auto", device_memory_budget="20GB"))
@@ -52,8 +52,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from core_parallel.fileio import atomic_write, replace_dir
-from recipes.precision import ShardedPrecision
+from ..core_parallel.fileio import atomic_write, replace_dir
+from .precision import ShardedPrecision
 
 __all__ = [
     "LIGHTNING_STATE",
@@ -166,7 +166,7 @@ class _ShardedStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     def _setup_core(self, trainer: Any) -> None:
-        import core_parallel
+        from .. import core_parallel
 
         plugin = self.precision_plugin
         config = self.core_config(plugin.core_precision)
@@ -215,7 +215,7 @@ class _ShardedStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write the sharded folder `filepath` on all ranks; it appears complete or not at all."""
-        import core_parallel
+        from .. import core_parallel
 
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
@@ -236,7 +236,7 @@ class _ShardedStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the sharded folder into the set-up model and optimizer; return Lightning's own state."""
-        import core_parallel
+        from .. import core_parallel
 
         path = Path(checkpoint_path)
         if not (path / LIGHTNING_STATE).is_file():
@@ -299,7 +299,7 @@ class ZeroStrategy(_ShardedStrategy):
         self.core_config("fp32")  # validate now, not after the processes started
 
     def core_config(self, precision: str) -> Any:
-        from core_parallel import ZeroConfig
+        from ..core_parallel import ZeroConfig
 
         return ZeroConfig(precision=precision, **self._config_kwargs)
 
@@ -347,7 +347,7 @@ class GeminiStrategy(_ShardedStrategy):
         return self._offload_dir
 
     def core_config(self, precision: str, check_only: bool = False) -> Any:
-        from core_parallel import GeminiConfig
+        from ..core_parallel import GeminiConfig
 
         offload_dir = self._offload_dir if check_only else self.offload_dir
         if check_only and offload_dir is None and self.offload == "nvme":
@@ -365,7 +365,7 @@ def _offload_fields(offload: str) -> dict[str, Any]:
 
 def _split_config_kwargs(kwargs: dict[str, Any], config_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate the config's fields from Lightning strategy arguments (accelerator, cluster_environment...)."""
-    import core_parallel
+    from .. import core_parallel
 
     config_cls = getattr(core_parallel, config_name)
     fields = {f.name for f in dataclasses.fields(config_cls)}

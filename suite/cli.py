@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
 
-from suite.errors import EXIT_USAGE, UsageError
+from .errors import EXIT_USAGE, UsageError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # subcommand -> (module, one-line help). Nested groups ("diffusion finetune") are modules with SUBCOMMANDS.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "env": ("suite.commands.env", "print versions, devices, distributed backends and kernel backends"),
-    "demo": ("suite.commands.demo", "run the main jobs on built-in defaults (tiny models, bundled data)"),
-    "bench": ("suite.bench", "run a benchmark against the baseline a user would otherwise use"),
-    "diffusion": ("suite.commands.diffusion", "Stable Diffusion fine-tuning (full, LoRA, DreamBooth)"),
-    "fold": ("suite.commands.fold", "predict protein structures from FASTA (AlphaFold2, FastFold flavour)"),
-    "checkpoint": ("suite.commands.checkpoint", "sharded checkpoint tools (consolidate)"),
+    "env": (".commands.env", "print versions, devices, distributed backends and kernel backends"),
+    "demo": (".commands.demo", "run the main jobs on built-in defaults (tiny models, bundled data)"),
+    "bench": (".bench", "run a benchmark against the baseline a user would otherwise use"),
+    "diffusion": (".commands.diffusion", "Stable Diffusion fine-tuning (full, LoRA, DreamBooth)"),
+    "fold": (".commands.fold", "predict protein structures from FASTA (AlphaFold2, FastFold flavour)"),
+    "checkpoint": (".commands.checkpoint", "sharded checkpoint tools (consolidate)"),
 }
 
 
@@ -48,9 +49,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
             try:
-                importlib.import_module(module).add_arguments(p)
+                importlib.import_module(module, __package__).add_arguments(p)
             except ModuleNotFoundError as exc:
-                if exc.name != module:
+                if exc.name != importlib.util.resolve_name(module, __package__):
                     raise
                 parser.error(f"'{name}' is not available in this build ({module} is missing)")
     return parser
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = importlib.import_module(COMMANDS[args.command][0], __package__)
     try:
         return int(module.run(args) or 0)
     except UsageError as exc:

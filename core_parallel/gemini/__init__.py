@@ -8,11 +8,11 @@ model, optimizer = setup_gemini(model, optimizer, cfg, group=None)   # or core_p
 
 from __future__ import annotations
 
-from core_parallel.gemini.config import GeminiConfig, parse_bytes
-from core_parallel.gemini.engine import setup_gemini
-from core_parallel.gemini.layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
-from core_parallel.gemini.optimizer import GeminiOptimizer
-from core_parallel.gemini.storage import NvmeTierError
+from .config import GeminiConfig, parse_bytes
+from .engine import setup_gemini
+from .layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
+from .optimizer import GeminiOptimizer
+from .storage import NvmeTierError
 
 __all__ = [
     "ChunkSpec",

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from core_parallel.gemini.layout import ChunkSpec
-from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GradState
-from core_parallel.gemini.storage import HostPages, PageRecycler, TieredBuffer
-from core_parallel.host_comm import HostCollectives
+from ..host_comm import HostCollectives
+from .layout import ChunkSpec
+from .state import ChunkState, ChunkStateMachine, GradState
+from .storage import HostPages, PageRecycler, TieredBuffer
 
 __all__ = ["Chunk", "Reduction"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from core_parallel.loss_scaler import LossScalerConfig
+from ..loss_scaler import LossScalerConfig
 
 __all__ = ["GeminiConfig", "parse_bytes"]
 

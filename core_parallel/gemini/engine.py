@@ -7,11 +7,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from core_parallel.gemini.config import GeminiConfig
-from core_parallel.gemini.hooks import register_hooks
-from core_parallel.gemini.layout import ParamInfo, chunk_elems_from_mb, plan_chunks
-from core_parallel.gemini.manager import ChunkManager
-from core_parallel.gemini.optimizer import GeminiOptimizer, state_kinds
+from .config import GeminiConfig
+from .hooks import register_hooks
+from .layout import ParamInfo, chunk_elems_from_mb, plan_chunks
+from .manager import ChunkManager
+from .optimizer import GeminiOptimizer, state_kinds
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from core_parallel.gemini.manager import ChunkManager
+from .manager import ChunkManager
 
 __all__ = ["register_hooks"]
 

@@ -13,13 +13,13 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from core_parallel.gemini.chunk import Chunk, Reduction
-from core_parallel.gemini.config import GeminiConfig
-from core_parallel.gemini.layout import ChunkSpec, Slot
-from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
-from core_parallel.gemini.state import ChunkState
-from core_parallel.gemini.storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
-from core_parallel.host_comm import HostCollectives
+from ..host_comm import HostCollectives
+from .chunk import Chunk, Reduction
+from .config import GeminiConfig
+from .layout import ChunkSpec, Slot
+from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
+from .state import ChunkState
+from .storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
 
 __all__ = ["ChunkManager"]
 

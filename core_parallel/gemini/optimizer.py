@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
-from core_parallel.gemini.chunk import Chunk
-from core_parallel.gemini.config import GeminiConfig
-from core_parallel.gemini.manager import ChunkManager
-from core_parallel.gemini.storage import HostPages, TieredBuffer
-from core_parallel.loss_scaler import DynamicLossScaler
+from ..loss_scaler import DynamicLossScaler
+from .adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
+from .chunk import Chunk
+from .config import GeminiConfig
+from .manager import ChunkManager
+from .storage import HostPages, TieredBuffer
 
 __all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
 
@@ -291,7 +291,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     # ---- the core_parallel.checkpoint protocol ------------------------------------------------------
     def sharded_state(self):
         """This rank's pieces of every trained parameter for `save_checkpoint` (collective)."""
-        from core_parallel.checkpoint import ParamShard, ShardedState
+        from ..checkpoint import ParamShard, ShardedState
 
         mgr = self.manager
         mgr.begin_checkpoint()  # rank 0 alone calls model.state_dict() next: no collectives
@@ -325,7 +325,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def load_sharded_state(self, reader) -> None:
         """Read this rank's ranges of a checkpoint saved by ZeRO or Gemini on any number of ranks."""
-        from core_parallel.checkpoint import restore_param_groups
+        from ..checkpoint import restore_param_groups
 
         mgr = self.manager
         names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]

@@ -7,7 +7,7 @@ for the training loop and `core_parallel.checkpoint` for saving.
 
 from __future__ import annotations
 
-from core_parallel.zero.config import ZeroConfig
-from core_parallel.zero.optimizer import ZeroOptimizer
+from .config import ZeroConfig
+from .optimizer import ZeroOptimizer
 
 __all__ = ["ZeroConfig", "ZeroOptimizer"]

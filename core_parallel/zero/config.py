@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core_parallel.loss_scaler import LossScalerConfig
+from ..loss_scaler import LossScalerConfig
 
 __all__ = ["PRECISIONS", "ZeroConfig"]
 

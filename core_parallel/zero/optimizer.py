@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from core_parallel import flat
-from core_parallel.loss_scaler import DynamicLossScaler
-from core_parallel.zero.config import ZeroConfig
-from core_parallel.zero.reducer import GradReducer, Slot
+from .. import flat
+from ..loss_scaler import DynamicLossScaler
+from .config import ZeroConfig
+from .reducer import GradReducer, Slot
 
 if TYPE_CHECKING:
-    from core_parallel.checkpoint import CheckpointReader, ShardedState
+    from ..checkpoint import CheckpointReader, ShardedState
 
 __all__ = ["ZeroOptimizer", "group_info"]
 
@@ -290,7 +290,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------- checkpoints
     def sharded_state(self) -> ShardedState:
         """This rank's part of the state, in the `core_parallel.checkpoint` protocol."""
-        from core_parallel.checkpoint import ParamShard, ShardedState
+        from ..checkpoint import ParamShard, ShardedState
 
         params = {}
         for s in self._slots:
@@ -317,7 +317,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_sharded_state(self, reader: CheckpointReader) -> None:
         """Read this rank's ranges from a checkpoint, then refresh the model's parameters."""
-        from core_parallel.checkpoint import restore_param_groups
+        from ..checkpoint import restore_param_groups
 
         names = [[s.name for s in self._slots if s.group == gi] for gi in range(len(self.param_groups))]
         restore_param_groups(self.param_groups, reader.param_groups, names)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from core_parallel import flat
+from .. import flat
 
 __all__ = ["GradReducer", "Slot"]
 

@@ -11,8 +11,8 @@ import functools
 import numpy as np
 import torch
 
-from fastfold.common import residue_constants as rc
-from fastfold.common.rigid import Rigid
+from . import residue_constants as rc
+from .rigid import Rigid
 
 __all__ = [
     "atom14_to_atom37",

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
-from fastfold.data.parsers import Msa
+from ..common import residue_constants as rc
+from .parsers import Msa
 
 __all__ = [
     "FeatureConfig",

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
-from fastfold.data.parsers import InputError
+from ..common import residue_constants as rc
+from .parsers import InputError
 
 __all__ = ["MmcifChain", "MmcifFile", "parse_mmcif"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastfold.data.features import empty_template_features, make_msa_features, make_sequence_features
-from fastfold.data.parsers import InputError, Msa, TemplateHit, parse_a3m, parse_fasta, parse_hhr, parse_stockholm
+from .features import empty_template_features, make_msa_features, make_sequence_features
+from .parsers import InputError, Msa, TemplateHit, parse_a3m, parse_fasta, parse_hhr, parse_stockholm
 
 __all__ = [
     "AlignmentConfig",
@@ -118,7 +118,7 @@ def read_alignment_dir(folder: Path, sequence: str) -> tuple[list[Msa], list[Tem
 
 def run_alignment_tools(target: Target, cfg: AlignmentConfig, folder: Path) -> None:
     """Run the configured searches into `folder`, skipping result files already there (resume)."""
-    from fastfold.data import tools
+    from . import tools
 
     folder.mkdir(parents=True, exist_ok=True)
     uniref = folder / "uniref90_hits.sto"
@@ -153,7 +153,7 @@ def target_raw_features(
             msas, hits = read_alignment_dir(folder, target.sequence)
     raw = {**make_sequence_features(target.sequence), **make_msa_features(target.sequence, msas)}
     if with_templates and hits and cfg.template_mmcif_dir:
-        from fastfold.data.templates import TemplateConfig, TemplateFeaturizer
+        from .templates import TemplateConfig, TemplateFeaturizer
 
         tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date,
                               kalign_binary_path=cfg.kalign_binary_path)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
-from fastfold.data.features import empty_template_features
-from fastfold.data.mmcif import MmcifFile, parse_mmcif
-from fastfold.data.parsers import InputError, TemplateHit
+from ..common import residue_constants as rc
+from .features import empty_template_features
+from .mmcif import MmcifFile, parse_mmcif
+from .parsers import InputError, TemplateHit
 
 __all__ = ["TemplateConfig", "TemplateFeaturizer"]
 
@@ -84,7 +84,7 @@ class TemplateFeaturizer:
         return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask, self._kalign())
 
     def _kalign(self) -> str | None:
-        from fastfold.data.tools import ToolError, find_binary
+        from .tools import ToolError, find_binary
 
         path = self.config.kalign_binary_path
         if not path:
@@ -110,7 +110,7 @@ class TemplateFeaturizer:
 
 def _realign(hit_residues: str, seqres: str, kalign: str) -> dict[int, int]:
     """Hit residue k -> SEQRES index, from a kalign alignment of the two (matched columns only)."""
-    from fastfold.data.tools import run_kalign
+    from .tools import run_kalign
 
     a, b = run_kalign(kalign, [hit_residues, seqres])
     mapping, i, j = {}, 0, 0

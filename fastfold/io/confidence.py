@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from core_parallel.fileio import atomic_write
+from ...core_parallel.fileio import atomic_write
 
 __all__ = ["confidence_dict", "plot_pae", "plot_plddt", "write_confidence_json"]
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
+from ..common import residue_constants as rc
 
 __all__ = ["Protein", "from_pdb", "to_mmcif", "to_pdb"]
 

@@ -1,15 +1,15 @@
 """fastfold.model: the AlphaFold2 monomer network, one module per algorithm of the supplement.
 
-from fastfold.model import AlphaFold, InferenceOptions, config
+from lowmem.fastfold.model import AlphaFold, InferenceOptions, config
 model = AlphaFold(config.tiny())                       # or AlphaFold.from_params("params_model_1.npz")
 out = model(batch, InferenceOptions(chunk_size=4))
 """
 
 from __future__ import annotations
 
-from fastfold.model import config
-from fastfold.model.alphafold import AlphaFold
-from fastfold.model.config import AlphaFoldConfig
-from fastfold.model.options import InferenceOptions
+from . import config
+from .alphafold import AlphaFold
+from .config import AlphaFoldConfig
+from .options import InferenceOptions
 
 __all__ = ["AlphaFold", "AlphaFoldConfig", "InferenceOptions", "config"]

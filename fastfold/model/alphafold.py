@@ -9,20 +9,20 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-import kernels
-from fastfold.common.geometry import atom14_to_atom37
-from fastfold.model.config import AlphaFoldConfig
-from fastfold.model.embedders import (
+from ... import kernels
+from ..common.geometry import atom14_to_atom37
+from .config import AlphaFoldConfig
+from .embedders import (
     ExtraMSAEmbedder,
     InputEmbedder,
     RecyclingEmbedder,
     TemplateAngleEmbedder,
     TemplateEmbedder,
 )
-from fastfold.model.evoformer import EvoformerStack, ExtraMSAStack
-from fastfold.model.heads import AuxiliaryHeads
-from fastfold.model.options import DEFAULT_OPTIONS, InferenceOptions
-from fastfold.model.structure_module import StructureModule
+from .evoformer import EvoformerStack, ExtraMSAStack
+from .heads import AuxiliaryHeads
+from .options import DEFAULT_OPTIONS, InferenceOptions
+from .structure_module import StructureModule
 
 __all__ = ["AlphaFold", "FEATURE_NAMES"]
 
@@ -83,13 +83,13 @@ class AlphaFold(nn.Module):
         Sizes come from the file; `preset` (a name such as "model_1_ptm" or a config; by default taken from
         a file name like `params_model_1_ptm.npz`) supplies the rest: structure-module layers, bin edges,
         pipeline sizes. Missing, unexpected or mis-shaped keys raise one `fastfold.params.ParamsError`."""
-        from fastfold.params import load_model
+        from ..params import load_model
 
         return load_model(path, preset)
 
     def save_params(self, path: str | os.PathLike) -> None:
         """Write the parameters in AlphaFold's `.npz` layout (atomically)."""
-        from fastfold.params import save_npz
+        from ..params import save_npz
 
         save_npz(self, path)
 

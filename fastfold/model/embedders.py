@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastfold.common import residue_constants as rc
-from fastfold.common.geometry import atom37_to_torsion_angles, dgram_from_positions, pseudo_beta
-from fastfold.model.config import AlphaFoldConfig, TemplateConfig
-from fastfold.model.evoformer import TemplatePairStack
-from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
+from ..common import residue_constants as rc
+from ..common.geometry import atom37_to_torsion_angles, dgram_from_positions, pseudo_beta
+from .config import AlphaFoldConfig, TemplateConfig
+from .evoformer import TemplatePairStack
+from .options import InferenceOptions
+from .primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
 
 __all__ = ["ExtraMSAEmbedder", "InputEmbedder", "RecyclingEmbedder", "TemplateAngleEmbedder", "TemplateEmbedder"]
 

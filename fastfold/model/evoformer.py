@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from fastfold.model.config import EvoformerStackConfig, TemplateConfig
-from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
+from ... import kernels
+from .config import EvoformerStackConfig, TemplateConfig
+from .options import InferenceOptions
+from .primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
 
 __all__ = [
     "EvoformerBlock",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastfold.model.config import AlphaFoldConfig, HeadsConfig
-from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import LayerNorm, Linear, row_blocks
+from .config import AlphaFoldConfig, HeadsConfig
+from .options import InferenceOptions
+from .primitives import LayerNorm, Linear, row_blocks
 
 __all__ = ["AuxiliaryHeads", "compute_plddt", "compute_predicted_aligned_error", "compute_ptm"]
 

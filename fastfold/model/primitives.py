@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-import kernels
-from fastfold.model.options import InferenceOptions
+from ... import kernels
+from .options import InferenceOptions
 
 __all__ = ["Attention", "LayerNorm", "Linear", "chunked", "mask_keep", "row_blocks"]
 

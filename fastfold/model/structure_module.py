@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastfold.common.geometry import frames_to_atom14_positions, torsion_angles_to_frames
-from fastfold.common.rigid import Rigid, quat_multiply_by_vec, quat_to_rot
-from fastfold.model.config import StructureModuleConfig
-from fastfold.model.options import InferenceOptions
-from fastfold.model.primitives import LayerNorm, Linear, row_blocks
+from ..common.geometry import frames_to_atom14_positions, torsion_angles_to_frames
+from ..common.rigid import Rigid, quat_multiply_by_vec, quat_to_rot
+from .config import StructureModuleConfig
+from .options import InferenceOptions
+from .primitives import LayerNorm, Linear, row_blocks
 
 __all__ = ["AngleResnet", "BackboneUpdate", "InvariantPointAttention", "StructureModule"]
 

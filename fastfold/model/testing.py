@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastfold.common import residue_constants as rc
-from fastfold.common.geometry import atom14_to_atom37, frames_to_atom14_positions, pseudo_beta, torsion_angles_to_frames
-from fastfold.common.rigid import Rigid, quat_to_rot
-from fastfold.model.config import AlphaFoldConfig
+from ..common import residue_constants as rc
+from ..common.geometry import atom14_to_atom37, frames_to_atom14_positions, pseudo_beta, torsion_angles_to_frames
+from ..common.rigid import Rigid, quat_to_rot
+from .config import AlphaFoldConfig
 
 __all__ = ["random_atom37", "random_batch", "randomize_parameters"]
 

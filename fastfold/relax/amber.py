@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
-from fastfold.io.protein import Protein, to_pdb
-from fastfold.relax.violations import find_violations
+from ..common import residue_constants as rc
+from ..io.protein import Protein, to_pdb
+from .violations import find_violations
 
 __all__ = ["RelaxConfig", "RelaxResult", "relax_protein"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
+from ..common import residue_constants as rc
 
 __all__ = ["find_violations"]
 

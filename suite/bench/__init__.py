@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 
 __all__ = ["BENCHMARKS", "add_arguments", "run"]
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "kernels": ("suite.bench.kernels", "LayerNorm, masked-bias softmax and attention vs torch"),
-    "zero": ("suite.bench.zero", "ZeRO-1/2 vs torch DDP and FSDP2: per-rank memory and step time"),
-    "gemini": ("suite.bench.gemini", "Gemini vs FSDP2, DDP and ZeRO-2; largest model within a RAM budget"),
-    "collectives": ("suite.bench.collectives", "CPU ranks' all-gather and reduce-scatter: gloo vs shared memory"),
-    "strategies": ("suite.bench.strategies", "Lightning strategies: ddp, fsdp, zero2, gemini"),
-    "diffusion": ("suite.bench.diffusion", "plain diffusers-style loop vs ours on one UNet"),
-    "fold-model": ("suite.bench.fold_model", "AlphaFold model pass: chunked vs unchunked"),
-    "dap": ("suite.bench.dap", "DAP: per-rank memory and time on 1, 2, ... ranks"),
-    "fold": ("suite.bench.fold", "suite fold per-stage time; Ray vs one after another"),
+    "kernels": (".kernels", "LayerNorm, masked-bias softmax and attention vs torch"),
+    "zero": (".zero", "ZeRO-1/2 vs torch DDP and FSDP2: per-rank memory and step time"),
+    "gemini": (".gemini", "Gemini vs FSDP2, DDP and ZeRO-2; largest model within a RAM budget"),
+    "collectives": (".collectives", "CPU ranks' all-gather and reduce-scatter: gloo vs shared memory"),
+    "strategies": (".strategies", "Lightning strategies: ddp, fsdp, zero2, gemini"),
+    "diffusion": (".diffusion", "plain diffusers-style loop vs ours on one UNet"),
+    "fold-model": (".fold_model", "AlphaFold model pass: chunked vs unchunked"),
+    "dap": (".dap", "DAP: per-rank memory and time on 1, 2, ... ranks"),
+    "fold": (".fold", "suite fold per-stage time; Ray vs one after another"),
 }
 
 
@@ -30,16 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON to FILE")
         try:
-            importlib.import_module(module).add_arguments(p)
+            importlib.import_module(module, __name__).add_arguments(p)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
+            if exc.name != importlib.util.resolve_name(module, __name__):
                 raise
             p.set_defaults(_missing=module)
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     if getattr(args, "_missing", None):
         raise UsageError(f"benchmark {args.bench!r} is not available in this build ({args._missing} missing)")
-    return importlib.import_module(BENCHMARKS[args.bench][0]).run(args)
+    return importlib.import_module(BENCHMARKS[args.bench][0], __name__).run(args)

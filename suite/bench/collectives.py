@@ -26,7 +26,7 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
     import torch
     import torch.distributed as dist
 
-    from core_parallel.host_comm import HostCollectives
+    from ...core_parallel.host_comm import HostCollectives
 
     largest = max(int(mb * 2**20) // 4 // world for mb in sizes)
     host = HostCollectives.create(None, slot_bytes=largest * 4)
@@ -57,10 +57,10 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from core_parallel import run_on_ranks
-    from core_parallel.host_comm import host_collectives_supported
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ...core_parallel import run_on_ranks
+    from ...core_parallel.host_comm import host_collectives_supported
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     try:
         sizes = [float(x) for x in args.mb.split(",") if x.strip()]

@@ -115,11 +115,11 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from core_parallel import Axis, Topology
-    from fastfold.dap import parallelize_dap
-    from fastfold.model import InferenceOptions, config
-    from fastfold.model.evoformer import EvoformerStack
-    from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
+    from ...core_parallel import Axis, Topology
+    from ...fastfold.dap import parallelize_dap
+    from ...fastfold.model import InferenceOptions, config
+    from ...fastfold.model.evoformer import EvoformerStack
+    from .common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
 
     device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
     core = _pin(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
@@ -191,7 +191,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 def _measure(world: int, opts: dict, timeout: float) -> dict:
     import os
 
-    from core_parallel import run_on_ranks
+    from ...core_parallel import run_on_ranks
 
     # Large blocks straight from mmap go back to the system when freed, so the peak resident set follows
     # the peak of live tensors instead of the heap's high-water mark. glibc reads this when a process starts:
@@ -220,8 +220,8 @@ def _measure(world: int, opts: dict, timeout: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     if args.device == "cuda":
         import torch

@@ -134,8 +134,8 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
             ids = [device.index] if device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model, optimizer, None, vae, text, None
-    from diffusion.attention import set_kernels_attention
-    from diffusion.memory import enable_checkpointing, order_modules_by_use
+    from ...diffusion.attention import set_kernels_attention
+    from ...diffusion.memory import enable_checkpointing, order_modules_by_use
 
     set_kernels_attention(model, opts["attention_backend"])
     enable_checkpointing(model, opts["checkpointing"], opts.get("checkpoint_levels"))
@@ -150,7 +150,7 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
 def _gemini(model, optimizer, opts: dict):
     import tempfile
 
-    import core_parallel
+    from ... import core_parallel
 
     offload = opts["gemini_offload"]
     folder = tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None
@@ -246,7 +246,7 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
     import torch
     from diffusers.utils import logging as diffusers_logging
 
-    from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
+    from .common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
@@ -315,7 +315,7 @@ def _fixed_mmap_threshold():
 
 
 def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
-    from core_parallel import run_on_ranks
+    from ...core_parallel import run_on_ranks
 
     backend = "nccl" if opts["device"] == "cuda" and opts["world"] > 1 else "gloo"
     return run_on_ranks(_variant, opts["world"], variant, opts, mode, turns, timeout=opts["timeout"],
@@ -361,7 +361,7 @@ def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
 
 
 def _defaults(args: argparse.Namespace) -> dict:
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     if args.resolution % 8 or args.resolution < 16:
         raise UsageError(f"--resolution must be a multiple of 8 and >= 16, got {args.resolution}")
@@ -382,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
 
-    from suite.bench.common import print_table, write_json
+    from .common import print_table, write_json
 
     opts = _defaults(args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"

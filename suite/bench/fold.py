@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _targets(n: int, n_res: int, seed: int):
     import numpy as np
 
-    from fastfold.pipeline import Target
+    from ...fastfold.pipeline import Target
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -57,8 +57,8 @@ def _stage_rows(target, cfg):
     import time
     from pathlib import Path
 
-    from fastfold import pipeline as fp
-    from fastfold.relax import relax_protein
+    from ...fastfold import pipeline as fp
+    from ...fastfold.relax import relax_protein
 
     spec = cfg.models[0]
     t0 = time.perf_counter()
@@ -85,17 +85,17 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
-    from fastfold.relax import RelaxConfig
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
+    from ...fastfold.relax import RelaxConfig
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")
     targets = _targets(args.targets, args.n_res, args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench_fold_"))
     try:
-        from fastfold.data.tools import ToolError, find_binary
+        from ...fastfold.data.tools import ToolError, find_binary
 
         try:
             jackhmmer_path = find_binary(None, "jackhmmer")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(variant: str, args: argparse.Namespace):
-    from fastfold.model import InferenceOptions
+    from ...fastfold.model import InferenceOptions
 
     if variant == "unchunked":
         return InferenceOptions()
@@ -61,7 +62,7 @@ def _rss_baseline() -> int:
     """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
     import gc
 
-    from suite.bench.common import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
+    from .common import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
     gc.collect()
     malloc_trim()
@@ -75,9 +76,9 @@ def _child(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fastfold.model import AlphaFold, config
-    from fastfold.model.testing import random_batch
-    from suite.bench.common import fix_malloc, hwm_bytes, time_fn
+    from ...fastfold.model import AlphaFold, config
+    from ...fastfold.model.testing import random_batch
+    from .common import fix_malloc, hwm_bytes, time_fn
 
     fix_malloc(2**20)
     n_res, variant = args._child.split(":")
@@ -127,7 +128,8 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
-    argv = [sys.executable, "-m", "suite", "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
+    suite_module = __package__.rpartition(".")[0]
+    argv = [sys.executable, "-m", suite_module, "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
     for flag in (
         "blocks",
         "extra_blocks",
@@ -141,15 +143,16 @@ def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
         "warmup",
     ):
         argv += [f"--{flag}", str(getattr(args, flag))]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"fold-model benchmark n_res={n_res} {variant} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     if args._child:
         return _child(args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from suite.bench.common import fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+from .common import fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
 
 STRATEGIES = ("gemini", "fsdp2", "ddp", "zero2")
 
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _count(text: str) -> int:
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
     t = text.strip().upper()
@@ -63,7 +63,7 @@ def _peak_bytes() -> int:
 def _wrap(strategy: str, model, opt, extra: dict):
     import torch
 
-    import core_parallel
+    from ... import core_parallel
 
     if strategy == "gemini":
         return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra))
@@ -146,8 +146,8 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
 def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, extra: dict) -> dict:
     import torch
 
-    from core_parallel import run_on_ranks
-    from core_parallel.topology import default_backend
+    from ...core_parallel import run_on_ranks
+    from ...core_parallel.topology import default_backend
 
     backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     outs = run_on_ranks(_rank_run, ranks, strategy, params, args.width, args.batch, args.steps, extra,
@@ -157,8 +157,8 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
 
 
 def _compare(args: argparse.Namespace) -> dict:
-    from suite.bench.common import print_table
-    from suite.errors import UsageError
+    from ..errors import UsageError
+    from .common import print_table
 
     wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in wanted if s not in STRATEGIES]
@@ -189,9 +189,9 @@ def _compare(args: argparse.Namespace) -> dict:
 def _ram_budget(args: argparse.Namespace) -> dict:
     import tempfile
 
-    from core_parallel.gemini import parse_bytes
-    from suite.bench.common import print_table
-    from suite.errors import UsageError
+    from ...core_parallel.gemini import parse_bytes
+    from ..errors import UsageError
+    from .common import print_table
 
     try:
         budget = parse_bytes(args.ram_budget, "--ram-budget")
@@ -219,10 +219,10 @@ def _ram_budget(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.bench.common import write_json
+    from .common import write_json
 
     if args.ranks < 1:
-        from suite.errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     payload = _ram_budget(args) if args.ram_budget else _compare(args)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from suite.bench.common import hwm_bytes, reset_peak_rss, rss_bytes
+from .common import hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -127,7 +127,7 @@ def _impl(op: str, impl: str):
     import torch
     import torch.nn.functional as F
 
-    import kernels
+    from ... import kernels
 
     def naive_scores(x, bias, mask, scale):
         return torch.softmax((x * scale + bias).masked_fill(~mask, float("-inf")), dim=-1)
@@ -208,14 +208,14 @@ def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> di
     for measure in ("memory", "time"):
         spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,
                 "measure": measure}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
         if measure == "memory":
             # a fixed mmap threshold: freed blocks above 64 KiB go back to the OS instead of being reused from a
             # heap the warm-up made resident, which would hide them from the peak resident set. Timing runs keep
             # the default allocator, whose block reuse is what users get.
             env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        proc = subprocess.run([sys.executable, "-m", "suite.bench.kernels", json.dumps(spec)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=args.timeout)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
@@ -241,8 +241,8 @@ def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")

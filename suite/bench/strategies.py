@@ -92,8 +92,8 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    import recipes  # noqa: F401  (registers zero2, gemini, ...)
-    from suite.bench.common import peak_rss_bytes
+    from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
+    from .common import peak_rss_bytes
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
@@ -114,7 +114,7 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
 
 
 def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
-    from core_parallel import RankError, run_on_ranks
+    from ...core_parallel import RankError, run_on_ranks
 
     env = {"OMP_NUM_THREADS": "1"}
     try:
@@ -145,8 +145,8 @@ def _add_ratios(rows: list[dict]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.ranks < 1 or args.steps < 1 or args.hidden < 1 or args.layers < 1 or args.batch < 1:

@@ -54,7 +54,7 @@ def _build(width: int, layers: int, device):
 def _wrap(variant: str, model, bucket_mb: float):
     import torch
 
-    import core_parallel
+    from ... import core_parallel
 
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -105,7 +105,7 @@ def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, b
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
 
-    from suite.bench.common import fix_malloc, peak_rss_bytes, rss_bytes
+    from .common import fix_malloc, peak_rss_bytes, rss_bytes
 
     # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
     # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
@@ -134,9 +134,9 @@ def _shape(params: int, width: int | None) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core_parallel import run_on_ranks
-    from suite.bench.common import print_table, write_json
-    from suite.errors import UsageError
+    from ...core_parallel import run_on_ranks
+    from ..errors import UsageError
+    from .common import print_table, write_json
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]

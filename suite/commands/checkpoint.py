@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     if args.action != "consolidate":
         raise UsageError(f"unknown action {args.action!r}")
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.out}: the output file must end in .safetensors")
     if not (Path(args.path) / "index.json").is_file():
         raise UsageError(f"{args.path}: not a checkpoint folder (no index.json)")
-    from core_parallel.checkpoint import CheckpointReader, consolidate_checkpoint
+    from ...core_parallel.checkpoint import CheckpointReader, consolidate_checkpoint
 
     try:
         reader = CheckpointReader(args.path)

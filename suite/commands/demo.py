@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from suite.cli import main
+    from ..cli import main
 
     failures = []
     for name, template in STEPS:

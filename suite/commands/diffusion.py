@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config_path(value: str) -> Path:
     """A recipe path, or the shipped recipe of that name (`lora`, `diffusion_lora`, `diffusion_lora.yaml`)."""
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     shipped = Path(__file__).resolve().parents[2] / "recipes" / "configs"
     for candidate in (Path(value), shipped / value, shipped / f"{value}.yaml", shipped / f"diffusion_{value}.yaml"):
@@ -106,8 +106,8 @@ def resolve_config_path(value: str) -> Path:
 
 def build_config(args: argparse.Namespace) -> object:
     """The `FineTuneConfig` of the YAML (if any) overridden by the given flags; bad values raise UsageError."""
-    from diffusion.config import FineTuneConfig, load_yaml_config
-    from suite.errors import UsageError
+    from ...diffusion.config import FineTuneConfig, load_yaml_config
+    from ..errors import UsageError
 
     values: dict = {}
     if getattr(args, "config", None):
@@ -138,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
     """Run `suite diffusion finetune`."""
     cfg = build_config(args)
     if cfg.ray_address:
-        from recipes.diffusion import fit_with_ray
+        from ...recipes.diffusion import fit_with_ray
 
         fit_with_ray(cfg)
     else:
-        from recipes.diffusion import fit_finetune
+        from ...recipes.diffusion import fit_finetune
 
         fit_finetune(cfg)
     print(_summary(cfg), file=sys.stdout, flush=True)

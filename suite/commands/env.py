@@ -45,7 +45,7 @@ def _devices() -> list[dict]:
 
 def _kernel_backends() -> dict:
     try:
-        import kernels
+        from ... import kernels
     except Exception as exc:  # noqa: BLE001
         return {"error": f"kernels failed to import: {exc}"}
     report = getattr(kernels, "backend_report", None)

@@ -107,17 +107,17 @@ def _apply_config(args: argparse.Namespace) -> None:
 
 
 def _usage(message: str):
-    from suite.errors import UsageError
+    from ..errors import UsageError
 
     return UsageError(message)
 
 
 def _read_targets(args: argparse.Namespace):
-    from fastfold.data.parsers import InputError
-    from fastfold.pipeline import read_targets
+    from ...fastfold.data.parsers import InputError
+    from ...fastfold.pipeline import read_targets
 
     if args.fasta_path is None:
-        from fastfold.examples import EXAMPLE_FASTA
+        from ...fastfold.examples import EXAMPLE_FASTA
 
         args.fasta_path = str(EXAMPLE_FASTA)
         args.single_sequence = True
@@ -179,7 +179,7 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
 
 def _check_binaries(args: argparse.Namespace) -> None:
     """The tools the given databases need must be runnable before any work starts."""
-    from fastfold.data.tools import ToolError, find_binary
+    from ...fastfold.data.tools import ToolError, find_binary
 
     needs = {"jackhmmer": ("uniref90", "mgnify"), "hhblits": ("bfd",), "hhsearch": ("pdb70",)}
     for tool, dbs in needs.items():
@@ -191,8 +191,8 @@ def _check_binaries(args: argparse.Namespace) -> None:
 
 
 def _model_specs(args: argparse.Namespace):
-    from fastfold.model.config import model_names
-    from fastfold.pipeline import ModelSpec
+    from ...fastfold.model.config import model_names
+    from ...fastfold.pipeline import ModelSpec
 
     names = [n.strip() for n in args.model_name.split(",") if n.strip()]
     for n in names:
@@ -213,8 +213,8 @@ def _build_config(args: argparse.Namespace, targets):
     import datetime as dt
     import os
 
-    from fastfold.pipeline import AlignmentConfig, FoldConfig
-    from fastfold.relax import RelaxConfig
+    from ...fastfold.pipeline import AlignmentConfig, FoldConfig
+    from ...fastfold.relax import RelaxConfig
 
     mmcif_dir = args.template_mmcif_dir_flag or args.template_mmcif_dir
     _existing(mmcif_dir, "template_mmcif_dir", "dir")
@@ -251,7 +251,7 @@ def _warn_mode(cfg, args: argparse.Namespace) -> None:
     import logging
     import sys
 
-    log = logging.getLogger("suite.fold")
+    log = logging.getLogger(__name__)
     if not any(s.param_path for s in cfg.models):
         sys.stderr.write(
             "\n" + "!" * 78 + "\n!! suite fold: no --param_path: the model has RANDOM WEIGHTS.\n"
@@ -263,7 +263,7 @@ def _warn_mode(cfg, args: argparse.Namespace) -> None:
         a.single_sequence = True
     if args.devices > 1:
         try:
-            import fastfold.dap  # noqa: F401
+            from ...fastfold import dap  # noqa: F401
         except ImportError:
             raise _usage("--devices > 1 needs fastfold.dap, which this build does not have") from None
 
@@ -271,7 +271,7 @@ def _warn_mode(cfg, args: argparse.Namespace) -> None:
 def _progress_runner(targets, cfg):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fastfold.pipeline import fold_targets
+    from ...fastfold.pipeline import fold_targets
 
     columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import core_parallel
-from core_parallel.gemini import GeminiConfig
-from core_parallel.gemini.state import ChunkState
+from lowmem import core_parallel
+from lowmem.core_parallel.gemini import GeminiConfig
+from lowmem.core_parallel.gemini.state import ChunkState
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -158,7 +158,7 @@ def tensors(tree):
 def fp16_overflow(rank: int, world: int) -> dict:
     """fp16 Gemini; at step 1 only the last rank sees an inf loss: every rank must skip that step."""
     model, opt = build("adam")
-    from core_parallel.loss_scaler import LossScalerConfig
+    from lowmem.core_parallel.loss_scaler import LossScalerConfig
 
     cfg = GeminiConfig(precision="fp16", chunk_mb=40 * 2 / 2**20, loss_scaler=LossScalerConfig(initial_scale=16.0))
     model, opt = core_parallel.setup(model, opt, cfg)

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-import core_parallel
-from core_parallel import ZeroConfig, checkpoint
-from core_parallel.loss_scaler import LossScalerConfig
+from lowmem import core_parallel
+from lowmem.core_parallel import ZeroConfig, checkpoint
+from lowmem.core_parallel.loss_scaler import LossScalerConfig
 from tests.core_parallel.test_zero import STEPS, make_model, make_optimizer, max_rel_err, train_zero
 
 SAVE_AT = 3
@@ -94,7 +94,8 @@ def check_resumed(resumed: dict, saved: dict) -> None:
 
 
 def _suite(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "suite", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "lowmem.suite", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
 
 
 def check_consolidate_command(folder: str, saved: dict, tmp_path) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core_parallel import Axis, Topology, run_on_ranks
-from core_parallel.dap import (
+from lowmem.core_parallel import Axis, Topology, run_on_ranks
+from lowmem.core_parallel.dap import (
     all_reduce_grads,
     all_to_all,
     all_to_all_async,
@@ -161,7 +161,7 @@ def _all_checks(rank: int, world: int) -> int:
 
 def test_primitives_match_unsplit_one_rank():
     """A one-rank gloo group, in this process (no spawn)."""
-    from core_parallel.launch import free_port
+    from lowmem.core_parallel.launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
     try:

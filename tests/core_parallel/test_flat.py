@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_parallel import flat
+from lowmem.core_parallel import flat
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 7, 13, 64, 1001])

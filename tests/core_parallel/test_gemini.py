@@ -12,12 +12,12 @@ import signal
 import pytest
 import torch
 
-from core_parallel.gemini import GeminiConfig, NvmeTierError, parse_bytes, setup_gemini
-from core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
-from core_parallel.gemini.layout import ParamInfo, padding_waste, plan_chunks, search_chunk_elems
-from core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
-from core_parallel.gemini.state import ChunkState, ChunkStateMachine, GeminiStateError
-from core_parallel.gemini.storage import HostPages, NvmeFile, PageRecycler, TieredBuffer
+from lowmem.core_parallel.gemini import GeminiConfig, NvmeTierError, parse_bytes, setup_gemini
+from lowmem.core_parallel.gemini.adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
+from lowmem.core_parallel.gemini.layout import ParamInfo, padding_waste, plan_chunks, search_chunk_elems
+from lowmem.core_parallel.gemini.placement import AccessTrace, MemoryLedger, pick_victim, static_plan
+from lowmem.core_parallel.gemini.state import ChunkState, ChunkStateMachine, GeminiStateError
+from lowmem.core_parallel.gemini.storage import HostPages, NvmeFile, PageRecycler, TieredBuffer
 from tests.core_parallel.gemini_helpers import batch, build, fp16_overflow
 
 

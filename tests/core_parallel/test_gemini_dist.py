@@ -9,9 +9,9 @@ import tempfile
 import pytest
 import torch
 
-import core_parallel
-from core_parallel import run_on_ranks
-from core_parallel.gemini import GeminiConfig
+from lowmem import core_parallel
+from lowmem.core_parallel import run_on_ranks
+from lowmem.core_parallel.gemini import GeminiConfig
 from tests.core_parallel.gemini_helpers import (
     SCENARIOS,
     assert_close_dicts,

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from core_parallel import run_on_ranks
-from core_parallel.host_comm import HostCollectives, host_collectives_supported
+from lowmem.core_parallel import run_on_ranks
+from lowmem.core_parallel.host_comm import HostCollectives, host_collectives_supported
 
 pytestmark = pytest.mark.skipif(not host_collectives_supported(), reason="x86-64 Linux with /dev/shm only")
 
@@ -92,7 +92,7 @@ def test_barrier_waits_as_long_as_the_process_group():
 
 
 def _cannot_map(rank: int, world: int) -> bool:
-    import core_parallel.host_comm as hcm
+    from lowmem.core_parallel import host_comm as hcm
 
     if rank == world - 1:  # this rank cannot open the segment (another host, another /dev/shm)
         real = os.open

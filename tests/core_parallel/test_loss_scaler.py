@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core_parallel.loss_scaler import DynamicLossScaler, LossScalerConfig
+from lowmem.core_parallel.loss_scaler import DynamicLossScaler, LossScalerConfig
 
 
 def test_backoff_growth_and_bounds():

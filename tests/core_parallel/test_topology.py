@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core_parallel import Axis, RankError, Topology, run_on_ranks
+from lowmem.core_parallel import Axis, RankError, Topology, run_on_ranks
 
 
 def test_validation_names_the_field():

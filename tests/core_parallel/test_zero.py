@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-import core_parallel
-from core_parallel import ZeroConfig
-from core_parallel.loss_scaler import LossScalerConfig
-from core_parallel.zero import reducer
+from lowmem import core_parallel
+from lowmem.core_parallel import ZeroConfig
+from lowmem.core_parallel.loss_scaler import LossScalerConfig
+from lowmem.core_parallel.zero import reducer
 
 GLOBAL_BATCH = 8
 STEPS = 5

@@ -13,7 +13,7 @@ from PIL import Image
 
 @pytest.fixture(scope="session")
 def _tiny_components():
-    from diffusion.tiny import build_tiny_components
+    from lowmem.diffusion.tiny import build_tiny_components
 
     return build_tiny_components()
 

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from diffusion.config import FineTuneConfig
-from diffusion.data import DataConfig, scan_image_folder, validate_records
-from diffusion.errors import InputError
-from suite.cli import main
+from lowmem.diffusion.config import FineTuneConfig
+from lowmem.diffusion.data import DataConfig, scan_image_folder, validate_records
+from lowmem.diffusion.errors import InputError
+from lowmem.suite.cli import main
 from tests.diffusion.conftest import write_image
 
 
@@ -98,7 +98,7 @@ def test_resolution_not_multiple_of_8(capsys, tmp_path):
 
 
 def test_model_folder_missing_component(capsys, tmp_path, tiny, image_folder):
-    from diffusion.models import make_pipeline
+    from lowmem.diffusion.models import make_pipeline
 
     model = tmp_path / "model"
     make_pipeline(tiny).save_pretrained(model)
@@ -132,8 +132,8 @@ def test_odd_modes_and_small_images_train_inputs_accepted(tmp_path):
 
 @pytest.mark.parametrize("name", ["full", "lora", "dreambooth"])
 def test_shipped_recipes_load(tmp_path, name):
-    from diffusion.config import load_yaml_config
-    from suite.commands.diffusion import resolve_config_path
+    from lowmem.diffusion.config import load_yaml_config
+    from lowmem.suite.commands.diffusion import resolve_config_path
 
     values = load_yaml_config(resolve_config_path(name))
     if name == "dreambooth":
@@ -144,6 +144,6 @@ def test_shipped_recipes_load(tmp_path, name):
 
 
 def test_input_error_is_a_usage_error():
-    from suite.errors import UsageError
+    from lowmem.suite.errors import UsageError
 
     assert issubclass(InputError, UsageError)

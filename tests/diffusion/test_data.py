@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion.data import CaptionedImages, DataConfig, StepBatchSampler, load_rgb, preprocess, scan_image_folder
+from lowmem.diffusion.data import CaptionedImages, DataConfig, StepBatchSampler, load_rgb, preprocess, scan_image_folder
 from tests.diffusion.conftest import write_image
 
 
@@ -68,7 +68,7 @@ def test_sampler_is_world_size_invariant_and_resumes():
 
 
 def test_dataset_items(image_folder):
-    from diffusion.tiny import build_tokenizer
+    from lowmem.diffusion.tiny import build_tokenizer
 
     cfg = DataConfig(resolution=16, random_flip=True)
     records = scan_image_folder(image_folder, cfg)
@@ -83,7 +83,7 @@ def test_dataset_items(image_folder):
 def test_tokenizer_roundtrip(tmp_path):
     from transformers import CLIPTokenizer
 
-    from diffusion.tiny import build_tokenizer
+    from lowmem.diffusion.tiny import build_tokenizer
 
     tok = build_tokenizer(folder=tmp_path / "tok")
     ids = tok("a red circle", padding="max_length", max_length=77, truncation=True).input_ids
@@ -98,7 +98,7 @@ def test_tokenizer_roundtrip(tmp_path):
 def test_kernels_attention_processor_matches_default(tiny, backend):
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    from diffusion.attention import set_kernels_attention
+    from lowmem.diffusion.attention import set_kernels_attention
 
     unet = tiny["unet"].double()  # float64, so the comparison is not blurred by fp32 summation order
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def test_kernels_attention_processor_matches_default(tiny, backend):
 
 def test_sample_data_written_by_two_processes_at_once_is_never_replaced(tmp_path, monkeypatch):
     """Every rank writes the built-in set: the first complete folder stays in place (a rank may be reading it)."""
-    from diffusion import sample_data
+    from lowmem.diffusion import sample_data
 
     folder = tmp_path / "sample_data"
     draw = sample_data._draw

@@ -11,15 +11,15 @@ import importlib.util
 import pytest
 import torch
 
-from core_parallel import run_on_ranks
+from lowmem.core_parallel import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
-STRATEGIES_MISSING = importlib.util.find_spec("recipes.strategies") is None
+STRATEGIES_MISSING = importlib.util.find_spec("lowmem.recipes.strategies") is None
 
 
 def _config(out: str, strategy: str, world: int):
-    from diffusion.config import FineTuneConfig
+    from lowmem.diffusion.config import FineTuneConfig
 
     return FineTuneConfig(output_dir=out, strategy=strategy, devices=world, train_batch_size=2 // world,
                           max_train_steps=2, checkpointing_steps=2, learning_rate=1e-3, resolution=32,
@@ -27,7 +27,7 @@ def _config(out: str, strategy: str, world: int):
 
 
 def _train(rank: int, world: int, out: str, strategy: str) -> list[float]:
-    from recipes.diffusion import fit_finetune
+    from lowmem.recipes.diffusion import fit_finetune
     from tests.diffusion.test_finetune import RecordLosses
 
     recorder = RecordLosses()
@@ -48,7 +48,7 @@ def _train_each(rank: int, world: int, root: str, strategies: list[str]) -> dict
 
 @pytest.mark.skipif(STRATEGIES_MISSING, reason="recipes/strategies.py (zero2, gemini) is not in this build yet")
 def test_zero2_and_gemini_on_two_ranks_match_one_process(tmp_path):
-    from diffusion.tiny import build_tiny_components
+    from lowmem.diffusion.tiny import build_tiny_components
 
     single = _train(0, 1, str(tmp_path / "one"), "auto")
     ref, init = _unet(tmp_path / "one"), build_tiny_components()["unet"].state_dict()

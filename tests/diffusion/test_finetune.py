@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffusion.config import FineTuneConfig
+from lowmem.diffusion.config import FineTuneConfig
 from tests.diffusion.conftest import write_image
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -39,7 +39,7 @@ class StopAt(pl.Callback):
 
 
 def _fit(cfg: FineTuneConfig, *callbacks: pl.Callback):
-    from recipes.diffusion import fit_finetune
+    from lowmem.recipes.diffusion import fit_finetune
 
     return fit_finetune(cfg, list(callbacks), enable_progress_bar=False)
 
@@ -75,8 +75,8 @@ def test_full_finetune_ema_checkpoints_validation_export(tmp_path):
 
 
 def test_lora_with_text_encoder_loads_into_pipeline(tmp_path):
-    from diffusion.models import make_pipeline
-    from diffusion.tiny import build_tiny_components
+    from lowmem.diffusion.models import make_pipeline
+    from lowmem.diffusion.tiny import build_tiny_components
 
     out = tmp_path / "lora"
     cfg = FineTuneConfig(output_dir=str(out), rank=4, train_text_encoder=True, learning_rate=1e-2,

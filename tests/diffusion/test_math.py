@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion.training import (
+from lowmem.diffusion.training import (
     EMA,
     LossConfig,
     compute_snr,

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffusion.attention import set_kernels_attention
-from diffusion.memory import _attention_ops, enable_checkpointing, order_modules_by_use
+from lowmem.diffusion.attention import set_kernels_attention
+from lowmem.diffusion.memory import _attention_ops, enable_checkpointing, order_modules_by_use
 
 
 class _CountAttention(TorchDispatchMode):
@@ -83,7 +83,7 @@ def test_order_modules_by_use_keeps_names_and_outputs(tiny):
 def test_level_checkpointing_recomputes_only_the_top_levels_with_the_same_gradients(tiny):
     """`levels=1` checkpoints only the blocks at full latent size; lower blocks keep their activations. The
     gradients are those of the unchecked model, and fewer ops run again in backward than with every block."""
-    from diffusion.memory import LevelCheckpoint
+    from lowmem.diffusion.memory import LevelCheckpoint
 
     unet = tiny["unet"].train()
     set_kernels_attention(unet, "auto")

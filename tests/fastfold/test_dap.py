@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core_parallel import Axis, RankError, Topology, run_on_ranks
-from fastfold.dap import broadcast_batch, parallelize_dap
-from fastfold.model import AlphaFold, InferenceOptions, config
-from fastfold.model.testing import random_batch, randomize_parameters
+from lowmem.core_parallel import Axis, RankError, Topology, run_on_ranks
+from lowmem.fastfold.dap import broadcast_batch, parallelize_dap
+from lowmem.fastfold.model import AlphaFold, InferenceOptions, config
+from lowmem.fastfold.model.testing import random_batch, randomize_parameters
 
 OUT_KEYS = (
     "final_atom_positions",
@@ -85,7 +85,7 @@ def _compare(results: list[dict], reference: list[dict], world: int, rank: int) 
 
 
 def test_one_rank_group_runs_the_plan(reference):
-    from core_parallel.launch import free_port
+    from lowmem.core_parallel.launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
     try:

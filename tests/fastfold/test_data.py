@@ -8,17 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastfold.common import residue_constants as rc
-from fastfold.data.features import (
+from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.data.features import (
     FeatureConfig,
     empty_template_features,
     make_msa_features,
     make_sequence_features,
     process_features,
 )
-from fastfold.data.mmcif import parse_mmcif
-from fastfold.data.parsers import InputError, parse_a3m, parse_fasta, parse_hhr, parse_stockholm
-from fastfold.data.templates import TemplateConfig, TemplateFeaturizer
+from lowmem.fastfold.data.mmcif import parse_mmcif
+from lowmem.fastfold.data.parsers import InputError, parse_a3m, parse_fasta, parse_hhr, parse_stockholm
+from lowmem.fastfold.data.templates import TemplateConfig, TemplateFeaturizer
 
 ASSETS = Path(__file__).parents[1] / "assets" / "fold"
 ALIGN = ASSETS / "alignments" / "query"
@@ -227,7 +227,7 @@ def test_feature_config_validates():
 
 
 def test_jackhmmer_on_a_database_the_test_builds(tmp_path):
-    from fastfold.data.tools import ToolError, find_binary, run_jackhmmer
+    from lowmem.fastfold.data.tools import ToolError, find_binary, run_jackhmmer
 
     try:
         jackhmmer = find_binary(None, "jackhmmer")
@@ -268,7 +268,7 @@ def test_template_hit_differing_from_seqres_is_realigned_with_kalign(caplog):
     exact = TemplateFeaturizer(TemplateConfig(**cfg)).get(QUERY, hits)
     without = TemplateFeaturizer(TemplateConfig(**cfg, kalign_binary_path=None)).get(QUERY, [mutated])
     assert without["template_aatype"].shape[0] == 0 and "no kalign" in caplog.text
-    from fastfold.data.tools import ToolError, find_binary
+    from lowmem.fastfold.data.tools import ToolError, find_binary
 
     try:
         find_binary(None, "kalign")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from suite.cli import main
+from lowmem.suite.cli import main
 
 ASSETS = Path(__file__).parents[1] / "assets" / "fold"
 
@@ -136,8 +136,8 @@ def test_config_file_fills_flags_and_rejects_unknown_keys(tmp_path, capsys):
 def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys):
     import torch
 
-    from fastfold.model import AlphaFold, config
-    from fastfold.pipeline import Prediction
+    from lowmem.fastfold.model import AlphaFold, config
+    from lowmem.fastfold.pipeline import Prediction
 
     torch.manual_seed(3)
     AlphaFold(config.tiny()).save_params(tmp_path / "params_model_1_ptm.npz")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastfold.common import residue_constants as rc
-from fastfold.common.geometry import atom37_to_torsion_angles, dgram_from_positions, pseudo_beta
-from fastfold.common.rigid import Rigid, quat_multiply_by_vec, quat_to_rot
-from fastfold.model.testing import random_atom37
+from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.common.geometry import atom37_to_torsion_angles, dgram_from_positions, pseudo_beta
+from lowmem.fastfold.common.rigid import Rigid, quat_multiply_by_vec, quat_to_rot
+from lowmem.fastfold.model.testing import random_atom37
 
 RING_CLOSURE = {("PRO", "CD", "N"), ("PRO", "CA", "N", "CD"), ("PRO", "CG", "CD", "N")}
 
@@ -76,7 +76,7 @@ def test_torsion_angles_round_trip():
     """Torsions of atoms built from known torsions come back (chi and psi; omega/phi need a neighbour)."""
     g = torch.Generator().manual_seed(3)
     aatype = torch.randint(0, 20, (30,), generator=g)
-    from fastfold.common.geometry import atom14_to_atom37, frames_to_atom14_positions, torsion_angles_to_frames
+    from lowmem.fastfold.common.geometry import atom14_to_atom37, frames_to_atom14_positions, torsion_angles_to_frames
 
     angles = torch.randn(30, 7, 2, generator=g, dtype=torch.float64)
     angles = angles / angles.norm(dim=-1, keepdim=True)
@@ -113,7 +113,7 @@ def test_pseudo_beta_and_dgram():
 
 def test_torsions_to_frames_gradients():
     """torsion_angles_to_frames and the atom placement are differentiable (gradcheck in float64)."""
-    from fastfold.common.geometry import frames_to_atom14_positions, torsion_angles_to_frames
+    from lowmem.fastfold.common.geometry import frames_to_atom14_positions, torsion_angles_to_frames
 
     g = torch.Generator().manual_seed(4)
     aatype = torch.tensor([1, 13, 7])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastfold.common import residue_constants as rc
-from fastfold.io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
-from fastfold.io.protein import Protein, from_pdb, to_mmcif, to_pdb
-from fastfold.model.testing import random_atom37
+from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
+from lowmem.fastfold.io.protein import Protein, from_pdb, to_mmcif, to_pdb
+from lowmem.fastfold.model.testing import random_atom37
 
 SEQUENCE = "MKTAYIAKQRWCGNPSEDHFLV"  # all 20 amino acids and then some
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastfold.common import residue_constants as rc
-from fastfold.common.rigid import quat_to_rot
-from fastfold.model import AlphaFold, InferenceOptions, config
-from fastfold.model.testing import random_batch, randomize_parameters
+from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.common.rigid import quat_to_rot
+from lowmem.fastfold.model import AlphaFold, InferenceOptions, config
+from lowmem.fastfold.model.testing import random_batch, randomize_parameters
 
 F64 = torch.float64
 KEYS = (

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fastfold.common.rigid import Rigid, quat_to_rot
-from fastfold.model.config import StructureModuleConfig
-from fastfold.model.evoformer import (
+from lowmem.fastfold.common.rigid import Rigid, quat_to_rot
+from lowmem.fastfold.model.config import StructureModuleConfig
+from lowmem.fastfold.model.evoformer import (
     GlobalAttention,
     MSAColumnAttention,
     MSAColumnGlobalAttention,
@@ -20,9 +20,9 @@ from fastfold.model.evoformer import (
     TriangleAttention,
     TriangleMultiplication,
 )
-from fastfold.model.options import InferenceOptions
-from fastfold.model.structure_module import InvariantPointAttention
-from fastfold.model.testing import randomize_parameters
+from lowmem.fastfold.model.options import InferenceOptions
+from lowmem.fastfold.model.structure_module import InvariantPointAttention
+from lowmem.fastfold.model.testing import randomize_parameters
 
 OPTS = InferenceOptions()
 CHUNK2 = InferenceOptions(chunk_size=2)
@@ -291,8 +291,8 @@ def test_invariant_point_attention_chunked_matches_whole(chunk):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_ptm_and_pae_with_a_leading_batch_dim_equal_each_item(chunk):
     """compute_ptm / compute_predicted_aligned_error on [b, N, N, B] equal the per-item float64 results."""
-    from fastfold.model.config import HeadsConfig
-    from fastfold.model.heads import compute_predicted_aligned_error, compute_ptm
+    from lowmem.fastfold.model.config import HeadsConfig
+    from lowmem.fastfold.model.heads import compute_predicted_aligned_error, compute_ptm
 
     cfg = HeadsConfig()
     g = torch.Generator().manual_seed(0)

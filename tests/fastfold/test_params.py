@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastfold import params
-from fastfold.model import AlphaFold, InferenceOptions, config
-from fastfold.model.testing import random_batch, randomize_parameters
+from lowmem.fastfold import params
+from lowmem.fastfold.model import AlphaFold, InferenceOptions, config
+from lowmem.fastfold.model.testing import random_batch, randomize_parameters
 
 P = params.PREFIX
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastfold.io.protein import from_pdb
-from fastfold.pipeline import (
+from lowmem.fastfold.io.protein import from_pdb
+from lowmem.fastfold.pipeline import (
     AlignmentConfig,
     FoldConfig,
     ModelSpec,
@@ -93,7 +93,7 @@ def test_a_failing_target_is_reported_and_the_others_go_on(tmp_path):
 @pytest.mark.slow
 def test_ray_several_targets_match_the_in_process_path(tmp_path):
     pytest.importorskip("ray")
-    from fastfold.relax import RelaxConfig
+    from lowmem.fastfold.relax import RelaxConfig
 
     targets = [Target(f"t{i}", seq) for i, seq in enumerate(["MKTAYIAK", "GSWLLKKA", "PEPTIDEK"])]
     ray_results = fold_targets(targets, _config(tmp_path / "ray", num_workers=2, relax=RelaxConfig(platform="CPU")))
@@ -113,7 +113,7 @@ def test_ray_several_targets_match_the_in_process_path(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_dap_ranks_match_one_process(tmp_path):
-    pytest.importorskip("fastfold.dap")
+    pytest.importorskip("lowmem.fastfold.dap")
     target = Target("pep", "MKTAYIAKQRQISF")
     (one,) = fold_targets([target], _config(tmp_path / "one"))
     (two,) = fold_targets([target], _config(tmp_path / "two", devices=2))

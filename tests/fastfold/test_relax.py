@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastfold.common import residue_constants as rc
-from fastfold.io.protein import Protein
-from fastfold.relax import RelaxConfig, amber, relax_protein
-from fastfold.relax.violations import find_violations
+from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.io.protein import Protein
+from lowmem.fastfold.relax import RelaxConfig, amber, relax_protein
+from lowmem.fastfold.relax.violations import find_violations
 
 SEQUENCE = "MKTAYIAG"
 

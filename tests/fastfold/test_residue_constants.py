@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastfold.common import residue_constants as rc
+from lowmem.fastfold.common import residue_constants as rc
 
 
 def test_orders_and_sizes():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
+from lowmem import kernels
 from tests.kernels._tolerance import check, check_op
 
 LOW = [torch.float32, torch.float16, torch.bfloat16]

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-import kernels
-from kernels import backend
+from lowmem import kernels
+from lowmem.kernels import backend
 
 
 def test_env_var_and_context_manager(monkeypatch):
@@ -42,7 +42,7 @@ def test_paths_chosen_on_cpu():
 
 def test_fallback_is_logged_once(caplog):
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.WARNING, logger="kernels.backend"), kernels.use_backend("triton"):
+    with caplog.at_level(logging.WARNING, logger="lowmem.kernels.backend"), kernels.use_backend("triton"):
         for _ in range(3):
             assert backend.select_path("attention", cpu, "head dim 999 is not supported (test)") == "cpu"
     hits = [r for r in caplog.records if "head dim 999" in r.getMessage()]
@@ -72,20 +72,3 @@ def test_backend_report_names_a_bad_env_var(monkeypatch):
     monkeypatch.setenv("SUITE_KERNEL_BACKEND", "bogus")
     report = kernels.backend_report("cpu")
     assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v for v in report.values())
-
-
-def test_name_shared_with_hugging_face_kernels_is_explained(monkeypatch):
-    """transformers >= 5.25 imports Hugging Face's `kernels` (same import name as ours): the failure names the pin."""
-    from importlib import metadata
-
-    import kernels
-
-    with pytest.raises(AttributeError, match="no attribute 'CUDAProperties'"):
-        kernels.CUDAProperties  # noqa: B018 -- the Hugging Face package is not installed here
-    real = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda dist: "0.19.1" if dist == "kernels" else real(dist))
-    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` 0\.19\.1.*transformers<5\.25"):
-        from kernels import CUDAProperties  # noqa: F401
-    with pytest.raises(AttributeError):  # private and dunder lookups stay plain AttributeErrors
-        kernels._not_there  # noqa: B018
-    from kernels import attention, layer_norm  # noqa: F401 -- our own names are unaffected

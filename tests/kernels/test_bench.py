@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from suite.bench import kernels as bench
+from lowmem.suite.bench import kernels as bench
 
 
 def _args(**over) -> argparse.Namespace:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from lowmem import kernels
 from tests.kernels._tolerance import check_op
 
 LOW = [torch.float32, torch.float16, torch.bfloat16]

@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from core_parallel import run_on_ranks
+from lowmem.core_parallel import run_on_ranks
 from tests.fastfold.test_dap import _model
 
 KEYS = ("final_atom_positions", "plddt", "pair")
 
 
 def _batches(seed: int) -> list[dict[str, torch.Tensor]]:
-    from fastfold.model import config
-    from fastfold.model.testing import random_batch
+    from lowmem.fastfold.model import config
+    from lowmem.fastfold.model.testing import random_batch
 
     cfg = config.tiny(templates=True, tm=True)
     return [random_batch(cfg, n_res=n, n_seq=5, n_extra=3, n_templ=2, n_recycle=0, seed=seed + n) for n in (11, 6)]
@@ -42,7 +42,7 @@ def _module():
 def _predict(rank: int, world: int, seed: int) -> list[dict]:
     import lightning.pytorch as pl
 
-    import recipes  # noqa: F401 - registers "dap"
+    from lowmem import recipes  # noqa: F401 - registers "dap"
 
     trainer = pl.Trainer(
         strategy="dap", accelerator="cpu", devices=world, logger=False, enable_progress_bar=False,
@@ -86,7 +86,7 @@ def test_fit_is_refused():
 
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from recipes.dap import DAPStrategy
+    from lowmem.recipes.dap import DAPStrategy
 
     with pytest.raises(ValueError, match="not fit"):
         DAPStrategy().setup(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core_parallel import run_on_ranks
+from lowmem.core_parallel import run_on_ranks
 
 FASTA = ">alpha first target\nMKTAYIAKQRQISFVKSHFSRQLEERLG\n>beta\nGSHMLEDPVK\n"
 NAMES = ("alpha", "beta")
@@ -21,7 +21,7 @@ def _recipe(rank: int, world: int, fasta: str, out: str) -> int:
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
+    from lowmem.recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
 
     trainer = pl.Trainer(
         strategy="dap", accelerator="cpu", devices=world, callbacks=[FoldPredictionWriter(out, relax=False)],
@@ -35,7 +35,7 @@ def _recipe(rank: int, world: int, fasta: str, out: str) -> int:
 @pytest.fixture(scope="module")
 def folded(tmp_path_factory) -> dict[str, Path]:
     """suite fold and the one-device recipe on the same FASTA."""
-    from suite.cli import main
+    from lowmem.suite.cli import main
 
     root = tmp_path_factory.mktemp("fold")
     fasta = root / "targets.fasta"
@@ -80,8 +80,8 @@ def test_two_dap_ranks_write_the_same(folded):
 
 
 def test_bad_fasta_fails_before_model_work(tmp_path):
-    from fastfold.data.parsers import InputError
-    from recipes import FoldDataModule
+    from lowmem.fastfold.data.parsers import InputError
+    from lowmem.recipes import FoldDataModule
 
     bad = tmp_path / "bad.fasta"
     bad.write_text(">good\nMKVL\n>broken_record\nMK1VL\n")
@@ -90,7 +90,7 @@ def test_bad_fasta_fails_before_model_work(tmp_path):
 
 
 def test_shipped_recipe_loads():
-    from recipes.fold import load_recipe
+    from lowmem.recipes.fold import load_recipe
 
     path = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "fold.yaml"
     recipe = load_recipe(path)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from recipes.ray import FitJob, RayConfig, fit_on_ray
+from lowmem.recipes.ray import FitJob, RayConfig, fit_on_ray
+from tests._paths import tests_only_path
 from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
 
 pytest.importorskip("ray.train.lightning")
@@ -28,8 +27,8 @@ def test_config_validation():
 def test_ray_strategy_passes_rays_check():
     from ray.train.lightning import RayDDPStrategy
 
-    from recipes import GeminiStrategy, ZeroStrategy
-    from recipes.ray import ray_strategy
+    from lowmem.recipes import GeminiStrategy, ZeroStrategy
+    from lowmem.recipes.ray import ray_strategy
 
     zero = ray_strategy("zero2_offload")
     assert isinstance(zero, ZeroStrategy) and isinstance(zero, RayDDPStrategy)
@@ -42,10 +41,10 @@ def test_ray_strategy_passes_rays_check():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):
-    import core_parallel
+    from lowmem import core_parallel
 
     # Local Ray workers inherit the driver's environment: make `tests` importable there.
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setenv("PYTHONPATH", tests_only_path())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
     result = fit_on_ray(_build_job, config)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from core_parallel import run_on_ranks
+from lowmem.core_parallel import run_on_ranks
+from tests._paths import tests_only_path
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def trainer_defaults(**kwargs) -> dict:
 
 def make_trainer(strategy, devices: int, root: Path, max_epochs: int, **kwargs):
     pl = _lightning()
-    import recipes  # noqa: F401  (registers the strategy names)
+    from lowmem import recipes  # noqa: F401  (registers the strategy names)
 
     args = trainer_defaults(max_epochs=max_epochs, default_root_dir=str(root), **kwargs)
     return pl.Trainer(strategy=strategy, devices=devices, **args)
@@ -142,7 +143,7 @@ def reference_weights(epochs: int) -> dict[str, torch.Tensor]:
 
 def consolidated(ckpt: Path, out: Path) -> str:
     """Merge the sharded folder into one safetensors file; returns its path (tensors do not cross processes)."""
-    import core_parallel
+    from lowmem import core_parallel
 
     core_parallel.consolidate_checkpoint(ckpt, out)
     return str(out)
@@ -161,7 +162,7 @@ def _fit_and_save(
     if precision == "16-mixed":
         from lightning.pytorch.strategies import StrategyRegistry
 
-        from recipes.precision import ShardedPrecision
+        from lowmem.recipes.precision import ShardedPrecision
 
         entry = StrategyRegistry[name]
         strategy = entry["strategy"](precision_plugin=ShardedPrecision("16-mixed"), **entry["init_params"])
@@ -285,8 +286,8 @@ def test_saved_on_2_ranks_resumes_on_1(two_rank_run, one_rank_run, name):
 def test_registered_names_and_precision_plugin():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import recipes
-    from recipes.precision import ShardedPrecision
+    from lowmem import recipes
+    from lowmem.recipes.precision import ShardedPrecision
 
     for name in SHARDED:
         assert name in StrategyRegistry, name
@@ -306,7 +307,7 @@ _DEAD_RANK_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from tests.recipes.test_strategies import make_module, make_trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from recipes import ZeroStrategy
+    from lowmem.recipes import ZeroStrategy
 
     root = Path(sys.argv[1])
     ckpt = ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=1, save_top_k=-1)
@@ -322,7 +323,7 @@ def _dead_rank_env(rank: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-        NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=tests_only_path(), PYTHONSAFEPATH="1",
     )
     return env
 
@@ -330,7 +331,7 @@ def _dead_rank_env(rank: int, port: int) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def dead_rank_run(tmp_path_factory) -> dict:
     """Two ranks under Lightning's ModelCheckpoint (every step); rank 1 dies in step 4 (global_step 3)."""
-    from core_parallel.launch import free_port
+    from lowmem.core_parallel.launch import free_port
 
     root = tmp_path_factory.mktemp("dead_rank")
     port = free_port()
@@ -393,13 +394,13 @@ def test_configs_behind_the_names(monkeypatch, tmp_path):
 
 
 def recipes_strategies():
-    import recipes.strategies
+    from lowmem.recipes import strategies
 
-    return recipes.strategies
+    return strategies
 
 
 def test_peer_failure_is_recognised():
-    from recipes.strategies import _looks_like_peer_failure
+    from lowmem.recipes.strategies import _looks_like_peer_failure
 
     gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:30886: Connection reset by peer"
     assert _looks_like_peer_failure(RuntimeError(gloo))

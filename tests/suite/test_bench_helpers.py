@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from suite.bench.dap import fit_longest, search_longest
+from lowmem.suite.bench.dap import fit_longest, search_longest
 
 
 def _quadratic(a: float, b: float):

@@ -1,16 +1,18 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from suite.cli import COMMANDS, main
+from lowmem.suite.cli import COMMANDS, main
 
 
 def _run(*argv):
-    return subprocess.run([sys.executable, "-m", "suite", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "lowmem.suite", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
 
 
 def test_help_lists_subcommands():
@@ -46,7 +48,7 @@ def test_env_text(capsys):
 
 @pytest.mark.distributed
 def test_bench_collectives_writes_both_paths(tmp_path):
-    from core_parallel.host_comm import host_collectives_supported
+    from lowmem.core_parallel.host_comm import host_collectives_supported
 
     if not host_collectives_supported():
         pytest.skip("host collectives need x86-64 Linux with /dev/shm")
