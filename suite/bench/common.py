@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 __all__ = [
+    "ddp_options",
+    "fast_optimizer",
     "fix_malloc",
     "hwm_bytes",
     "machine_info",
@@ -107,6 +109,24 @@ def malloc_trim() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def fast_optimizer(cls: type, params: Any, **kwargs: Any) -> tuple[Any, str]:
+    """`cls(params, fused=True, **kwargs)` where this build and device have the fused kernel, else `foreach=True`,
+    else the per-tensor loop: a baseline at its best, as its users would run it. Returns (optimizer, which ran:
+    "fused", "foreach" or "for-loop")."""
+    params = list(params)
+    for flag in ("fused", "foreach"):
+        try:
+            return cls(params, **{flag: True}, **kwargs), flag
+        except (RuntimeError, ValueError, TypeError):
+            continue  # this optimizer, device or dtype has no such implementation here
+    return cls(params, **kwargs), "for-loop"
+
+
+def ddp_options() -> dict[str, Any]:
+    """Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
+    return {"gradient_as_bucket_view": True}
 
 
 def machine_info() -> dict[str, Any]:

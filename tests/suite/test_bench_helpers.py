@@ -1,12 +1,27 @@
-"""Pure helpers of the benchmarks: the DAP budget fit and search (no model runs)."""
+"""Helpers of the benchmarks: the DAP budget fit and search, the fair-baseline optimizer choice, and memory as
+the kernel charges it (page cache included). No model runs, no timed assertions."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
+import torch
 
+from lowmem.suite.bench import memory
+from lowmem.suite.bench.common import fast_optimizer
 from lowmem.suite.bench.dap import fit_longest, search_longest
+
+MIB = 2**20
+_WRITE = (  # a child process writes 64 MiB through the page cache (no fsync, no O_DIRECT) and exits
+    "import sys\n"
+    "with open(sys.argv[1], 'wb') as f:\n"
+    "    for _ in range(64):\n"
+    "        f.write(b'\\x01' * (1 << 20))\n"
+)
 
 
 def _quadratic(a: float, b: float):
@@ -52,3 +67,120 @@ def test_search_longest_brackets_and_bisects(seed, tol):
 
 def test_search_longest_nothing_fits():
     assert search_longest(lambda n: 1e6, 10.0, 100, 1, {}) == 0
+
+
+# ---- fair baselines ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_fast_optimizer_runs_the_fastest_implementation_and_says_which(cls):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt, impl = fast_optimizer(cls, [p], lr=0.1)
+    plain = cls([ref], lr=0.1, foreach=False)
+    assert impl in ("fused", "foreach")
+    assert opt.defaults[impl] is True
+    for _ in range(3):  # same update as the per-tensor loop (a float64 reference)
+        g = torch.randn_like(p)
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        plain.step()
+    torch.testing.assert_close(p, ref)
+
+
+def test_fast_optimizer_falls_back_to_the_loop():
+    class LoopOnly(torch.optim.SGD):
+        def __init__(self, params, **kw):
+            if kw.get("fused") or kw.get("foreach"):
+                raise RuntimeError("no such implementation")
+            super().__init__(params, **kw)
+
+    _, impl = fast_optimizer(LoopOnly, [torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert impl == "for-loop"
+
+
+# ---- memory as the kernel charges it ----------------------------------------------------------------------
+
+
+def _write_in_child(path) -> None:
+    subprocess.run([sys.executable, "-c", _WRITE, str(path)], check=True)
+
+
+def test_mincore_counts_a_file_written_by_another_process(tmp_path):
+    target = tmp_path / "tier.bin"
+    _write_in_child(target)
+    assert memory.file_resident_bytes(str(target)) >= 60 * MIB
+    assert memory.files_resident_bytes([str(tmp_path)]) >= 60 * MIB
+    # clean pages dropped from the cache are no longer counted: the count follows the cache, not the size
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert memory.file_resident_bytes(str(target)) < 32 * MIB
+
+
+def test_mincore_of_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "small").write_bytes(b"x" * 10)
+    assert memory.file_resident_bytes(str(tmp_path / "empty")) == 0
+    assert 10 <= memory.file_resident_bytes(str(tmp_path / "small")) <= os.sysconf("SC_PAGE_SIZE")
+    assert memory.files_resident_bytes([str(tmp_path / "gone")]) == 0
+
+
+@pytest.mark.parametrize("use_cgroup", [True, False], ids=["available-method", "mincore-fallback"])
+def test_whole_command_peak_counts_page_cache(tmp_path, use_cgroup):
+    target = tmp_path / "tier.bin"
+    out = memory.run_command([sys.executable, "-c", _WRITE, str(target)], offload_paths=[str(tmp_path)],
+                             use_cgroup=use_cgroup, timeout=120)
+    assert out["returncode"] == 0
+    assert out["method"].startswith("cgroup" if use_cgroup and memory.cgroup_method() != "rss+mincore" else "rss+")
+    # the command's own RSS is ~10 MiB: the 64 MiB can only come from the page cache it wrote
+    assert out["peak_bytes"] >= 60 * MIB, out
+
+
+def test_whole_command_fallback_sees_the_tree(tmp_path):
+    """Without a cgroup, memory held by a grandchild counts (sampled tree RSS / ru_maxrss)."""
+    grandchild = "b = bytearray(96 << 20); b[::4096] = b'\\x01' * len(b[::4096]); import time; time.sleep(0.5)"
+    argv = [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"]
+    out = memory.run_command(argv, use_cgroup=False, timeout=120)
+    assert out["returncode"] == 0
+    assert out["peak_bytes"] >= 90 * MIB, out
+
+
+def test_whole_command_returncode_and_cleanup(tmp_path):
+    out = memory.run_command([sys.executable, "-c", "raise SystemExit(3)"], timeout=60)
+    assert out["returncode"] == 3
+    if out["method"].startswith("cgroup"):
+        probe = memory.Cgroup.create("x")
+        probe.remove()
+        left = [n for n in os.listdir(os.path.dirname(probe.path)) if n.startswith(f"lowmem-cmd-{os.getpid()}-")]
+        assert not left
+
+
+@pytest.mark.parametrize("use_cgroup", [True, False], ids=["available-method", "mincore-fallback"])
+def test_side_meter_counts_page_cache_written_after_start(tmp_path, use_cgroup):
+    meter = memory.SideMeter([str(tmp_path)], use_cgroup=use_cgroup)
+    try:
+        meter.start()
+        before = meter.peak()
+        _write_in_child(tmp_path / "tier.bin")  # a child forked after start() is in the group too
+        assert meter.peak() - before >= 60 * MIB, meter.method
+    finally:
+        meter.close()
+    assert meter.group is None
+
+
+def test_cgroup_is_made_and_removed_where_the_machine_allows():
+    group = memory.Cgroup.create("unit")
+    if group is None:
+        assert memory.cgroup_method() == "rss+mincore"
+        pytest.skip("no memory cgroup can be made here")
+    try:
+        assert os.path.isdir(group.path)
+        assert group.peak() >= 0 and group.reset_peak() in (True, False)
+    finally:
+        group.remove()
+    assert not os.path.exists(group.path)

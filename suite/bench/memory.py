@@ -1,0 +1,415 @@
+"""Memory as the kernel charges it: each measured side in its own memory cgroup (page cache included), or, where
+no cgroup can be made, resident memory plus the page-cache pages of the files a side writes (mincore).
+
+RSS leaves out the page cache, and the NVMe tier writes through it: under a container or Slurm memory limit those
+pages are charged to the job. So every figure here says how it was taken (`method`):
+
+- `cgroup2:memory.peak` / `cgroup1:memory.max_usage_in_bytes`: a fresh child of this process's memory cgroup;
+  what the kernel charges to it (anonymous memory, page cache, kernel memory of its tasks) at its highest. Only
+  pages first touched inside the group are charged to it: shared libraries already in the page cache stay
+  charged where they were first read, as they would under a container limit started on a warm machine.
+- `rss+mincore`: without a usable cgroup, peak RSS plus the resident page-cache pages of the offload files
+  (found with mincore(2) on a read-only mapping). The two peaks need not coincide and a file mapped into the
+  process is counted twice, so this is an upper bound.
+
+For whole commands (`run_command`), the cgroup holds the process tree from its first instruction to its exit,
+the figure a container limit would see; without one, the tree's summed RSS is sampled and compared with the
+children's `ru_maxrss` (what `/usr/bin/time -v` prints), plus the offload files' resident pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = [
+    "Cgroup",
+    "SideMeter",
+    "cgroup_method",
+    "file_resident_bytes",
+    "files_resident_bytes",
+    "run_command",
+    "tree_rss_bytes",
+]
+
+_counter = itertools.count()
+_FALLBACK = "rss+mincore"
+
+
+# ---- cgroups -----------------------------------------------------------------------------------------------
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, super options) of each mount, from /proc/self/mountinfo."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rest = left.split(), right.split()
+                if len(fields) >= 5 and len(rest) >= 3:
+                    out.append((fields[4], rest[0], rest[2]))
+    except OSError:
+        pass
+    return out
+
+
+def _own_paths() -> dict[str, str]:
+    """This process's cgroup per hierarchy: '' for v2, else each v1 controller name."""
+    paths: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                for c in controllers.split(",") if controllers else [""]:
+                    paths[c] = path
+    except OSError:
+        pass
+    return paths
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _read_int(path: str) -> int:
+    with open(path) as f:
+        return int(f.read().split()[0])
+
+
+class Cgroup:
+    """A fresh child of this process's memory cgroup: `add` processes, read `peak()`, `remove()` it.
+
+    `Cgroup.create()` returns None where the machine does not allow one (not root, no memory controller, a v2
+    parent that holds processes and so cannot hand the controller down)."""
+
+    def __init__(self, version: int, path: str, home: str) -> None:
+        self.version, self.path, self.home = version, path, home  # home: this process's own group folder
+        self.method = "cgroup2:memory.peak" if version == 2 else "cgroup1:memory.max_usage_in_bytes"
+        self._peak_fd: int | None = None
+
+    @property
+    def procs(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    @classmethod
+    def create(cls, label: str = "bench") -> Cgroup | None:
+        name = f"lowmem-{label}-{os.getpid()}-{next(_counter)}"
+        own = _own_paths()
+        for point, fstype, options in _mounts():
+            if fstype == "cgroup2" and "" in own:
+                group = cls._make(2, point, own[""], name)
+            elif fstype == "cgroup" and "memory" in options.split(",") and "memory" in own:
+                group = cls._make(1, point, own["memory"], name)
+            else:
+                continue
+            if group is not None:
+                return group
+        return None
+
+    @classmethod
+    def _make(cls, version: int, point: str, own: str, name: str) -> Cgroup | None:
+        home = os.path.join(point, own.lstrip("/"))
+        path = os.path.join(home, name)
+        probe = "memory.peak" if version == 2 else "memory.max_usage_in_bytes"
+        try:
+            if version == 2:
+                with open(os.path.join(home, "cgroup.controllers")) as f:
+                    if "memory" not in f.read().split():
+                        return None
+                with open(os.path.join(home, "cgroup.subtree_control")) as f:
+                    if "memory" not in f.read().split():
+                        # fails (EBUSY) in a non-root group that holds processes: then no v2 measurement
+                        _write(os.path.join(home, "cgroup.subtree_control"), "+memory")
+            os.mkdir(path)
+        except OSError:
+            return None
+        group = cls(version, path, home)
+        if not os.path.exists(os.path.join(path, probe)):
+            group.remove()
+            return None
+        return group
+
+    def add(self, pid: int | None = None) -> None:
+        """Move `pid` (default: this process) into the group; its new pages are charged here from now on."""
+        _write(self.procs, str(pid if pid is not None else os.getpid()))
+
+    def leave(self) -> None:
+        """Move this process back to the group it came from."""
+        _write(os.path.join(self.home, "cgroup.procs"), str(os.getpid()))
+
+    def usage(self) -> int:
+        return _read_int(os.path.join(self.path, "memory.current" if self.version == 2 else "memory.usage_in_bytes"))
+
+    def peak(self) -> int:
+        """Highest charge since the group was made (or since `reset_peak`), bytes."""
+        if self._peak_fd is not None:
+            return int(os.pread(self._peak_fd, 64, 0).split()[0])
+        return _read_int(os.path.join(self.path, "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+
+    def reset_peak(self) -> bool:
+        """Start the peak again from the current charge; False where the kernel cannot."""
+        try:
+            if self.version == 1:
+                _write(os.path.join(self.path, "memory.max_usage_in_bytes"), "0")
+                return True
+            # v2 (Linux >= 6.12): a write resets the peak seen through that same open file
+            fd = os.open(os.path.join(self.path, "memory.peak"), os.O_RDWR)
+            os.write(fd, b"reset\n")
+        except OSError:
+            return False
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+        self._peak_fd = fd
+        return True
+
+    def remove(self) -> None:
+        """Delete the group once its processes are gone (its page cache moves to the parent)."""
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.02)  # exiting tasks leave the group a moment after wait() returns
+
+    def __enter__(self) -> Cgroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+_method_cache: list[str] = []
+
+
+def cgroup_method() -> str:
+    """How this machine's figures are taken: the cgroup method when a child group can be made, else rss+mincore."""
+    if not _method_cache:
+        group = Cgroup.create("probe")
+        _method_cache.append(group.method if group else _FALLBACK)
+        if group:
+            group.remove()
+    return _method_cache[0]
+
+
+# ---- page cache of files (mincore) -------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_WINDOW = 1 << 30  # map at most 1 GiB at a time: the vector of one byte per page stays small
+
+
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
+
+
+def file_resident_bytes(path: str) -> int:
+    """Bytes of `path` now in the page cache (mincore(2) on a read-only shared mapping; maps nothing in)."""
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        total = 0
+        for offset in range(0, size, _WINDOW):
+            length = min(_WINDOW, size - offset)
+            addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                pages = (length + _PAGE - 1) // _PAGE
+                vec = ctypes.create_string_buffer(pages)
+                if libc.mincore(addr, length, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+                total += sum(b & 1 for b in vec.raw[:pages]) * _PAGE
+            finally:
+                libc.munmap(addr, length)
+        return min(total, size + _PAGE - 1)
+    finally:
+        os.close(fd)
+
+
+def files_resident_bytes(paths: Iterable[str]) -> int:
+    """Page-cache bytes of every regular file under `paths` (files or folders); files that vanish count 0."""
+    total = 0
+    for top in paths:
+        walk = [("", [], [top])] if os.path.isfile(top) else os.walk(top)
+        for folder, _, names in walk:
+            for name in names:
+                try:
+                    total += file_resident_bytes(os.path.join(folder, name))
+                except (OSError, ValueError):
+                    pass  # removed while we looked, or not mappable (a socket, a pipe)
+    return total
+
+
+# ---- a side measured inside its own processes -------------------------------------------------------------
+
+
+class SideMeter:
+    """Memory of one measured side from inside its process(es).
+
+    With a cgroup: `enter()` moves this process into a fresh group (or `join(path)` into one made by the
+    parent), so what it allocates from then on is charged there, page cache included. Without: peak RSS
+    (VmHWM, reset by `reset()`) plus the most the offload files held in the page cache, sampled every
+    `interval` seconds by a thread."""
+
+    def __init__(self, offload_paths: Sequence[str] = (), interval: float = 0.05, use_cgroup: bool = True) -> None:
+        self.offload_paths = list(offload_paths)
+        self.interval = interval
+        self.group = Cgroup.create("side") if use_cgroup else None
+        self.method = self.group.method if self.group else _FALLBACK
+        self._base = 0
+        self._files_max = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> SideMeter:
+        """Count from now: join the group, or take the resident set now as the base and start sampling files."""
+        from .common import rss_bytes
+
+        if self.group:
+            self.group.add()
+            self.group.reset_peak()
+            return self
+        self.reset()
+        self._base = rss_bytes()
+        if self.offload_paths and self._thread is None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._files_max = max(self._files_max, files_resident_bytes(self.offload_paths))
+
+    def reset(self) -> None:
+        """Peak from the current usage on (after setup, say)."""
+        from .common import reset_peak_rss
+
+        if self.group:
+            self.group.reset_peak()
+            return
+        reset_peak_rss()
+        self._files_max = files_resident_bytes(self.offload_paths) if self.offload_paths else 0
+
+    def peak(self) -> int:
+        """Highest charge since `start`/`reset`, bytes (the cgroup's; else VmHWM - base + file pages)."""
+        from .common import hwm_bytes
+
+        if self.group:
+            return self.group.peak()
+        if self.offload_paths:
+            self._files_max = max(self._files_max, files_resident_bytes(self.offload_paths))
+        return max(0, hwm_bytes() - self._base) + self._files_max
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.group:
+            try:
+                self.group.leave()
+            except OSError:
+                pass
+            self.group.remove()
+            self.group = None
+
+
+# ---- whole commands ----------------------------------------------------------------------------------------
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Summed RSS of `pid` and all its descendants now (0 for processes gone meanwhile)."""
+    kids = _children_map()
+    todo, total, page = [pid], 0, _PAGE
+    while todo:
+        p = todo.pop()
+        todo.extend(kids.get(p, ()))
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
+                env: dict[str, str] | None = None, timeout: float | None = None, use_cgroup: bool = True,
+                **popen: Any) -> dict[str, Any]:
+    """Run `argv` to its exit and return {"returncode", "peak_bytes", "method", "wall_s", ...}: the whole
+    process tree's memory from its first instruction to its exit (see the module doc)."""
+    group = Cgroup.create("cmd") if use_cgroup else None
+    t0 = time.perf_counter()
+    if group:
+        # the shell joins the group and execs the command, so every page of the command is charged there
+        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', group.procs, *argv]
+    proc = subprocess.Popen(list(argv), env=env, **popen)
+    sampled, files_max, maxrss = 0, 0, 0
+    try:
+        if group:
+            proc.wait(timeout=timeout)
+        else:
+            deadline = None if timeout is None else t0 + timeout
+            while True:
+                sampled = max(sampled, tree_rss_bytes(proc.pid))
+                if offload_paths:
+                    files_max = max(files_max, files_resident_bytes(offload_paths))
+                # wait4 on this child alone: its ru_maxrss, not that of every child this process ever had
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    proc.returncode = os.waitstatus_to_exitcode(status)
+                    maxrss = usage.ru_maxrss * 1024
+                    break
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise subprocess.TimeoutExpired(list(argv), timeout)
+                time.sleep(interval)
+        wall = time.perf_counter() - t0
+        if group:
+            return {"returncode": proc.returncode, "peak_bytes": group.peak(), "method": group.method,
+                    "wall_s": wall}
+        if offload_paths:
+            files_max = max(files_max, files_resident_bytes(offload_paths))
+        return {"returncode": proc.returncode, "peak_bytes": max(sampled, maxrss) + files_max,
+                "method": f"{_FALLBACK} (tree RSS sampled every {interval * 1e3:.0f} ms, children's ru_maxrss)",
+                "wall_s": wall, "tree_rss_bytes": sampled, "children_maxrss_bytes": maxrss,
+                "files_resident_bytes": files_max}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if group:
+            group.remove()
