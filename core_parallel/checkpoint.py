@@ -1,6 +1,6 @@
 """Sharded, world-size-independent checkpoints shared by ZeRO and Gemini.
 
-On-disk format (version 1): one folder
+On-disk format (version 2): one folder
 ```
 PATH/
   index.json                              written last, by rank 0
@@ -14,11 +14,12 @@ Each shard holds, for every parameter the rank owns a non-empty piece of, 1-D te
 `exp_avg_sq`, `momentum_buffer`, ...). Each is the flat range `[start, end)` of the parameter (row-major
 flattening of its global shape) recorded in the index. `index.json`:
 ```
-{"format": "core_parallel.sharded", "version": 1, "world_size": N,
+{"format": "core_parallel.sharded", "version": 2, "world_size": N,
  "params": {name: {"shape": [...], "dtype": "float16", "group": 0, "state_keys": ["master", "exp_avg", ...],
                    "scalars": {"step": {"tensor": 5.0, "dtype": "float32"}, "other": {"value": 1}}}},
  "shards": {"shard-00000-of-00002.safetensors": {name: [start, end], ...}, ...},
  "model_file": "model.safetensors" | null, "model_keys": [...],
+ "checksums": {"shard-00000-of-00002.safetensors": "<sha256 hex>", ..., "model.safetensors": "..."},
  "aliases": {"tied.name": "canonical.name"},        tied parameters, stored once
  "param_groups": [{"lr": 0.001, ..., "params": [names]}],
  "loss_scaler": {...}, "info": {"kind": "zero", "stage": 2, ...}, "extra": {...user JSON...}}
@@ -26,10 +27,19 @@ flattening of its global shape) recorded in the index. `index.json`:
 The ranges of one parameter across shards are disjoint and cover `[0, numel)`. Any number of ranks can load:
 each reads only the slices that overlap its own ranges (`CheckpointReader.read`).
 
+A checkpoint is untrusted input. The reader checks the index before reading any tensor: file names are plain
+names inside the folder (no separators, no `..`, regular files, not links), the ranges of every parameter
+tile `[0, numel)` exactly, each shard holds every tensor the index promises with the promised size, and each
+file's sha256 (version 2) matches; a bad checkpoint raises `CheckpointError`, one line naming the file and the
+problem. Version 1 (no checksums) still loads, unverified, with a warning. The index itself has no checksum:
+a damaged one fails these checks or JSON parsing, except in the values of hyperparameters and `extra`.
+
 Saving is atomic: rank 0 creates a temporary folder beside PATH and broadcasts its name, every rank writes
-its shard there, the ranks agree that all succeeded, rank 0 writes `index.json` and renames the folder
-into place (`core_parallel.fileio.atomic_dir`), then all ranks pass a barrier. A crash at any point leaves
-the previous checkpoint at PATH intact. All ranks must see the same file system.
+its shard there and flushes it to disk, the ranks agree that all succeeded, rank 0 writes `index.json` and
+swaps the folder into place (`core_parallel.fileio.atomic_dir`), then all ranks pass a barrier. A crash at any
+point leaves a complete checkpoint at PATH (the previous one, or, where the file system has no atomic
+exchange and the crash came between two renames, a complete `.PATH.old-*` beside it, which the reader uses
+when PATH is missing). All ranks must see the same file system.
 
 Protocol a sharded optimizer implements (ZeRO here, Gemini in `core_parallel.gemini`):
 - `process_group` attribute (None: the default group, or one process).
@@ -51,9 +61,11 @@ and rank 0 writes it. Loading never calls `model.state_dict()`: the expected nam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,9 +74,10 @@ import torch
 import torch.distributed as dist
 
 from . import flat
-from .fileio import atomic_dir, atomic_write
+from .fileio import atomic_dir, atomic_write, fsync_file, stale_copies
 
 __all__ = [
+    "CheckpointError",
     "FORMAT",
     "INDEX",
     "VERSION",
@@ -80,9 +93,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT = "core_parallel.sharded"
-VERSION = 1
+VERSION = 2
+"""Version 2 added `checksums`; version 1 checkpoints still load (without verification)."""
+READ_VERSIONS = (1, 2)
 INDEX = "index.json"
 MODEL_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is damaged, forged or inconsistent; the message names the file and the problem."""
 
 
 @dataclass(kw_only=True)
@@ -214,6 +233,7 @@ def _write_shard(folder: Path, state: ShardedState | None, rank: int, world: int
     fname = f"shard-{rank:05d}-of-{world:05d}.safetensors"
     meta: dict[str, Any] = {"file": fname, "ranges": {}, "params": {}}
     if state is None:
+        meta["file"] = None  # model only: no shard (version 1 listed one that was never written)
         return meta
     tensors = {}
     for name, ps in state.params.items():
@@ -233,13 +253,28 @@ def _write_shard(folder: Path, state: ShardedState | None, rank: int, world: int
         meta["ranges"][name] = [ps.start, ps.end]
     if tensors:
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        meta["sha256"] = _flush_and_hash(folder / fname)
     else:
         meta["file"] = None
     return meta
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _flush_and_hash(path: Path) -> str:
+    """fsync a file just written (safetensors does not) and return its sha256."""
+    fsync_file(path)
+    return _sha256(path)
+
+
 def _write_model_file(folder: Path, state_dict: dict[str, Any], managed: set[str], aliases: dict[str, str]
-                      ) -> list[str]:
+                      ) -> tuple[list[str], str | None]:
     from safetensors.torch import save_file
 
     tensors = {
@@ -247,20 +282,25 @@ def _write_model_file(folder: Path, state_dict: dict[str, Any], managed: set[str
         for k, v in state_dict.items()
         if k not in managed and k not in aliases and isinstance(v, torch.Tensor)
     }
-    if tensors:
-        save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
-    return sorted(tensors)
+    if not tensors:
+        return [], None
+    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    return sorted(tensors), _flush_and_hash(folder / MODEL_FILE)
 
 
-def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list[str], aliases: dict[str, str],
-                 extra: dict | None) -> dict[str, Any]:
+def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list[str], model_sha: str | None,
+                 aliases: dict[str, str], extra: dict | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
     shards: dict[str, dict] = {}
+    checksums: dict[str, str] = {}
     for meta in metas:
         for name, pmeta in meta["params"].items():
             params.setdefault(name, pmeta)
         if meta["file"] is not None:
             shards[meta["file"]] = meta["ranges"]
+            checksums[meta["file"]] = meta["sha256"]
+    if model_sha is not None:
+        checksums[MODEL_FILE] = model_sha
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -269,6 +309,7 @@ def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list
         "shards": shards,
         "model_file": MODEL_FILE if model_keys else None,
         "model_keys": model_keys,
+        "checksums": checksums,
         "aliases": aliases,
         "param_groups": _jsonable(state.param_groups) if state else [],
         "loss_scaler": _jsonable(state.loss_scaler) if state else {},
@@ -305,18 +346,18 @@ def save_checkpoint(
     with atomic_dir(path) as tmp:
         if world > 1:
             dist.broadcast_object_list([str(tmp)], src=_src(group), group=group)
-        ok, error, meta, model_keys = True, "", None, []
+        ok, error, meta, model_keys, model_sha = True, "", None, [], None
         try:
             meta = _write_shard(tmp, state, rank, world)
-            model_keys = _write_model_file(tmp, model_sd if model_sd is not None else model.state_dict(), managed,
-                                           aliases)
+            model_keys, model_sha = _write_model_file(
+                tmp, model_sd if model_sd is not None else model.state_dict(), managed, aliases)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             ok, error = False, f"rank 0: {exc!r}"
         results = _gather((ok, error, meta), group, world)
         failures = [r[1] for r in results if not r[0]]
         if failures:
             raise RuntimeError(f"saving checkpoint {path} failed: {'; '.join(failures)}")
-        index = _build_index([r[2] for r in results], state, model_keys, aliases, extra)
+        index = _build_index([r[2] for r in results], state, model_keys, model_sha, aliases, extra)
         with atomic_write(tmp / INDEX) as f:
             json.dump(index, f, indent=1)
     if world > 1:
@@ -349,27 +390,173 @@ def _gather(obj: Any, group, world: int) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- load
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name that can only mean a file directly inside the checkpoint folder."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and not os.path.isabs(name))
+
+
+def _resolve(path: Path) -> Path:
+    """`path`, or when no folder is there the complete old copy an interrupted swap left beside it."""
+    if path.exists():
+        return path
+    for old in stale_copies(path):
+        if (old / INDEX).is_file():
+            logger.warning("checkpoint %s is missing; a save was interrupted while replacing it: loading the "
+                           "complete previous copy %s", path, old)
+            return old
+    return path
+
+
 class CheckpointReader:
-    """Reads a checkpoint folder: the index, and any flat range of any saved tensor."""
+    """Reads a checkpoint folder: the index, and any flat range of any saved tensor.
+
+    The index is checked when the reader is made and each file when first read (`verify` checks them all at
+    once); see the module docstring. Any problem raises `CheckpointError`.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        self.path = _resolve(Path(path))
         index_file = self.path / INDEX
         if not index_file.is_file():
             raise FileNotFoundError(f"{self.path}: not a checkpoint folder (no {INDEX})")
+        self._index_file = index_file
         try:
             self.index: dict[str, Any] = json.loads(index_file.read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{index_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+            raise CheckpointError(f"{index_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{index_file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        if not isinstance(self.index, dict):
+            raise CheckpointError(f"{index_file}: expected a JSON object, got {type(self.index).__name__}")
         if self.index.get("format") != FORMAT:
-            raise ValueError(f"{index_file}: field 'format' is {self.index.get('format')!r}, expected {FORMAT!r}")
-        if self.index.get("version") != VERSION:
-            raise ValueError(f"{index_file}: field 'version' is {self.index.get('version')!r}, expected {VERSION}")
+            raise CheckpointError(
+                f"{index_file}: field 'format' is {self.index.get('format')!r}, expected {FORMAT!r}")
+        if self.index.get("version") not in READ_VERSIONS:
+            raise CheckpointError(f"{index_file}: field 'version' is {self.index.get('version')!r}, expected one "
+                                  f"of {list(READ_VERSIONS)}")
         self._ranges: dict[str, list[tuple[str, int, int]]] = {}
-        for fname, ranges in self.index["shards"].items():
-            for name, (start, end) in ranges.items():
-                self._ranges.setdefault(name, []).append((fname, start, end))
+        self._check_index()
+        self._checksums: dict[str, str] | None = self.index.get("checksums")
+        if self._checksums is None:
+            logger.warning("checkpoint %s (format version %s) has no checksums: loading it without verification",
+                           self.path, self.index["version"])
+        self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
+
+    # ---- checks ---------------------------------------------------------------------------------------
+    def _bad(self, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self._index_file}: {problem}")
+
+    def _check_index(self) -> None:
+        """Structure, file names and range tiling of the index; fills `self._ranges`."""
+        ix = self.index
+        for key, kind in (("params", dict), ("shards", dict), ("param_groups", list), ("loss_scaler", dict)):
+            if not isinstance(ix.get(key), kind):
+                raise self._bad(f"field {key!r} is missing or not a JSON {'object' if kind is dict else 'list'}")
+        numels: dict[str, int] = {}
+        for name, meta in ix["params"].items():
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+                raise self._bad(f"params.{name}: 'shape' must be a list of non-negative integers")
+            if not isinstance(meta.get("state_keys"), list) or not all(isinstance(k, str) for k in meta["state_keys"]):
+                raise self._bad(f"params.{name}: 'state_keys' must be a list of names")
+            try:
+                _dtype_from(meta.get("dtype", ""))
+            except ValueError:
+                raise self._bad(f"params.{name}: unknown dtype {meta.get('dtype')!r}") from None
+            numels[name] = _numel(shape)
+        for fname, ranges in ix["shards"].items():
+            if not _plain_name(fname):
+                raise self._bad(f"shard name {fname!r} is not a plain file name inside the checkpoint folder")
+            if not isinstance(ranges, dict):
+                raise self._bad(f"shards.{fname}: expected an object of ranges")
+            for name, rng in ranges.items():
+                if name not in numels:
+                    raise self._bad(f"shards.{fname}: range for {name!r}, which is not in 'params'")
+                if not (isinstance(rng, list) and len(rng) == 2 and all(_is_int(v) for v in rng)):
+                    raise self._bad(f"shards.{fname}.{name}: expected [start, end], got {rng!r}")
+                self._ranges.setdefault(name, []).append((fname, rng[0], rng[1]))
+        for name, numel in numels.items():
+            at = 0
+            for fname, start, end in sorted(self._ranges.get(name, []), key=lambda r: (r[1], r[2])):
+                if not 0 <= start < end <= numel:
+                    raise self._bad(f"{fname}: range [{start}, {end}) of {name!r} is empty or outside its "
+                                    f"{numel} elements")
+                if start != at:
+                    what = "overlaps the previous range" if start < at else f"leaves [{at}, {start}) uncovered"
+                    raise self._bad(f"{fname}: range [{start}, {end}) of {name!r} {what}")
+                at = end
+            if at != numel:
+                raise self._bad(f"the ranges of {name!r} cover [0, {at}) of its {numel} elements")
+        model_file = ix.get("model_file")
+        if model_file is not None and not _plain_name(model_file):
+            raise self._bad(f"model_file {model_file!r} is not a plain file name inside the checkpoint folder")
+        checksums = ix.get("checksums")
+        if ix["version"] >= 2:
+            if not isinstance(checksums, dict):
+                raise self._bad("field 'checksums' is missing or not a JSON object")
+            for fname in [*ix["shards"], *([model_file] if model_file else [])]:
+                if not isinstance(checksums.get(fname), str):
+                    raise self._bad(f"no checksum for {fname}")
+        aliases = ix.get("aliases", {})
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+            raise self._bad("field 'aliases' must map names to names")
+
+    def _file(self, fname: str) -> Path:
+        """The checked path of file `fname` of the checkpoint: a regular file, matching its checksum."""
+        path = self.path / fname
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a link or special file in a checkpoint)")
+        if self._checksums is not None and fname not in self._verified:
+            if _sha256(path) != self._checksums[fname]:
+                raise CheckpointError(f"{path}: sha256 does not match the index (the file is damaged or altered)")
+            self._verified.add(fname)
+        return path
+
+    def verify(self) -> None:
+        """Check every file of the checkpoint now (checksums, tensors and sizes), not on first read."""
+        for fname, ranges in self.index["shards"].items():
+            if ranges or self._checksums is not None:  # version 1 listed an unwritten shard for model-only saves
+                self._handle(fname)
+        if self.index.get("model_file"):
+            self._file(self.index["model_file"])
+
+    def _handle(self, fname: str):
+        from safetensors import SafetensorError, safe_open
+
+        if fname not in self._handles:
+            path = self._file(fname)
+            try:
+                handle = safe_open(str(path), framework="pt")
+                keys = set(handle.keys())
+                for name, (start, end) in self.index["shards"][fname].items():
+                    for key in self.index["params"][name]["state_keys"]:
+                        if f"{key}/{name}" not in keys:
+                            raise CheckpointError(f"{path}: tensor {key}/{name} is missing")
+                        shape = handle.get_slice(f"{key}/{name}").get_shape()
+                        if list(shape) != [end - start]:
+                            raise CheckpointError(f"{path}: tensor {key}/{name} has shape {list(shape)}, the index "
+                                                  f"says [{end - start}]")
+            except SafetensorError as exc:
+                raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
+            self._handles[fname] = handle
+        return self._handles[fname]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -446,9 +633,14 @@ class CheckpointReader:
         """The full-size tensors rank 0 saved from `model.state_dict()` (buffers, unmanaged parameters)."""
         if not self.index.get("model_file"):
             return {}
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(self.path / self.index["model_file"]))
+        path = self._file(self.index["model_file"])
+        try:
+            return load_file(str(path))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
 
     def state_dict(self, dtype: str = "working") -> dict[str, torch.Tensor]:
         """A plain model state_dict: masters cast to the working dtype (or float32), model tensors, aliases."""
@@ -497,6 +689,7 @@ def load_checkpoint(
     full model is loaded on every rank. Returns the `extra` dict given at save time.
     """
     reader = CheckpointReader(path)
+    reader.verify()  # every rank fails alike before any collective, not only those that read a bad file
     if optimizer is None:
         model.load_state_dict(reader.state_dict(), strict=strict)
         return reader.extra

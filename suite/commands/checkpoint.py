@@ -27,24 +27,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..errors import UsageError
 
     if args.action != "consolidate":
         raise UsageError(f"unknown action {args.action!r}")
     if not str(args.out).endswith(".safetensors"):
         raise UsageError(f"{args.out}: the output file must end in .safetensors")
-    if not (Path(args.path) / "index.json").is_file():
-        raise UsageError(f"{args.path}: not a checkpoint folder (no index.json)")
+    from safetensors import SafetensorError
+
     from ...core_parallel.checkpoint import CheckpointReader, consolidate_checkpoint
 
+    # A damaged or forged checkpoint (CheckpointError, a ValueError) or an unreadable file is bad input: one line
     try:
         reader = CheckpointReader(args.path)
-    except ValueError as exc:
+        out = consolidate_checkpoint(args.path, args.out, dtype=args.dtype)
+    except (ValueError, OSError, SafetensorError) as exc:
         raise UsageError(str(exc)) from None
-    out = consolidate_checkpoint(args.path, args.out, dtype=args.dtype)
     n_params = len(reader.param_names())
-    print(f"consolidated {args.path} (saved on {reader.index['world_size']} ranks, {n_params} sharded tensors) "
+    print(f"consolidated {reader.path} (saved on {reader.index['world_size']} ranks, {n_params} sharded tensors) "
           f"into {out}")
     return 0
