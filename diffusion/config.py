@@ -17,10 +17,15 @@ from .data import DataConfig
 from .errors import InputError
 from .training import LossConfig
 
-__all__ = ["LR_SCHEDULERS", "MIXED_PRECISION", "FineTuneConfig", "load_yaml_config"]
+__all__ = ["INTERPOLATION_MODES", "LR_SCHEDULERS", "MIXED_PRECISION", "REPORT_TO", "VALIDATION_SCHEDULERS",
+           "FineTuneConfig", "load_yaml_config"]
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 MIXED_PRECISION = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+REPORT_TO = ("tensorboard", "csv", "wandb", "all")
+VALIDATION_SCHEDULERS = ("DPMSolverMultistepScheduler", "DDPMScheduler")
+# torchvision's InterpolationMode names (what diffusers' --image_interpolation_mode takes) that PIL can do
+INTERPOLATION_MODES = ("nearest", "nearest_exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
 
 
 @dataclass(kw_only=True)
@@ -28,7 +33,26 @@ class FineTuneConfig:
     """One Stable Diffusion fine-tuning run (full, LoRA or DreamBooth)."""
 
     pretrained_model_name_or_path: str | None = None
-    """A diffusers pipeline folder or a single .safetensors/.ckpt file; None for the tiny built-in pipeline."""
+    """A diffusers pipeline folder, a hub id present in the local Hugging Face cache, or a single
+    .safetensors/.ckpt file; None for the tiny built-in pipeline."""
+    revision: str | None = None
+    """Hub revision of a cached model (branch, tag or commit)."""
+    variant: str | None = None
+    """Weight-file variant to load (`fp16` reads `*.fp16.safetensors`)."""
+    cache_dir: str | None = None
+    """Hugging Face cache folder for hub ids (models and datasets)."""
+    tokenizer_name: str | None = None
+    """A tokenizer folder (or cached hub id) to use instead of the pipeline's."""
+    tokenizer_max_length: int | None = None
+    """Token length of captions (default: the tokenizer's model_max_length)."""
+    dataset_name: str | None = None
+    """A local dataset folder (imagefolder) or a dataset in the Hugging Face cache (needs `datasets`)."""
+    dataset_config_name: str | None = None
+    """Configuration of `dataset_name` (needs `datasets`)."""
+    max_train_samples: int | None = None
+    """Train on this many samples (a seeded random subset)."""
+    image_interpolation_mode: str = "bilinear"
+    """Resampling filter of the resize: nearest, bilinear, bicubic, box, hamming or lanczos."""
     train_data_dir: str | None = None
     """An imagefolder (metadata.jsonl or .txt captions); None (and no instance data) for the built-in set."""
     image_column: str = "image"
@@ -73,6 +97,14 @@ class FineTuneConfig:
     """Learning-rate schedule (diffusers.optimization names)."""
     lr_warmup_steps: int = 0
     """Warm-up steps of the schedule."""
+    lr_num_cycles: int = 1
+    """Hard restarts of cosine_with_restarts."""
+    lr_power: float = 1.0
+    """Power of the polynomial schedule."""
+    use_8bit_adam: bool = False
+    """bitsandbytes' 8-bit AdamW (CUDA only)."""
+    allow_tf32: bool = False
+    """Allow TF32 matmuls and convolutions on Ampere and later GPUs."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
@@ -109,6 +141,18 @@ class FineTuneConfig:
     """A checkpoint-N folder, or `latest` (the newest in output_dir)."""
     validation_prompt: str | None = None
     """Prompt of the validation images (none without it)."""
+    validation_prompts: list[str] | None = None
+    """Several validation prompts (a grid each); with validation_prompt, both are used."""
+    validation_epochs: int | None = None
+    """Validate every this many epochs instead of every validation_steps."""
+    validation_scheduler: str | None = None
+    """Scheduler of the validation images: DPMSolverMultistepScheduler or DDPMScheduler (default: the base's)."""
+    sample_batch_size: int = 4
+    """Images per pipeline call when generating class images."""
+    prior_generation_precision: str | None = None
+    """dtype of class-image generation: no/fp32, fp16 or bf16 (default: the training dtype)."""
+    skip_save_text_encoder: bool = False
+    """Export the pipeline without its text encoder."""
     num_validation_images: int = 4
     """Images per validation grid."""
     validation_steps: int = 100
@@ -136,7 +180,13 @@ class FineTuneConfig:
     dataloader_num_workers: int = 0
     """Data-loading worker processes."""
     report_to: str = "tensorboard"
-    """tensorboard (with CSV) or csv."""
+    """tensorboard (with CSV), csv, wandb (with CSV; when installed) or all."""
+    tracker_project_name: str = "text2image-fine-tune"
+    """Project name for wandb."""
+    logging_dir: str = "logs"
+    """Log folder inside output_dir."""
+    log_every_n_steps: int = 10
+    """A plain progress line (step, loss, images/s, ETA) every this many steps when stdout is not a terminal."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings for user code; unused here."""
 
@@ -149,11 +199,13 @@ class FineTuneConfig:
         if self.resolution < 8 or self.resolution % 8:
             raise ValueError(f"resolution must be a positive multiple of 8, got {self.resolution}")
         positive = ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "checkpointing_steps",
-                    "validation_steps", "num_inference_steps", "devices", "num_nodes", "num_validation_images")
+                    "validation_steps", "num_inference_steps", "devices", "num_nodes", "num_validation_images",
+                    "lr_num_cycles", "sample_batch_size", "log_every_n_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_train_steps", "rank", "checkpoints_total_limit", "num_workers"):
+        for name in ("max_train_steps", "rank", "checkpoints_total_limit", "num_workers", "max_train_samples",
+                     "validation_epochs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -162,6 +214,8 @@ class FineTuneConfig:
         for name in ("lr_warmup_steps", "max_grad_norm", "num_class_images", "dataloader_num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tokenizer_max_length is not None and self.tokenizer_max_length < 2:
+            raise ValueError(f"tokenizer_max_length must be >= 2, got {self.tokenizer_max_length}")
         if not 0.0 <= self.ema_decay <= 1.0:
             raise ValueError(f"ema_decay must be in [0, 1], got {self.ema_decay}")
 
@@ -173,8 +227,21 @@ class FineTuneConfig:
                              f"got {self.mixed_precision!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
-        if self.report_to not in ("tensorboard", "csv"):
-            raise ValueError(f"report_to must be tensorboard or csv, got {self.report_to!r}")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        if self.image_interpolation_mode not in INTERPOLATION_MODES:
+            raise ValueError(f"image_interpolation_mode must be one of {', '.join(INTERPOLATION_MODES)}, "
+                             f"got {self.image_interpolation_mode!r}")
+        if self.validation_scheduler not in (None, *VALIDATION_SCHEDULERS):
+            raise ValueError(f"validation_scheduler must be one of {', '.join(VALIDATION_SCHEDULERS)}, "
+                             f"got {self.validation_scheduler!r}")
+        if self.prior_generation_precision not in (None, "no", "fp32", "fp16", "bf16"):
+            raise ValueError(f"prior_generation_precision must be no, fp32, fp16 or bf16, "
+                             f"got {self.prior_generation_precision!r}")
+        if isinstance(self.validation_prompts, str):
+            self.validation_prompts = [self.validation_prompts]
+        if self.dataset_name and (self.train_data_dir or self.instance_data_dir):
+            raise ValueError("dataset_name excludes train_data_dir and instance_data_dir")
         if self.prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
         LossConfig(prediction_type=self.prediction_type or "epsilon", snr_gamma=self.snr_gamma,
@@ -196,6 +263,11 @@ class FineTuneConfig:
 
     # -- derived component configs --------------------------------------------------------------------------
     @property
+    def prompts(self) -> list[str]:
+        """The validation prompts (validation_prompt first, then validation_prompts)."""
+        return [*([self.validation_prompt] if self.validation_prompt else []), *(self.validation_prompts or [])]
+
+    @property
     def lora(self) -> bool:
         """True when LoRA adapters are trained instead of full weights."""
         return self.rank is not None
@@ -204,7 +276,8 @@ class FineTuneConfig:
         """The data component's settings."""
         return DataConfig(resolution=self.resolution, center_crop=self.center_crop, random_flip=self.random_flip,
                           image_column=self.image_column, caption_column=self.caption_column,
-                          skip_bad_images=self.skip_bad_images)
+                          skip_bad_images=self.skip_bad_images, interpolation=self.image_interpolation_mode,
+                          max_length=self.tokenizer_max_length or 77)
 
     def loss_config(self, scheduler_prediction_type: str = "epsilon") -> LossConfig:
         """The loss settings; `prediction_type` falls back to the scheduler's."""

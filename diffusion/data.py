@@ -1,19 +1,23 @@
 """Captioned image data: scanning and validating local folders, image preprocessing, a resumable sampler.
 
-Folder formats (the ones diffusers' training scripts read):
-- an imagefolder with `metadata.jsonl`: one JSON object per line with `file_name` and a caption column;
+Folder formats (the ones diffusers' training scripts read, as `datasets`' imagefolder accepts them):
+- an imagefolder with `metadata.jsonl` (one JSON object per line) or `metadata.csv` (a header row), each
+  record with `file_name` and a caption column; a list-valued caption gives one caption picked at random
+  per sample (seeded), as diffusers does;
 - images with same-name `.txt` captions (`cat.png` + `cat.txt`);
 - DreamBooth: every image of `--instance_data_dir` gets `--instance_prompt` (and the class images
   `--class_prompt`).
 
 Every image is opened and decoded once while scanning, so a bad file stops the run before training with
 one line naming it (or is skipped with a warning when `skip_bad_images` is set). Grayscale, palette, RGBA,
-CMYK and 16-bit images are converted to 8-bit RGB (transparency over white); images smaller than the
-resolution are upscaled, as diffusers' resize does.
+CMYK and 16-bit images are converted to 8-bit RGB (transparency over white), and the EXIF orientation is
+applied (a phone photo stored sideways trains upright); images smaller than the resolution are upscaled,
+as diffusers' resize does.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -24,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .errors import InputError
 
@@ -36,6 +40,7 @@ __all__ = [
     "StepBatchSampler",
     "load_rgb",
     "preprocess",
+    "scan_dataset",
     "scan_image_folder",
     "scan_instance_folder",
     "validate_records",
@@ -64,6 +69,8 @@ class DataConfig:
     """Skip unreadable images with a warning instead of stopping."""
     max_length: int = 77
     """Token length every caption is padded or truncated to."""
+    interpolation: str = "bilinear"
+    """Resampling filter of the resize (torchvision's InterpolationMode names)."""
 
     def __post_init__(self) -> None:
         if self.resolution < 8 or self.resolution % 8:
@@ -73,14 +80,21 @@ class DataConfig:
         for name in ("image_column", "caption_column"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
+        if self.interpolation not in _RESAMPLING:
+            raise ValueError(f"interpolation must be one of {', '.join(_RESAMPLING)}, got {self.interpolation!r}")
+
+
+_RESAMPLING = {"nearest": "NEAREST", "nearest_exact": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC",
+               "box": "BOX", "hamming": "HAMMING", "lanczos": "LANCZOS"}
 
 
 @dataclass(frozen=True)
 class ImageRecord:
-    """One training image and its caption; `source` says where the pair was declared (for messages)."""
+    """One training image and its caption (or captions, one drawn per sample); `source` says where the pair
+    was declared (for messages)."""
 
     path: Path
-    caption: str
+    caption: str | tuple[str, ...]
     source: str
 
 
@@ -103,14 +117,21 @@ def _metadata_record(folder: Path, meta: Path, lineno: int, line: str, cfg: Data
         raise InputError(f"{where}: not valid JSON ({exc.msg})") from exc
     if not isinstance(row, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return _row_record(folder, where, row, cfg)
+
+
+def _row_record(folder: Path, where: str, row: dict[str, Any], cfg: DataConfig) -> ImageRecord:
     name = row.get("file_name", row.get(cfg.image_column))
     if not isinstance(name, str) or not name:
         raise InputError(f"{where}: missing 'file_name'")
     if cfg.caption_column not in row:
         raise InputError(f"{where}: missing caption column '{cfg.caption_column}' (keys: {', '.join(row)})")
     caption = row[cfg.caption_column]
-    if not isinstance(caption, str):
-        raise InputError(f"{where}: caption '{cfg.caption_column}' must be a string, got {type(caption).__name__}")
+    if isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption):
+        caption = tuple(caption)
+    elif not isinstance(caption, str):
+        raise InputError(f"{where}: caption '{cfg.caption_column}' must be a string or a non-empty list of "
+                         f"strings, got {type(caption).__name__}")
     path = folder / name
     if not path.is_file():
         raise InputError(f"{where}: image file '{name}' does not exist in {folder}")
@@ -128,15 +149,70 @@ def scan_image_folder(folder: str | Path, cfg: DataConfig) -> list[ImageRecord]:
         if not records:
             raise InputError(f"{meta}: no records (the file is empty)")
         return records
+    meta = folder / "metadata.csv"
+    if meta.is_file():
+        with open(meta, newline="", encoding="utf-8", errors="replace") as f:
+            try:
+                rows = list(csv.DictReader(f))
+            except csv.Error as exc:
+                raise InputError(f"{meta}: not valid CSV ({exc})") from exc
+        # line numbers count the header as line 1
+        records = [_row_record(folder, f"{meta}:{i}", row, cfg) for i, row in enumerate(rows, 2)]
+        if not records:
+            raise InputError(f"{meta}: no records (only a header, or empty)")
+        return records
     images = _images_in(folder)
     if not images:
-        raise InputError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) and no metadata.jsonl")
+        raise InputError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) and no metadata.jsonl/metadata.csv")
     records = []
     for image in images:
         txt = image.with_suffix(".txt")
         if not txt.is_file():
             raise InputError(f"{image}: missing caption (no {txt.name} and no metadata.jsonl in {folder})")
         records.append(ImageRecord(path=image, caption=txt.read_text(encoding="utf-8").strip(), source=str(txt)))
+    return records
+
+
+def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, cache_dir: str | None = None,
+                 export_dir: str | Path) -> list[ImageRecord]:
+    """Records of `--dataset_name`: a local imagefolder, or a dataset already in the Hugging Face cache.
+
+    A cached dataset is read with `datasets` offline (nothing is downloaded); its images are written once as
+    PNG files to `export_dir`, so the rest of the pipeline (validation, resumable sampling) sees a folder.
+    """
+    if Path(name).is_dir() and config_name is None:
+        return scan_image_folder(name, cfg)
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise InputError(f"--dataset_name {name}: reading it needs the datasets package") from exc
+    try:
+        ds = datasets.load_dataset(name, config_name, cache_dir=cache_dir, split="train")
+    except Exception as exc:  # noqa: BLE001 - any failure: not available offline
+        raise InputError(f"--dataset_name {name}: cannot load it offline ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    columns = list(ds.column_names)
+    for column in (cfg.image_column, cfg.caption_column):
+        if column not in columns:
+            raise InputError(f"--dataset_name {name}: no column '{column}' (columns: {', '.join(columns)})")
+    out = Path(export_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i, row in enumerate(ds):
+        path = out / f"{i:07d}.png"
+        if not path.is_file():
+            from ..core_parallel.fileio import atomic_write
+
+            with atomic_write(path, "wb") as f:
+                row[cfg.image_column].convert("RGB").save(f, format="PNG")
+        caption = row[cfg.caption_column]
+        caption = tuple(caption) if isinstance(caption, list) else str(caption)
+        records.append(ImageRecord(path=path, caption=caption, source=f"{name}[{i}]"))
+    if not records:
+        raise InputError(f"--dataset_name {name}: the train split is empty")
     return records
 
 
@@ -161,6 +237,7 @@ def load_rgb(path: str | Path) -> Image.Image:
     """Decode `path` fully and return an 8-bit RGB image (raises OSError/ValueError for bad files)."""
     with Image.open(path) as img:
         img.load()
+        img = ImageOps.exif_transpose(img)
         if img.mode.startswith("I") or img.mode == "F":
             img = _to_8bit(img)
         if img.mode == "P" and "transparency" in img.info:
@@ -209,7 +286,7 @@ def preprocess(img: Image.Image, cfg: DataConfig, generator: torch.Generator) ->
     w, h = img.size
     scale = r / min(w, h)
     nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
-    img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+    img = img.resize((nw, nh), getattr(Image.Resampling, _RESAMPLING[cfg.interpolation]))
     draws = torch.rand(3, generator=generator).tolist()
     if cfg.center_crop:
         left, top = (nw - r) // 2, (nh - r) // 2
@@ -254,7 +331,11 @@ class CaptionedImages(torch.utils.data.Dataset):
             img = load_rgb(record.path)
         except Exception as exc:  # noqa: BLE001 - the file changed after the scan
             raise InputError(f"{record.path}: unreadable image ({type(exc).__name__}: {exc})") from exc
-        return preprocess(img, self.cfg, generator), self.tokenize(record.caption)
+        pixels = preprocess(img, self.cfg, generator)
+        caption = record.caption
+        if not isinstance(caption, str):  # several captions: one per sample, drawn after the crop and flip
+            caption = caption[int(torch.randint(len(caption), (1,), generator=generator))]
+        return pixels, self.tokenize(caption)
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index, seed = key if isinstance(key, tuple) else (key, key)

@@ -21,7 +21,7 @@ from PIL import Image
 
 from ..core_parallel.fileio import atomic_write, fsync_dir
 
-__all__ = ["generate_images", "image_grid", "save_grid", "save_pipeline", "move_into"]
+__all__ = ["generate_images", "image_grid", "save_grid", "save_over_base", "save_pipeline", "move_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,38 @@ def save_pipeline(pipeline: Any, folder: str | Path) -> Path:
     return folder
 
 
+def save_over_base(base: str | Path, trained: dict[str, Any], folder: str | Path,
+                   drop: Sequence[str] = ()) -> Path:
+    """The base pipeline folder with the `trained` components replaced, written into `folder` atomically.
+
+    Every component the trainer did not train (scheduler, tokenizer, VAE, safety checker, feature extractor,
+    ...) is copied file for file, and `model_index.json` is the base's (so `requires_safety_checker` and the
+    scheduler class stay); `drop` names components exported as absent (`[null, null]` in the index).
+    """
+    import json
+
+    base, folder = Path(base), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((base / "model_index.json").read_text())
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".export-", suffix=".tmp"))
+    try:
+        for name, value in index.items():
+            if name.startswith("_") or not isinstance(value, list) or name in trained:
+                continue
+            if name in drop:
+                index[name] = [None, None]
+            elif value[0] is not None and (base / name).is_dir():
+                shutil.copytree(base / name, tmp / name)
+        for name, module in trained.items():
+            module.save_pretrained(tmp / name, safe_serialization=True)
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        entries = sorted(p.name for p in tmp.iterdir() if p.name != "model_index.json")
+        move_into(tmp, folder, [*entries, "model_index.json"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def image_grid(images: Sequence[Image.Image]) -> Image.Image:
     """Paste images (same size) into a near-square grid."""
     cols = math.ceil(math.sqrt(len(images)))
@@ -76,13 +108,15 @@ def save_grid(images: Sequence[Image.Image], path: str | Path) -> Path:
 
 @torch.no_grad()
 def generate_images(pipeline: Any, prompt: str, num_images: int, *, seed: int, steps: int,
-                    resolution: int) -> list[Image.Image]:
-    """`num_images` PIL images of `prompt`, reproducible from `seed` (one generator per image)."""
+                    resolution: int, batch_size: int = 1) -> list[Image.Image]:
+    """`num_images` PIL images of `prompt`, reproducible from `seed` (one generator per image, so image `i`
+    starts from the same noise whatever `batch_size`, the images per pipeline call, is)."""
     pipeline.set_progress_bar_config(disable=True)
     images = []
-    for i in range(num_images):
-        g = torch.Generator(device="cpu").manual_seed(seed + i)
-        out = pipeline(prompt, num_inference_steps=steps, generator=g, height=resolution, width=resolution,
-                       output_type="pil")
+    for first in range(0, num_images, batch_size):
+        n = min(batch_size, num_images - first)
+        gens = [torch.Generator(device="cpu").manual_seed(seed + first + i) for i in range(n)]
+        out = pipeline([prompt] * n, num_inference_steps=steps, generator=gens if n > 1 else gens[0],
+                       height=resolution, width=resolution, output_type="pil")
         images.extend(out.images)
     return images

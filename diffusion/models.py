@@ -1,5 +1,13 @@
-"""Loading the Stable Diffusion components: a diffusers pipeline folder, a single checkpoint file, or the tiny
-built-in pipeline; and assembling them into a `StableDiffusionPipeline`."""
+"""Loading the Stable Diffusion components: a diffusers pipeline folder, a hub id already in the local Hugging
+Face cache, a single checkpoint file, or the tiny built-in pipeline; and assembling them into a
+`StableDiffusionPipeline`.
+
+Besides the five trained/frozen components, `load_components` returns what the export must keep unchanged:
+`inference_scheduler` (the base's own scheduler class and config, e.g. `PNDMScheduler`; training uses a
+`DDPMScheduler` built from that config, as diffusers' scripts do), `source` (the base folder, whose untrained
+components are copied verbatim on export) and `extras` (safety checker, feature extractor and
+`requires_safety_checker` of a single-file base).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ from typing import Any
 
 from .errors import InputError
 
-__all__ = ["COMPONENTS", "check_pipeline_folder", "load_components", "make_pipeline"]
+__all__ = ["COMPONENTS", "check_pipeline_folder", "load_components", "make_pipeline", "resolve_pretrained"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +48,32 @@ def check_pipeline_folder(folder: Path) -> None:
             raise InputError(f"{folder / sub}: the '{sub}' component has none of {', '.join(files)}")
 
 
-def _from_folder(folder: Path) -> dict[str, Any]:
+def _scheduler_class(folder: Path) -> Any:
+    """The scheduler class the base pipeline ships (its `_class_name`), DDPMScheduler when unknown."""
+    import diffusers
+
+    try:
+        name = json.loads((folder / "scheduler" / "scheduler_config.json").read_text()).get("_class_name")
+    except (OSError, json.JSONDecodeError):
+        name = None
+    cls = getattr(diffusers, str(name), None)
+    return cls if cls is not None and hasattr(cls, "from_pretrained") else diffusers.DDPMScheduler
+
+
+def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None) -> dict[str, Any]:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
     check_pipeline_folder(folder)
+    tokenizer_source = (lambda: CLIPTokenizer.from_pretrained(resolve_pretrained(tokenizer_name))) if tokenizer_name \
+        else (lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"))
     loaders = {
-        "unet": lambda: UNet2DConditionModel.from_pretrained(folder, subfolder="unet"),
-        "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae"),
-        "text_encoder": lambda: CLIPTextModel.from_pretrained(folder, subfolder="text_encoder"),
-        "tokenizer": lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"),
+        "unet": lambda: UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant),
+        "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant),
+        "text_encoder": lambda: CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant),
+        "tokenizer": tokenizer_source,
         "scheduler": lambda: DDPMScheduler.from_pretrained(folder, subfolder="scheduler"),
+        "inference_scheduler": lambda: _scheduler_class(folder).from_pretrained(folder, subfolder="scheduler"),
     }
     out = {}
     for name, load in loaders.items():
@@ -58,7 +81,9 @@ def _from_folder(folder: Path) -> dict[str, Any]:
             out[name] = load()
         except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            raise InputError(f"{folder / name}: cannot load the '{name}' component ({reason})") from exc
+            where = folder / name if name != "tokenizer" or not tokenizer_name else Path(tokenizer_name)
+            raise InputError(f"{where}: cannot load the '{name}' component ({reason})") from exc
+    out["source"] = folder
     return out
 
 
@@ -73,41 +98,72 @@ def _from_single_file(path: Path) -> dict[str, Any]:
             f"{str(exc).splitlines()[0] if str(exc) else ''}); convert it to a diffusers folder first"
         ) from exc
     scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    extras = {"safety_checker": pipe.safety_checker, "feature_extractor": pipe.feature_extractor,
+              "requires_safety_checker": bool(pipe.config.get("requires_safety_checker", False))}
     return {"unet": pipe.unet, "vae": pipe.vae, "text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer,
-            "scheduler": scheduler}
+            "scheduler": scheduler, "inference_scheduler": pipe.scheduler, "extras": extras}
 
 
-def load_components(pretrained: str | None, *, tiny_resolution: int = 32) -> dict[str, Any]:
-    """The five components from `pretrained` (pipeline folder or `.safetensors`/`.ckpt` file), or the tiny ones.
+def resolve_pretrained(name: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """`name` as a local path: an existing file or folder, or a hub id's snapshot in the local cache.
 
-    The training noise scheduler is always a `DDPMScheduler` with the pipeline's scheduler config.
+    Nothing is downloaded: a hub id that is not cached raises `InputError`.
+    """
+    path = Path(name)
+    if path.exists():
+        if revision:
+            raise InputError(f"{path}: --revision applies to hub ids, not to a local folder")
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - every failure means: not in the local cache
+            raise InputError(f"{name}: not a local folder, and not in the Hugging Face cache"
+                             f"{f' at revision {revision}' if revision else ''} (nothing is downloaded here: "
+                             f"run huggingface-cli download {name} where there is network)") from exc
+    raise InputError(f"{path}: no such model folder or file (hub names cannot be downloaded here)")
+
+
+def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revision: str | None = None,
+                    variant: str | None = None, cache_dir: str | None = None,
+                    tokenizer_name: str | None = None) -> dict[str, Any]:
+    """The components of `pretrained` (pipeline folder, cached hub id or `.safetensors`/`.ckpt` file), or the
+    tiny ones: `unet`, `vae`, `text_encoder`, `tokenizer`, `scheduler` (a `DDPMScheduler` with the pipeline's
+    scheduler config, for training), `inference_scheduler` (the base's own), and `source` or `extras`.
     """
     if pretrained is None:
         from .tiny import TinyPipelineConfig, build_tiny_components
 
         logger.info("no --pretrained_model_name_or_path: using the tiny built-in pipeline (random weights)")
-        return build_tiny_components(TinyPipelineConfig(sample_size=tiny_resolution))
-    path = Path(pretrained)
+        comps = build_tiny_components(TinyPipelineConfig(sample_size=tiny_resolution))
+        if tokenizer_name:
+            from transformers import CLIPTokenizer
+
+            comps["tokenizer"] = CLIPTokenizer.from_pretrained(resolve_pretrained(tokenizer_name))
+        return comps
+    path = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     if path.is_dir():
-        return _from_folder(path)
-    if path.is_file():
-        if path.suffix not in (".safetensors", ".ckpt"):
-            raise InputError(f"{path}: expected a diffusers pipeline folder or a .safetensors/.ckpt file")
-        return _from_single_file(path)
-    raise InputError(f"{path}: no such model folder or file (hub names cannot be downloaded here)")
+        return _from_folder(path, variant, tokenizer_name)
+    if path.suffix not in (".safetensors", ".ckpt"):
+        raise InputError(f"{path}: expected a diffusers pipeline folder or a .safetensors/.ckpt file")
+    return _from_single_file(path)
 
 
-def make_pipeline(components: dict[str, Any], scheduler: Any | None = None) -> Any:
-    """A `StableDiffusionPipeline` over `components` (no safety checker)."""
+def make_pipeline(components: dict[str, Any], scheduler: Any | None = None, *, keep_extras: bool = False) -> Any:
+    """A `StableDiffusionPipeline` over `components`: no safety checker unless `keep_extras` (then the
+    base's safety checker, feature extractor and `requires_safety_checker` from `components["extras"]`)."""
     from diffusers import StableDiffusionPipeline
 
+    extras = (components.get("extras") or {}) if keep_extras else {}
     return StableDiffusionPipeline(
         vae=components["vae"],
         text_encoder=components["text_encoder"],
         tokenizer=components["tokenizer"],
         unet=components["unet"],
         scheduler=scheduler if scheduler is not None else components["scheduler"],
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+        safety_checker=extras.get("safety_checker"),
+        feature_extractor=extras.get("feature_extractor"),
+        requires_safety_checker=bool(extras.get("requires_safety_checker", False)),
     )

@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -35,7 +37,8 @@ from ..diffusion.data import (
 from ..diffusion.errors import InputError
 from ..diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 
-__all__ = ["ImageCaptionData", "StableDiffusionFineTune", "find_checkpoint", "fit_finetune", "fit_with_ray"]
+__all__ = ["ImageCaptionData", "StableDiffusionFineTune", "check_run", "find_checkpoint", "fit_finetune",
+           "fit_with_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +59,16 @@ class StableDiffusionFineTune(pl.LightningModule):
         from ..diffusion.models import load_components
 
         self.config = cfg = config or FineTuneConfig()
-        comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution)
+        comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution,
+                                               revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
+                                               tokenizer_name=cfg.tokenizer_name)
         self.unet, self.vae, self.text_encoder = comps["unet"], comps["vae"], comps["text_encoder"]
         self.tokenizer, self.noise_scheduler = comps["tokenizer"], comps["scheduler"]
+        # What the export keeps as the base ships it: the inference scheduler, the base folder (its untrained
+        # components are copied), a single file's safety checker and feature extractor.
+        self.inference_scheduler = comps.get("inference_scheduler", self.noise_scheduler)
+        self.base_source: Path | None = comps.get("source")
+        self.base_extras: dict[str, Any] = comps.get("extras") or {}
         self.loss_cfg = cfg.loss_config(self.noise_scheduler.config.prediction_type)
         if cfg.prediction_type:
             self.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
@@ -90,10 +100,25 @@ class StableDiffusionFineTune(pl.LightningModule):
         if cfg.gradient_checkpointing:
             from ..diffusion.memory import enable_checkpointing
 
+            # CLIP (transformers) recomputes only when the module is in train mode: see on_train_start.
             # recompute every block but not the attention (same gradients, no second attention pass)
             enable_checkpointing(self.unet, "keep_attention")
             if cfg.train_text_encoder:
                 self.text_encoder.gradient_checkpointing_enable()
+
+    def set_modes(self) -> None:
+        """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them.
+
+        Lightning keeps submodules in the mode they were loaded in (`from_pretrained` gives eval), and
+        transformers' CLIP runs its gradient checkpointing only in train mode.
+        """
+        cfg = self.config
+        self.unet.train()
+        self.vae.eval()
+        self.text_encoder.train(cfg.train_text_encoder)
+
+    def on_train_start(self) -> None:
+        self.set_modes()
 
     def trainable_names(self) -> set[str]:
         """State-dict names of the trained parameters (what a checkpoint keeps)."""
@@ -136,7 +161,12 @@ class StableDiffusionFineTune(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch, batch_idx)
         now = time.perf_counter()
-        self.log("train_loss", loss.detach(), prog_bar=True, on_step=True)
+        # the mean over ranks (each rank's loss is over its own slice of the global batch)
+        self.log("train_loss", loss.detach(), prog_bar=True, on_step=True, sync_dist=True)
+        schedulers = self.lr_schedulers() if self._trainer is not None else None
+        if schedulers is not None:
+            sched = schedulers[0] if isinstance(schedulers, list) else schedulers
+            self.log("lr", float(sched.get_last_lr()[0]), prog_bar=True, on_step=True)
         if self._t_last is not None:
             images = batch["pixel_values"].shape[0] * self.trainer.world_size
             self.log("images_per_s", images / max(now - self._t_last, 1e-9), prog_bar=True, on_step=True)
@@ -156,10 +186,18 @@ class StableDiffusionFineTune(pl.LightningModule):
         if cfg.scale_lr:
             lr *= cfg.gradient_accumulation_steps * cfg.train_batch_size * self.trainer.world_size
         params = [p for p in self.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+        adamw = torch.optim.AdamW
+        if cfg.use_8bit_adam:
+            import bitsandbytes as bnb  # check_run made sure it is importable and CUDA is there
+
+            adamw = bnb.optim.AdamW8bit
+        opt = adamw(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
+                    eps=cfg.adam_epsilon)
+        # diffusers' scripts count warm-up and total steps in optimizer steps times processes; Lightning steps
+        # the scheduler once per optimizer step, so optimizer steps are the unit here.
         sched = get_scheduler(cfg.lr_scheduler, optimizer=opt, num_warmup_steps=cfg.lr_warmup_steps,
-                              num_training_steps=max(1, self.trainer.max_steps))
+                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=cfg.lr_num_cycles,
+                              power=cfg.lr_power)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoint state -----------------------------------------------------------------------------------
@@ -177,8 +215,18 @@ class StableDiffusionFineTune(pl.LightningModule):
             self.ema.load_state_dict(checkpoint["ema"])
 
     # -- inference and export -------------------------------------------------------------------------------
+    def validation_scheduler(self) -> Any:
+        """The sampler of validation and class images: the base's own scheduler, or --validation_scheduler."""
+        name = self.config.validation_scheduler
+        if name is None:
+            return self.inference_scheduler
+        import diffusers
+
+        return getattr(diffusers, name).from_config(self.inference_scheduler.config)
+
     def pipeline(self, use_ema: bool = False) -> Any:
-        """A `StableDiffusionPipeline` over the current modules (EMA weights copied into a UNet copy)."""
+        """A `StableDiffusionPipeline` over the current modules with the base's scheduler and no safety
+        checker (as diffusers' validation builds it); EMA weights go into a UNet copy with `use_ema`."""
         import copy
 
         from ..diffusion.models import make_pipeline
@@ -188,21 +236,36 @@ class StableDiffusionFineTune(pl.LightningModule):
             unet = copy.deepcopy(self.unet)
             self.ema.copy_to(unet.parameters())
         comps = {"unet": unet, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer,
-                 "scheduler": self.noise_scheduler}
+                 "scheduler": self.validation_scheduler()}
         return make_pipeline(comps)
 
+    def autocast(self, precision: str | None = None) -> Any:
+        """The training dtype's autocast (or `precision`'s): frozen half-precision models meet fp32 weights."""
+        import contextlib
+
+        precision = precision or self.config.mixed_precision
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
     @torch.no_grad()
-    def generate(self, prompt: str, num_images: int, seed: int) -> list[Any]:
-        """Images of `prompt` from the current weights (eval mode, fp32 UNet calls under autocast off)."""
+    def generate(self, prompt: str, num_images: int, seed: int, *, use_ema: bool = False, batch_size: int = 1,
+                 precision: str | None = None) -> list[Any]:
+        """Images of `prompt` from the current weights (the EMA weights with `use_ema`), in eval mode and
+        under the training dtype's autocast; each model's train/eval mode is restored afterwards."""
         from ..diffusion.export import generate_images
 
-        was_training = self.training
+        modes = {m: m.training for m in self.modules()}
         self.eval()
         try:
-            return generate_images(self.pipeline(), prompt, num_images, seed=seed,
-                                   steps=self.config.num_inference_steps, resolution=self.config.resolution)
+            with self.autocast(precision):
+                return generate_images(self.pipeline(use_ema=use_ema), prompt, num_images, seed=seed,
+                                       steps=self.config.num_inference_steps, resolution=self.config.resolution,
+                                       batch_size=batch_size)
         finally:
-            self.train(was_training)
+            for m, mode in modes.items():
+                m.training = mode
 
 
 class ImageCaptionData(pl.LightningDataModule):
@@ -234,10 +297,24 @@ class ImageCaptionData(pl.LightningDataModule):
         cfg, dcfg = self.config, self.config.data_config()
         if cfg.instance_data_dir:
             found = scan_instance_folder(cfg.instance_data_dir, cfg.instance_prompt, "--instance_data_dir")
-            self.records = validate_records(found, dcfg, cfg.instance_data_dir)
+            records = validate_records(found, dcfg, cfg.instance_data_dir)
+        elif cfg.dataset_name:
+            from ..diffusion.data import scan_dataset
+
+            folder = cfg.dataset_name
+            records = validate_records(scan_dataset(cfg.dataset_name, dcfg, config_name=cfg.dataset_config_name,
+                                                    cache_dir=cfg.cache_dir,
+                                                    export_dir=Path(cfg.output_dir) / "dataset_images"),
+                                       dcfg, folder)
         else:
             folder = self._train_dir()
-            self.records = validate_records(scan_image_folder(folder, dcfg), dcfg, str(folder))
+            records = validate_records(scan_image_folder(folder, dcfg), dcfg, str(folder))
+        if cfg.max_train_samples is not None and cfg.max_train_samples < len(records):
+            # diffusers: dataset.shuffle(seed).select(range(n)); here a seeded subset in the original order
+            g = torch.Generator().manual_seed(cfg.seed)
+            keep = sorted(torch.randperm(len(records), generator=g)[: cfg.max_train_samples].tolist())
+            records = [records[i] for i in keep]
+        self.records = records
         return self.records
 
     def scan_class_images(self) -> list[ImageRecord]:
@@ -257,7 +334,9 @@ class ImageCaptionData(pl.LightningDataModule):
         if have >= cfg.num_class_images or self.trainer is None:
             return
         logger.info("generating %d class images of %r in %s", cfg.num_class_images - have, cfg.class_prompt, folder)
-        images = self.trainer.lightning_module.generate(cfg.class_prompt, cfg.num_class_images - have, cfg.seed)
+        precision = {"fp32": "no"}.get(cfg.prior_generation_precision or "", cfg.prior_generation_precision)
+        images = self.trainer.lightning_module.generate(cfg.class_prompt, cfg.num_class_images - have, cfg.seed,
+                                                        batch_size=cfg.sample_batch_size, precision=precision)
         for i, img in enumerate(images):
             from ..core_parallel.fileio import atomic_write
 
@@ -295,14 +374,18 @@ def _step_boundary(trainer: pl.Trainer, batch_idx: int) -> bool:
 
 
 def find_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint folder `resume` names: a path, or `latest` (None when output_dir has none)."""
+    """The checkpoint folder `resume` names: `latest` (None when output_dir has none), a `checkpoint-N` name
+    looked up inside output_dir (as diffusers' scripts do), or a path."""
     if resume == "latest":
         found = sorted((int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
                        if (m := _CKPT_RE.match(p.name)) and (p / CKPT_FILE).exists())
         return found[-1][1] if found else None
     path = Path(resume)
+    inside = Path(output_dir) / path.name
+    if not (path / CKPT_FILE).exists() and _CKPT_RE.match(path.name) and (inside / CKPT_FILE).exists():
+        path = inside
     if not (path / CKPT_FILE).exists():
-        raise InputError(f"{path}: not a checkpoint folder (no {CKPT_FILE} inside)")
+        raise InputError(f"{path}: not a checkpoint folder (no {CKPT_FILE} inside, nor in {inside})")
     return path
 
 
@@ -407,11 +490,20 @@ class CheckpointEvery(pl.Callback):
 
 
 class ValidateEvery(pl.Callback):
-    """Generates `num_validation_images` of the validation prompt every `every` steps; rank 0 writes a PNG grid."""
+    """Generates `num_validation_images` of each validation prompt every `every` steps; rank 0 writes a PNG
+    grid per prompt. The images come from the weights that would be exported (the EMA weights under
+    --use_ema) under the training dtype's autocast; a failure is logged and never stops the run."""
 
     def __init__(self, output_dir: str | Path, every: int) -> None:
         self.folder, self.every = Path(output_dir) / "validation", every
         self._last = -1
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        epochs = module.config.validation_epochs
+        if epochs:  # diffusers validates at the end of every validation_epochs-th epoch
+            batches = len(trainer.datamodule.dataset()) / (module.config.train_batch_size * trainer.world_size)
+            per_epoch = max(1, math.ceil(math.ceil(batches) / trainer.accumulate_grad_batches))
+            self.every = epochs * per_epoch
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -423,11 +515,17 @@ class ValidateEvery(pl.Callback):
         from ..diffusion.export import save_grid
 
         cfg = module.config
-        images = module.generate(cfg.validation_prompt, cfg.num_validation_images, cfg.seed)
-        if trainer.is_global_zero:
-            path = save_grid(images, self.folder / f"{name}.png")
-            logger.info("validation images: %s", path)
-            _log_images(trainer, name, images)
+        for i, prompt in enumerate(cfg.prompts):
+            stem = name if i == 0 else f"{name}-prompt{i}"
+            try:
+                images = module.generate(prompt, cfg.num_validation_images, cfg.seed, use_ema=True)
+            except Exception as exc:  # noqa: BLE001 - validation is optional: it must never lose the run
+                logger.error("validation %s failed and was skipped (%s: %s)", stem, type(exc).__name__, exc)
+                continue
+            if trainer.is_global_zero:
+                path = save_grid(images, self.folder / f"{stem}.png")
+                logger.info("validation images (%r): %s", prompt, path)
+                _log_images(trainer, stem, images)
 
 
 def _log_images(trainer: pl.Trainer, name: str, images: list[Any]) -> None:
@@ -438,6 +536,36 @@ def _log_images(trainer: pl.Trainer, name: str, images: list[Any]) -> None:
         if hasattr(experiment, "add_images"):
             arr = np.stack([np.asarray(img) for img in images])
             experiment.add_images(f"validation/{name}", arr, trainer.global_step, dataformats="NHWC")
+        elif hasattr(lg, "log_image"):  # wandb
+            lg.log_image(key=f"validation/{name}", images=list(images), step=trainer.global_step)
+
+
+class PlainProgress(pl.Callback):
+    """One plain line every `every` steps (step, loss, images/s, lr, ETA) on stdout, rank 0: what a log file
+    shows of a run whose stdout is not a terminal (a progress bar writes nothing useful there)."""
+
+    def __init__(self, every: int, stream: Any = None) -> None:
+        self.every, self.stream = every, stream
+        self._start: tuple[float, int] | None = None
+        self._last = -1
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        self._start = (time.perf_counter(), trainer.global_step)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == self._last or not _step_boundary(trainer, batch_idx):
+            return
+        if step % self.every and step != trainer.max_steps:
+            return
+        self._last = step
+        t0, s0 = self._start or (time.perf_counter(), 0)
+        elapsed, done = time.perf_counter() - t0, max(step - s0, 1)
+        eta = int(elapsed / done * max(trainer.max_steps - step, 0))
+        m = trainer.callback_metrics
+        loss, ips, lr = (float(m[k]) if k in m else float("nan") for k in ("train_loss", "images_per_s", "lr"))
+        print(f"step {step}/{trainer.max_steps} loss {loss:.4f} images/s {ips:.2f} lr {lr:.3g} "
+              f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=self.stream or sys.stdout, flush=True)
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -463,26 +591,72 @@ def _loggers(cfg: FineTuneConfig, resumed_step: int | None = None) -> list[Any]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     version = "csv" if resumed_step is None else f"csv-resumed-at-{resumed_step}"
-    loggers: list[Any] = [CSVLogger(cfg.output_dir, name="logs", version=version)]
-    if cfg.report_to == "tensorboard":
+    loggers: list[Any] = [CSVLogger(cfg.output_dir, name=cfg.logging_dir, version=version)]
+    if cfg.report_to in ("tensorboard", "all"):
         try:
-            loggers.append(TensorBoardLogger(cfg.output_dir, name="logs", version="tensorboard"))
+            loggers.append(TensorBoardLogger(cfg.output_dir, name=cfg.logging_dir, version="tensorboard"))
         except ModuleNotFoundError as exc:
             logger.warning("TensorBoard logging unavailable (%s); CSV only", exc)
+    if cfg.report_to == "wandb" or (cfg.report_to == "all" and _installed("wandb")):
+        from lightning.pytorch.loggers import WandbLogger
+
+        save_dir = str(Path(cfg.output_dir) / cfg.logging_dir)
+        loggers.append(WandbLogger(project=cfg.tracker_project_name, save_dir=save_dir))
     return loggers
 
 
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def check_run(cfg: FineTuneConfig) -> None:
+    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .. import recipes  # noqa: F401 - registers the strategy names
+
+    names = sorted({"auto", *StrategyRegistry.available_strategies()})
+    if cfg.strategy not in names:
+        import difflib
+
+        close = difflib.get_close_matches(cfg.strategy, names, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(names)})"
+        raise InputError(f"--strategy {cfg.strategy}: no such strategy{hint}")
+    cuda = torch.cuda.is_available()
+    if cfg.mixed_precision == "fp16" and not cuda:
+        raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
+                         "use bf16 or no")
+    if cfg.prior_generation_precision == "fp16" and not cuda:
+        raise InputError("--prior_generation_precision fp16: needs a CUDA device; use bf16 or fp32")
+    if cfg.use_8bit_adam and not (cuda and _installed("bitsandbytes")):
+        why = "no CUDA device" if not cuda else "bitsandbytes is not installed (pip install bitsandbytes)"
+        raise InputError(f"--use_8bit_adam: bitsandbytes' 8-bit AdamW cannot run here ({why})")
+    if cfg.report_to == "wandb" and not _installed("wandb"):
+        raise InputError("--report_to wandb: wandb is not installed (pip install wandb), use tensorboard or csv")
+    if cfg.dataset_name and not Path(cfg.dataset_name).is_dir() and not _installed("datasets"):
+        raise InputError(f"--dataset_name {cfg.dataset_name}: not a local folder, and reading a dataset from the "
+                         "Hugging Face cache needs the datasets package (pip install datasets)")
+    if cfg.dataset_config_name and not _installed("datasets"):
+        raise InputError("--dataset_config_name: needs the datasets package (pip install datasets)")
+
+
 class FinishRun(pl.Callback):
-    """At the end of a completed run (every rank): final validation grid, EMA weights in, export."""
+    """At the end of a completed run (every rank): EMA weights in, export, then the final validation grid.
+
+    The export comes before anything optional, so a failing validation cannot lose the run; the validation
+    then draws from exactly the exported weights.
+    """
 
     def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
         cfg = module.config
-        if cfg.validation_prompt:
-            ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
         if module.ema is not None:  # diffusers' scripts export the EMA weights
             module.ema.copy_to(module.unet.parameters())
             module.ema = None
         export(trainer, module)
+        if cfg.prompts:
+            ValidateEvery(cfg.output_dir, cfg.validation_steps).validate(trainer, module, "final")
 
 
 def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
@@ -491,7 +665,9 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
     cbs: list[pl.Callback] = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
     if progress_bar:
         cbs.append(_progress_bar())
-    if cfg.validation_prompt:
+    if not sys.stdout.isatty():
+        cbs.append(PlainProgress(cfg.log_every_n_steps))
+    if cfg.prompts:
         cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
     cbs += [*(callbacks or []), FinishRun()]
     return dict(
@@ -511,7 +687,12 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 
     if cfg.offload_dir:
         os.environ["SUITE_OFFLOAD_DIR"] = str(cfg.offload_dir)
-    kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, overrides.pop("enable_progress_bar", True))
+    if cfg.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # a progress bar only where a terminal shows it; elsewhere PlainProgress writes lines
+    bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
+    kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
     kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy)
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
@@ -522,7 +703,9 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
 
     Call on every rank (gathering sharded weights is collective); rank 0 writes.
     """
-    from ..diffusion.export import save_pipeline
+    import copy
+
+    from ..diffusion.export import save_over_base, save_pipeline
     from ..diffusion.lora import save_lora_weights
     from ..diffusion.models import make_pipeline
 
@@ -532,10 +715,26 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
         return out
     if cfg.lora:
         path = save_lora_weights(out, _lora_layers(module, parts))
+        logger.info("exported %s", path)
+        return path
+
+    def fp32(m: torch.nn.Module) -> torch.nn.Module:
+        # a copy when the live module is not fp32, so the run's own modules keep their dtype
+        return m if all(p.dtype == torch.float32 for p in m.parameters()) else copy.deepcopy(m).to(torch.float32)
+
+    trained = {"unet": fp32(parts["unet"])}
+    if cfg.train_text_encoder and not cfg.skip_save_text_encoder:
+        trained["text_encoder"] = fp32(parts["text_encoder"])
+    drop = ["text_encoder"] if cfg.skip_save_text_encoder else []
+    if module.base_source is not None and cfg.tokenizer_name is None:
+        # every component the trainer did not train is the base's, file for file
+        path = save_over_base(module.base_source, trained, out, drop=drop)
     else:
-        for name in ("unet", "vae", "text_encoder"):
-            parts[name].to(torch.float32)
-        pipe = make_pipeline({**parts, "tokenizer": module.tokenizer, "scheduler": module.noise_scheduler})
+        comps = {"vae": fp32(parts["vae"]), "text_encoder": fp32(parts["text_encoder"]), **trained,
+                 "tokenizer": module.tokenizer, "extras": module.base_extras}
+        pipe = make_pipeline(comps, scheduler=module.inference_scheduler, keep_extras=True)
+        if drop:
+            pipe.register_modules(text_encoder=None)
         path = save_pipeline(pipe, out)
     logger.info("exported %s", path)
     return path
@@ -555,6 +754,7 @@ def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Pa
 
 def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
     """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
+    check_run(cfg)
     data, max_steps, ckpt, resumed_step = _prepare(cfg, cfg.devices * cfg.num_nodes)
     module = StableDiffusionFineTune(cfg)
     data.tokenizer = module.tokenizer
@@ -586,11 +786,12 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
 
     # Ray workers run in their own working folders: every path must be absolute.
     paths = ("output_dir", "train_data_dir", "instance_data_dir", "class_data_dir", "pretrained_model_name_or_path",
-             "offload_dir")
+             "offload_dir", "cache_dir", "tokenizer_name", "dataset_name")
     cfg = dataclasses.replace(cfg, **{k: os.path.abspath(getattr(cfg, k)) for k in paths
                                       if getattr(cfg, k) and os.path.exists(getattr(cfg, k))})
     if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
         cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
+    check_run(cfg)
     workers = cfg.num_workers or cfg.devices * cfg.num_nodes
     _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)
     build = functools.partial(_ray_job, cfg, max_steps, str(ckpt / CKPT_FILE) if ckpt else None, resumed_step)
