@@ -1,9 +1,12 @@
 """`suite bench strategies`: Lightning strategies side by side on one LightningModule.
 
-Runs the same MLP LightningModule (AdamW, fixed sizes from the flags) under `ddp`, Lightning's `fsdp`
+Runs the same MLP LightningModule (AdamW at its best: `fused=True`, else `foreach=True`; fixed sizes from the
+flags) under `ddp` (`DDPStrategy(gradient_as_bucket_view=True)`), Lightning's `fsdp`
 (where it runs), `zero2` and `gemini`, each in a fresh group of `--ranks` processes, and reports per-rank
 peak memory (CUDA peak allocated on GPU; on CPU the growth of peak RSS during fit, which is what training
-added on top of the imports) and the median step time after warm-up.
+added on top of the imports) and the median step time after warm-up. `charged_mb_max` is the same span as the
+kernel charges it: each rank moves into its own memory cgroup before the Trainer is built and reads its peak
+(page cache included); without one, peak RSS plus offload pages (`suite.bench.memory` names the method).
 
     suite bench strategies --ranks 2 --hidden 1024 --layers 8 --batch 16 --steps 6 --json out.json
 """
@@ -53,7 +56,10 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
             return nn.functional.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            from .common import fast_optimizer
+
+            opt, self.optimizer_impl = fast_optimizer(torch.optim.AdamW, self.parameters(), lr=1e-4)
+            return opt
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(self.global_rank)
@@ -93,13 +99,20 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     import torch
 
     from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
-    from .common import peak_rss_bytes
+    from .common import ddp_options, peak_rss_bytes
+    from .memory import SideMeter
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
     timer = _timer(cuda)
+    meter = SideMeter().start()
+    strategy = name
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(**ddp_options())
     trainer = pl.Trainer(
-        strategy=name, accelerator=args["accelerator"], devices=world, max_steps=n_steps,
+        strategy=strategy, accelerator=args["accelerator"], devices=world, max_steps=n_steps,
         precision=args["precision"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer],
     )
@@ -109,8 +122,15 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     before = peak_rss_bytes()
     trainer.fit(module)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - before
+    charged = meter.peak()
+    meter.close()
     times = sorted(timer.times[args["warmup"]:])
-    return {"peak_bytes": int(peak), "step_s": times[len(times) // 2] if times else float("nan")}
+    impl = getattr(module, "optimizer_impl", "?")
+    ran = "gemini fused Adam" if name == "gemini" else f"torch AdamW {impl}"
+    if name == "ddp":
+        ran += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
+    return {"peak_bytes": int(peak), "step_s": times[len(times) // 2] if times else float("nan"),
+            "charged_bytes": charged, "memory_method": meter.method, "ran": ran}
 
 
 def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
@@ -130,7 +150,10 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
         "status": "ok",
         "peak_mb_max": max(peaks) / 2**20,
         "peak_mb_per_rank": [round(p / 2**20, 1) for p in peaks],
+        "charged_mb_max": max(r["charged_bytes"] for r in per_rank) / 2**20,
         "step_ms": 1e3 * max(r["step_s"] for r in per_rank),
+        "ran": per_rank[0]["ran"],
+        "memory_method": per_rank[0]["memory_method"],
     }
 
 
@@ -140,6 +163,8 @@ def _add_ratios(rows: list[dict]) -> None:
         if base and r["status"] == "ok":
             r["mem_vs_ddp"] = r["peak_mb_max"] / base["peak_mb_max"] if base["peak_mb_max"] else float("nan")
             r["time_vs_ddp"] = r["step_ms"] / base["step_ms"]
+            charged = base["charged_mb_max"]
+            r["charged_vs_ddp"] = r["charged_mb_max"] / charged if charged else float("nan")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,10 +186,13 @@ def run(args: argparse.Namespace) -> int:
     params = args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * (args.hidden + 1)
     rows = [_run_strategy(name, args, shared) for name in names]
     _add_ratios(rows)
-    columns = ["strategy", "status", "peak_mb_max", "peak_mb_per_rank", "step_ms", "mem_vs_ddp", "time_vs_ddp"]
+    columns = ["strategy", "status", "peak_mb_max", "peak_mb_per_rank", "charged_mb_max", "step_ms", "mem_vs_ddp",
+               "charged_vs_ddp", "time_vs_ddp", "ran"]
     title = (f"Lightning strategies: {params / 1e6:.1f}M params, {args.ranks} ranks on {accelerator}, "
              f"batch {args.batch}/rank, {args.precision}")
     print_table(rows, columns, title=title)
+    methods = sorted({r["memory_method"] for r in rows if "memory_method" in r})
+    print(f"charged: {methods} from before the Trainer was built (page cache included)")
     write_json(args.json, {"benchmark": "strategies", "params": params, "settings": {**shared, "ranks": args.ranks},
                            "results": rows})
     return 0
