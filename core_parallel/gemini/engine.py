@@ -44,13 +44,12 @@ def _param_infos(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
             raise ValueError(f"parameter {name} has dtype {p.dtype}; Gemini chunks floating-point parameters")
         if p.requires_grad and id(p) not in in_optim:
             raise ValueError(f"parameter {name} requires grad but is not in the optimizer; freeze it or add it")
-        if not p.requires_grad and id(p) in in_optim:
-            raise ValueError(f"parameter {name} is in the optimizer but has requires_grad=False")
+        # a frozen parameter in the optimizer is accepted, as torch does: it gets no gradient, so no step
         infos.append(ParamInfo(index=len(params), name=name, numel=p.numel(), dtype="chunk", trainable=p.requires_grad))
         params.append(p)
     if not params:
         raise ValueError("the model has no parameters to place in chunks")
-    if len(in_optim) != sum(p.requires_grad for p in params):
+    if not in_optim <= {id(p) for p in params}:
         raise ValueError("the optimizer holds tensors that are not parameters of the model")
     return params, infos
 

@@ -8,51 +8,20 @@ For each module that registers chunked parameters directly:
   earlier, as soon as all its trainable parameters have their gradients);
 - per trainable parameter, a post-accumulate-grad hook moves `param.grad` into the chunk's gradient
   buffer and frees it.
-A parameter must be used inside the forward of a module that registers it (tied parameters registered by
-several modules are fine); using another module's parameter directly is not supported.
+While a module computes, its own parameters have their plain class; outside, they are guarded (`fallback.py`):
+any other read of them (another module's parameter, a tied output layer in the parent's forward) gathers their
+chunk for that op and for its backward.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from .fallback import _BackwardCall, _outside_modes, guard, unguard
 from .manager import ChunkManager
 
 __all__ = ["register_hooks"]
-
-
-class _BackwardCall:
-    """One forward call of a module, seen from backward: gathers once, releases once."""
-
-    __slots__ = ("mgr", "ids", "gathered", "released")
-
-    def __init__(self, mgr: ChunkManager, ids: tuple[int, ...]) -> None:
-        self.mgr, self.ids = mgr, ids
-        self.gathered = self.released = False
-
-    def pre(self, grad: torch.Tensor) -> None:
-        if not self.gathered:
-            self.gathered = True
-            self.mgr.begin_backward()
-            self.mgr.access(self.ids)
-
-    def post(self, grad: torch.Tensor) -> None:
-        if self.gathered and not self.released and self.mgr._in_backward:
-            self.released = True
-            self.mgr.done(self.ids)
-
-
-def _outside_modes():
-    """Gathers and releases run outside any TorchDispatchMode. Under selective activation checkpointing the
-    module hooks fire inside the checkpointed region, in forward and again in the recompute, and whether a
-    chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops of a
-    gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
-    rejects ("encountered during backward but not found in storage")."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 _FLAT = (torch.Tensor, int, float, bool, str, type(None))
@@ -70,12 +39,16 @@ def _grad_tensors(args, kwargs: dict | None = None) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ...]) -> list:
+def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ...], own: tuple) -> list:
     calls: list[_BackwardCall] = []
+    entered = [0]  # calls whose gather succeeded: `post` also runs when forward (or `pre`) raised
 
     def pre(mod, args, kwargs):
+        mgr.pass_open = True
         with _outside_modes():
             mgr.access(ids)
+        entered[0] += 1
+        unguard(own)
         if torch.is_grad_enabled():
             call = _BackwardCall(mgr, ids)
             calls.append(call)
@@ -83,6 +56,10 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
                 t.register_hook(call.post)
 
     def post(mod, args, kwargs, output):
+        guard(own)
+        if not entered[0]:
+            return
+        entered[0] -= 1
         with _outside_modes():
             mgr.done(ids)
         if torch.is_grad_enabled() and calls:
@@ -92,7 +69,7 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, with_kwargs=True),
+        module.register_forward_hook(post, with_kwargs=True, always_call=True),
     ]
 
 
@@ -105,10 +82,14 @@ def _state_dict_hooks(module: torch.nn.Module, mgr: ChunkManager, names: dict[st
             state_dict[prefix + name] = mgr.param_value(pidx)
         mgr.io_release(names.values())
 
+    own = [mgr.params[pidx] for pidx in names.values()]
+
     def load_pre(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         mgr.io_load(names.values(), {pidx: state_dict.get(prefix + name) for name, pidx in names.items()})
+        unguard(own)  # torch copies into the parameters (scratch storage; the shards were written above)
 
     def load_post(mod, incompatible):
+        guard(own)
         mgr.io_release(names.values())
 
     return [
@@ -127,18 +108,24 @@ def register_hooks(model: torch.nn.Module, mgr: ChunkManager, index_of: dict[int
         if not names:
             continue
         ids = tuple(sorted({mgr.slot_of[i].chunk for i in names.values()}))
-        handles += _module_hooks(module, mgr, ids)
+        own = tuple(mgr.params[i] for i in dict.fromkeys(names.values()))
+        handles += _module_hooks(module, mgr, ids, own)
         handles += _state_dict_hooks(module, mgr, names)
     for pidx, p in enumerate(mgr.params):
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(_grad_hook(mgr, pidx)))
-    handles.append(model.register_forward_hook(lambda mod, args, out: mgr.release_idle()))
+    handles.append(model.register_forward_hook(lambda mod, args, out: mgr.end_forward()))
+    for pidx, p in enumerate(mgr.params):
+        p._gemini = (mgr, pidx)
+    guard(mgr.params)
     return handles
 
 
 def _grad_hook(mgr: ChunkManager, pidx: int):
     def hook(p: torch.Tensor) -> None:
-        mgr.on_grad(pidx, p.grad)
-        p.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # .grad is metadata: no call into the guard
+            grad = p.grad
+            p.grad = None
+        mgr.on_grad(pidx, grad)
 
     return hook

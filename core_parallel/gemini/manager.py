@@ -33,6 +33,7 @@ class _StateDictIO:
     collective on all ranks), loading writes each rank's own shard (no communication)."""
 
     def io_gather(self, pidxs: Iterable[int]) -> None:
+        self.pass_open = False
         if self.placeholder_state_dict:
             return
         for ci in sorted({self.slot_of[p].chunk for p in pidxs}):
@@ -58,6 +59,7 @@ class _StateDictIO:
         now and kept on rank 0, so they land in the model file exactly as ZeRO saves them.
         """
         self.end_checkpoint()
+        self.pass_open = False
         for c in self.chunks:
             if c.spec.trainable:
                 continue
@@ -141,6 +143,8 @@ class ChunkManager(_StateDictIO):
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
         self._in_backward = False
+        self.pass_open = False  # a forward (or its backward) is under way: the fallback may gather
+        self._storage_keys: dict[int, int] = {}
         self.passes = 0
         self._reduce_ptr = len(self.trainable_chunks) - 1
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
@@ -197,6 +201,26 @@ class ChunkManager(_StateDictIO):
                 buf.allocate()
                 self.ledger.add(buf.tier, "optim", buf.nbytes)
             c.bind(self.params)
+            self._storage_keys[c.index] = c.full.untyped_storage()._cdata
+
+    def is_trainable(self, pidx: int) -> bool:
+        """Whether parameter `pidx` sits in a trainable chunk (it had requires_grad at setup)."""
+        return self.chunks[self.slot_of[pidx].chunk].spec.trainable
+
+    def storage_keys(self, ids: Iterable[int]) -> set[int]:
+        """Identities of the storages of chunks `ids` (a tensor aliasing one of them views chunk data)."""
+        return {self._storage_keys[i] for i in ids}
+
+    def reads_allowed(self) -> bool:
+        """Whether a parameter read outside its modules may gather its chunk: inside a pass, where every rank
+        runs the same reads (between steps a read may be one rank's alone, and a gather would hang)."""
+        return self.pass_open or self._in_backward
+
+    def end_forward(self) -> None:
+        """The root module's forward returned: release idle chunks; a pass without autograd ends here."""
+        self.release_idle()
+        if not torch.is_grad_enabled():
+            self.pass_open = False
 
     # ---- gather / release --------------------------------------------------------------------------
     def access(self, ids: Iterable[int]) -> None:
@@ -365,9 +389,11 @@ class ChunkManager(_StateDictIO):
             c.sm.users = 0
         self.release_idle()
         self._in_backward = False
+        self.pass_open = False
 
     def zero_grad(self) -> None:
         """Drop gradient shards, pending local gradients and the used-parameter flags."""
+        self.pass_open = False
         self.finish_reductions()
         for c in self.trainable_chunks:
             if c.grad.allocated:
@@ -396,6 +422,7 @@ class ChunkManager(_StateDictIO):
     def end_step(self) -> None:
         """After the optimizer step: drop gathered copies (now stale), freeze the traced order (first step),
         start a new step's ledger."""
+        self.pass_open = False
         self.release_idle()
         self.trace.freeze()
         self.trace.new_step()

@@ -72,7 +72,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 self.group_of[index_of[id(p)]] = gi
                 self.order.append(index_of[id(p)])
-        self.steps: dict[int, int] = dict.fromkeys(self.group_of, 0)
+        # trained: the parameters stepped (a frozen parameter may sit in a group; it is never stepped, as in torch)
+        self.steps: dict[int, int] = {p: 0 for p in self.group_of if manager.is_trainable(p)}
         self.last_grad_norm: torch.Tensor | None = None
         self.process_group = manager.group
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
@@ -272,6 +273,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.steps[pidx] = 0
         for i, entry in state_dict["state"].items():
             pidx = self.order[int(i)]
+            if pidx not in self.steps:
+                continue  # state of a parameter frozen here: never stepped
             self.steps[pidx] = int(entry["step"]) if "step" in entry else 1
             self._load_entry(pidx, entry)
 

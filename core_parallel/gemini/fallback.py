@@ -1,0 +1,198 @@
+"""Reads of a chunked parameter outside the forward of a module that registers it.
+
+The module hooks (`hooks.py`) are the fast path: while a module computes, the chunks of its own parameters are
+gathered and its backward gathers them again. Any other read (a tied output layer `h @ self.emb.weight.t()` in
+the parent's forward, a parameter of another module, a view of a parameter kept from earlier) would see a
+released chunk, which reads as zeros on a CPU device and as freed memory on an accelerator.
+
+So a parameter outside its modules' forwards is a `_Guarded` instance: its class is swapped (no new object,
+no copy) to a subclass of its own class with a `__torch_function__` that, for any op reading its data,
+gathers the chunk for that op, keeps views of it guarded too, and, when autograd records the op, gathers the
+chunk again before the op's backward (as the module hooks do for a module) so the gradients are computed
+from the real values and reach the chunk's reduction through the parameter's own gradient. Metadata (shape,
+dtype, `.grad`, hooks) passes through untouched. While a module that registers it computes, the parameter is
+of its plain class again, so the fast path pays no Python call per op.
+
+Reading the data outside a training or evaluation pass (between steps, before the first forward) raises
+`GeminiParamError` naming the parameter and its module: gathering there would be a collective that only the
+ranks doing the read join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+__all__ = ["GeminiParamError", "guard", "unguard"]
+
+
+class GeminiParamError(RuntimeError):
+    """A chunked parameter's data was read where Gemini cannot gather it."""
+
+
+def _outside_modes():
+    """Gathers and releases run outside any TorchDispatchMode. Under selective activation checkpointing the
+    module hooks fire inside the checkpointed region, in forward and again in the recompute, and whether a
+    chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops of a
+    gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
+    rejects ("encountered during backward but not found in storage")."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
+class _BackwardCall:
+    """One forward use of some chunks (a module call, or one op of the fallback), seen from backward: gathers
+    once before its backward, releases once after."""
+
+    __slots__ = ("mgr", "ids", "gathered", "released")
+
+    def __init__(self, mgr, ids: tuple[int, ...]) -> None:
+        self.mgr, self.ids = mgr, ids
+        self.gathered = self.released = False
+
+    def pre(self, grad: torch.Tensor) -> None:
+        if not self.gathered:
+            self.gathered = True
+            self.mgr.begin_backward()
+            with _outside_modes():
+                self.mgr.access(self.ids)
+
+    def post(self, grad: torch.Tensor) -> None:
+        if self.gathered and not self.released and self.mgr._in_backward:
+            self.released = True
+            with _outside_modes():
+                self.mgr.done(self.ids)
+
+
+# Tensor methods and functions that read metadata only (no element of the data).
+_METADATA = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "element_size", "get_device",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_inference", "is_shared", "is_pinned",
+    "is_set_to", "_is_view", "data_ptr", "untyped_storage", "register_hook", "register_post_accumulate_grad_hook",
+    "requires_grad_", "retain_grad", "__hash__", "__setstate__", "_fix_weakref", "__dlpack_device__",
+})
+# Properties whose value is a view of the data (the others, shape, dtype, grad, ..., are metadata).
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        return f"{owner}.{name}" if owner in _VIEW_PROPERTIES or owner == "data" else name
+    return name
+
+
+class _ChunkView(torch.Tensor):
+    """A view of a chunk's data made by the fallback (`w.t()`, `w.detach()`, ...): guarded like a parameter.
+    `_gemini` is (manager, parameter index) of the parameter it came from."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _intercept(func, args, kwargs or {})
+
+
+_GUARDED: dict[type, type] = {}
+
+
+def _guarded_class(base: type) -> type:
+    cls = _GUARDED.get(base)
+    if cls is None:
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return _intercept(func, args, kwargs or {})
+
+        cls = type(base.__name__, (base,), {"__torch_function__": classmethod(__torch_function__),
+                                            "_gemini_base": base, "__module__": base.__module__})
+        _GUARDED[base] = cls
+    return cls
+
+
+def guard(params) -> None:
+    """Give `params` (tensors carrying `_gemini`) their guarded class."""
+    for p in params:
+        cls = type(p)
+        if "_gemini_base" not in cls.__dict__:
+            p.__class__ = _guarded_class(cls)
+
+
+def unguard(params) -> None:
+    """Give `params` their plain class back (a module that registers them computes now)."""
+    for p in params:
+        base = type(p).__dict__.get("_gemini_base")
+        if base is not None:
+            p.__class__ = base
+
+
+def _is_guarded(t) -> bool:
+    return isinstance(t, torch.Tensor) and (type(t) is _ChunkView or "_gemini_base" in type(t).__dict__)
+
+
+def _describe(mgr, pidx: int) -> str:
+    name = mgr.names[pidx] if pidx < len(mgr.names) else f"#{pidx}"
+    module = name.rpartition(".")[0]
+    return f"parameter {name!r} (module {module!r})" if module else f"parameter {name!r} (the root module)"
+
+
+def _plain(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _as_view(out, mgr, pidx: int, keys: set[int]):
+    """Outputs that alias a chunk's data become `_ChunkView`s of it (they would read released memory later)."""
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in keys:
+            return t
+        v = t.as_subclass(_ChunkView)
+        v._gemini = (mgr, pidx)
+        return v
+
+    return tree_map_only(torch.Tensor, wrap, out)
+
+
+def _intercept(func, args, kwargs):
+    name = _op_name(func)
+    if name in _METADATA or name in ("__get__", "__set__", "__delete__"):
+        return _plain(func, args, kwargs)
+    leaves, _ = tree_flatten((args, kwargs))
+    refs = [t._gemini for t in leaves if _is_guarded(t)]
+    if not refs:  # e.g. an arg mixing guarded and plain subclasses: nothing of ours to read
+        return _plain(func, args, kwargs)
+    mgr, pidx = refs[0]
+    if name in ("detach", "data.__get__"):  # an alias, no element read: gather when it is used
+        return _as_view(_plain(func, args, kwargs), mgr, pidx, mgr.storage_keys({mgr.slot_of[pidx].chunk}))
+    if not mgr.reads_allowed():
+        raise GeminiParamError(
+            f"{_describe(mgr, pidx)} was read ({name or func}) outside a forward or backward pass, while Gemini "
+            "holds only a shard of it; read it inside the model's forward, or through model.state_dict()"
+        )
+    ids = tuple(sorted({m.slot_of[i].chunk for m, i in refs if m is mgr}))
+    with _outside_modes():
+        mgr.access(ids)
+    try:
+        out = _plain(func, args, kwargs)
+    finally:
+        with _outside_modes():
+            mgr.done(ids)
+    out = _as_view(out, mgr, pidx, mgr.storage_keys(ids))
+    if torch.is_grad_enabled():
+        _track_backward(mgr, ids, leaves, out)
+    return out
+
+
+def _track_backward(mgr, ids: tuple[int, ...], inputs: list, out) -> None:
+    """Gather `ids` before this op's backward (a hook on its outputs' gradients), release after it (a hook on
+    its other inputs' gradients). Views of the chunk need nothing: their backward reads no data."""
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+            and type(t) is not _ChunkView]
+    if not outs:
+        return
+    call = _BackwardCall(mgr, ids)
+    for t in outs:
+        t.register_hook(call.pre)
+    for t in inputs:
+        # not on leaves: their hooks would stay for every later pass (the chunk is released at the end anyway)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None and not _is_guarded(t):
+            t.register_hook(call.post)
