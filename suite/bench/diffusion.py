@@ -4,14 +4,14 @@ Both variants run the whole step of `train_text_to_image.py`: encode images with
 with the frozen CLIP text encoder (no grad), noise the latents (DDPM), predict the noise with the UNet,
 MSE loss, backward, optimizer step.
 
-- plain: what a diffusers user runs without `--mixed_precision`: fp32 UNet, VAE and text encoder, the default
-  attention processor (`AttnProcessor2_0`), `torch.optim.AdamW` with its defaults, no gradient
-  checkpointing, torch DDP when `--world` > 1.
-- ours: the same UNet and optimizer, with attention through `kernels.attention` (`KernelsAttnProcessor`),
-  gradient checkpointing (`--checkpointing keep_attention`: recompute all but the attention outputs), the
-  frozen VAE and text encoder in bf16, and Gemini (`core_parallel.setup` with `GeminiConfig`, parameters
-  packed in order of use, fp32 master shards, gradient shards and Adam states placed per `--gemini_offload`)
-  unless `--no_gemini`.
+- plain: what a diffusers user runs without `--mixed_precision`, at its best: fp32 UNet, VAE and text encoder,
+  SDPA attention (`AttnProcessor2_0`), `torch.optim.AdamW` with `fused=True` (else `foreach=True`), no
+  gradient checkpointing, torch DDP with `gradient_as_bucket_view=True` when `--world` > 1.
+- ours: the same UNet and optimizer (fused AdamW without Gemini; Gemini's own fused Adam with it), with
+  attention through `kernels.attention` (`KernelsAttnProcessor`), gradient checkpointing (`--checkpointing
+  keep_attention`: recompute all but the attention outputs), the frozen VAE and text encoder in bf16, and
+  Gemini (`core_parallel.setup` with `GeminiConfig`, parameters packed in order of use, fp32 master shards,
+  gradient shards and Adam states placed per `--gemini_offload`) unless `--no_gemini`.
 
 Memory is the training memory of one rank, measured from before the models are built:
 - `--device cuda`: `torch.cuda.max_memory_allocated()` over the steps (peak statistics reset once the models
@@ -22,6 +22,12 @@ Memory is the training memory of one rank, measured from before the models are b
   tensors go back to the system and the peak follows live tensors rather than the heap's high-water mark.
   Pages of Gemini's NVMe file count while they are mapped in (a chunk being gathered or updated); once
   Gemini drops them they live in the file (and the kernel's page cache, reclaimable) and do not count.
+Beside that RSS figure, memory as the kernel charges it (`suite.bench.memory`; the method is printed and written):
+- `charged_mib`: each rank moves into its own memory cgroup before the models are built; the cgroup's peak over
+  setup and steps, page cache included (Gemini's NVMe file). Without a cgroup: peak RSS plus the NVMe files'
+  resident pages (mincore), an upper bound. `mem_ratio` is the ratio of this figure.
+- `whole_mib`: the memory pass of each side, all its processes from start to exit (interpreter, imports, the
+  small warm-up model, setup, steps), in one cgroup: what a container limit around that side would see.
 Times come from separate processes with the default allocator (CUDA: the same run, synchronised): the
 median of `--steps` steps after `--warmup`. On CPU, plain and ours run at the same time and take turns step
 by step (a barrier across all their processes: one steps while the other waits, plain first in even rounds
@@ -117,6 +123,8 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
     """(unet, optimizer, gemini optimizer or None, vae, text encoder, offload folder or None) of a variant."""
     import torch
 
+    from .common import ddp_options, fast_optimizer
+
     torch.manual_seed(0)
     model = _unet(opts)
     vae, text = _encoders(opts)
@@ -129,10 +137,10 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         model.set_attn_processor(AttnProcessor2_0())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        optimizer, _ = fast_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
         if world > 1:
             ids = [device.index] if device.type == "cuda" else None
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, **ddp_options())
         return model, optimizer, None, vae, text, None
     from ...diffusion.attention import set_kernels_attention
     from ...diffusion.memory import enable_checkpointing, order_modules_by_use
@@ -140,7 +148,7 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
     set_kernels_attention(model, opts["attention_backend"])
     enable_checkpointing(model, opts["checkpointing"], opts.get("checkpoint_levels"))
     order_modules_by_use(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer, _ = fast_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
     if opts["no_gemini"]:
         return model, optimizer, None, vae, text, None
     model, optimizer, folder = _gemini(model, optimizer, opts)
@@ -247,6 +255,7 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
     from diffusers.utils import logging as diffusers_logging
 
     from .common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
+    from .memory import SideMeter
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
@@ -263,7 +272,10 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device) if cuda else rss_bytes()
+    meter = SideMeter().start() if mode != "time" else None
     parts = _setup(variant, opts, rank, world, device)
+    if meter is not None and parts[-1]:
+        meter.offload_paths.append(parts[-1])
     out: dict = {}
     try:
         step = _make_step(parts, opts, rank, device)
@@ -284,10 +296,14 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
             peak = torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
             out["train_mib"] = (peak - base) / 2**20
             out["peak_mib"] = peak / 2**20
+            out["charged_mib"] = meter.peak() / 2**20
+            out["memory_method"] = meter.method
         if parts[2] is not None:
             report = parts[0].memory_report()
             out["nvme_mib"] = sum(report["bytes"]["nvme"].values()) / 2**20
     finally:
+        if meter is not None:
+            meter.close()
         _cleanup(parts)
     return out
 
@@ -322,6 +338,26 @@ def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
                         backend=backend)
 
 
+def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float | None]:
+    """Run one side's ranks with all their processes in one memory cgroup from start to exit: (per-rank results,
+    the cgroup's peak in MiB, or None where no cgroup can be made). This process joins the group only while it
+    spawns and waits (its own new pages, a few MiB of results, are charged too)."""
+    from .memory import Cgroup
+
+    group = Cgroup.create(f"side-{variant}")
+    if group is None:
+        return _ranks(variant, opts, mode), None
+    try:
+        group.add()
+        try:
+            per = _ranks(variant, opts, mode)
+        finally:
+            group.leave()
+        return per, group.peak() / 2**20
+    finally:
+        group.remove()
+
+
 def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     """(plain row, ours row, per-step time ratios). CUDA: one run of each measures both. CPU: a memory pass
     each, then both variants at once, taking turns step by step."""
@@ -329,12 +365,18 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
+    whole: dict = {}
     if opts["device"] == "cuda":
         per = {v: _ranks(v, opts, "both") for v in ("plain", "ours")}
         timed = {v: [max(r["step_s"] for r in per[v])] for v in per}
     else:
+        per = {}
+        import diffusers  # noqa: F401  (their files in the page cache before either side: neither pays for it)
+        import transformers  # noqa: F401
+
         with _fixed_mmap_threshold():
-            per = {v: _ranks(v, opts, "memory") for v in ("plain", "ours")}
+            for v in ("plain", "ours"):
+                per[v], whole[v] = _whole_side(v, opts, "memory")
         turns = mp.get_context("spawn").Barrier(2 * opts["world"], timeout=opts["timeout"])
         with ThreadPoolExecutor(2) as pool:
             futures = {v: pool.submit(_ranks, v, opts, "time", turns) for v in ("plain", "ours")}
@@ -342,6 +384,9 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
         timed = {v: [max(steps) for steps in zip(*(r["step_times"] for r in runs[v]))] for v in runs}
     ratios = [o / p for p, o in zip(timed["plain"], timed["ours"])]
     rows = {v: _row(per[v], statistics.median(timed[v]), opts) for v in per}
+    for v in rows:
+        if whole.get(v) is not None:
+            rows[v]["whole_mib"] = whole[v]
     rows["ours"]["time_ratio"] = statistics.median(ratios)
     for v in rows:
         rows[v]["step_times"] = timed[v]
@@ -352,7 +397,8 @@ def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
     """Worst rank's memory; `step_s`: the slowest rank's step time."""
     worst = max(per_rank, key=lambda r: r["train_mib"])
     row = {"world": opts["world"], "step_s": step_s, "train_mib": worst["train_mib"],
-           "state_mib": worst["state_mib"], "peak_mib": worst["peak_mib"]}
+           "state_mib": worst["state_mib"], "peak_mib": worst["peak_mib"],
+           "charged_mib": max(r["charged_mib"] for r in per_rank), "memory_method": worst["memory_method"]}
     if "nvme_mib" in worst:
         row["nvme_mib"] = worst["nvme_mib"]
     if worst.get("peak_reset") is False:
@@ -382,16 +428,23 @@ def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
 
-    from .common import print_table, write_json
+    from .common import fast_optimizer, print_table, write_json
 
     opts = _defaults(args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
     ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
         "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
-    plain = "plain diffusers loop (fp32, default attention, AdamW" + (", DDP" if opts["world"] > 1 else "") + ")"
+    impl = fast_optimizer(torch.optim.AdamW, [torch.nn.Parameter(torch.zeros(1))])[1]
+    plain = f"plain diffusers loop (fp32, SDPA attention, AdamW {impl}" + (
+        ", DDP(gradient_as_bucket_view=True)" if opts["world"] > 1 else "") + ")"
+    if opts["no_gemini"]:
+        ours = ours[:-1] + f", AdamW {impl})"
     plain_row, ours_row, ratios = _measure_all(opts)
     rows = [{"variant": plain, **plain_row}, {"variant": ours, **ours_row}]
-    rows[1]["mem_ratio"] = rows[1]["train_mib"] / rows[0]["train_mib"]
+    rows[1]["rss_ratio"] = rows[1]["train_mib"] / rows[0]["train_mib"]
+    rows[1]["mem_ratio"] = rows[1]["charged_mib"] / rows[0]["charged_mib"]
+    if "whole_mib" in rows[0] and "whole_mib" in rows[1]:
+        rows[1]["whole_ratio"] = rows[1]["whole_mib"] / rows[0]["whole_mib"]
     vae, text = _encoders(opts)
     counts = {"unet": sum(p.numel() for p in _unet(opts).parameters())}
     if vae is not None:
@@ -400,11 +453,15 @@ def run(args: argparse.Namespace) -> int:
     sizes = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counts.items())
     title = (f"{opts['device']}: UNet {opts['channels']} x{opts['layers_per_block']}, {sizes} params, "
              f"{opts['resolution']}px, batch {opts['batch']}/rank, world {opts['world']}, torch {torch.__version__}")
-    columns = ["variant", "step_s", "train_mib", "mem_ratio", "time_ratio", "state_mib", "peak_mib"]
-    print_table(rows, columns + (["nvme_mib"] if "nvme_mib" in rows[1] else []), title=title)
+    columns = ["variant", "step_s", "charged_mib", "mem_ratio", "whole_mib", "whole_ratio", "time_ratio",
+               "train_mib", "rss_ratio", "state_mib", "peak_mib"]
+    columns += ["nvme_mib"] if "nvme_mib" in rows[1] else []
+    print_table(rows, [c for c in columns if any(c in r for r in rows)], title=title)
     measure = "max_memory_allocated" if opts["device"] == "cuda" else "peak RSS (VmHWM, fixed mmap threshold)"
-    print(f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
-          "state_mib: held after setup; targets: mem_ratio <= 0.33, time_ratio <= 1.2")
+    print(f"charged_mib: {rows[0]['memory_method']}, from before the models were built (worst rank, page cache "
+          "included); whole_mib: each side's processes start to exit in one cgroup; "
+          f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
+          "state_mib: held after setup (RSS); targets: mem_ratio <= 0.33, time_ratio <= 1.2")
     if len(ratios) > 1:
         print("time_ratio per step (plain and ours taking turns): " + ", ".join(f"{r:.3f}" for r in ratios))
     write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows,
