@@ -2,7 +2,8 @@
 
 One dispatch table maps each subcommand to a module in `suite.commands` (or `suite.bench` for benchmarks).
 Each module defines `add_arguments(parser)` and `run(args) -> int`; modules are imported only when their
-subcommand runs, so `suite --help` stays fast. Bad input raises `UsageError`: one line on stderr, exit 2.
+subcommand runs, so `suite --help` stays fast. Bad input raises `UsageError`: one line on stderr, exit 2; so
+does a missing optional package (the line names the extra that installs it).
 A traceback is shown only with `--debug`.
 """
 
@@ -15,7 +16,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .errors import EXIT_USAGE, UsageError
+from .errors import EXIT_USAGE, UsageError, missing_extra
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -80,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         sys.stderr.write(f"suite {args.command}: error: {exc}\n")
+        return EXIT_USAGE
+    except ImportError as exc:  # an optional package (openmm, ray, ...) the command needs: name its extra
+        err = missing_extra(exc)
+        if err is None or args.debug:
+            raise
+        sys.stderr.write(f"suite {args.command}: error: {err}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
         sys.stderr.write(f"suite {args.command}: interrupted\n")

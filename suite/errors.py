@@ -1,14 +1,16 @@
-"""Errors the command line turns into one clear line and an exit code."""
+"""Errors the command line turns into one clear line and an exit code.
+
+`UsageError` is the project's one `InputError` (defined at the bottom, in `core_parallel.errors`, so that
+`diffusion` and `fastfold` raise it without importing the CLI); the name stays for the CLI's own code.
+"""
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "EXIT_USAGE"]
+from ..core_parallel.errors import EXIT_USAGE, InputError, missing_extra
 
-EXIT_USAGE = 2
+__all__ = ["EXIT_USAGE", "InputError", "UsageError", "missing_extra"]
 
+UsageError = InputError
+"""Bad input from the user (a flag, a file, a line in a file). Printed as one line; exit code 2.
 
-class UsageError(Exception):
-    """Bad input from the user (a flag, a file, a line in a file). Printed as one line; exit code 2.
-
-    The message should name the input (file and line, record or field) and what is wrong with it.
-    """
+The message should name the input (file and line, record or field) and what is wrong with it."""
