@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..core_parallel.fileio import atomic_write
+from .data import fingerprint as fp
 from .data.features import FeatureConfig, make_sequence_features, process_features
 from .data.targets import (
     AlignmentConfig,
@@ -53,10 +54,12 @@ __all__ = [
     "feature_stream",
     "features_for_model",
     "fold_targets",
+    "inputs_summary",
     "is_complete",
     "load_model",
     "predict",
     "prediction_to_protein",
+    "target_fingerprint",
     "read_alignment_dir",
     "read_targets",
     "run_alignment_tools",
@@ -88,6 +91,8 @@ class ModelSpec:
     """Seed of the random initialisation."""
     device: str = "auto"
     """Where the model runs: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
+    inplace: bool = False
+    """In-place residual updates (inference only; FastFold's `--inplace`): one activation copy less."""
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -125,8 +130,18 @@ class FoldConfig:
     """Ray CPUs for alignment/feature jobs; 0: in this process, one target after another."""
     ray_address: str | None = None
     """Existing Ray cluster to use instead of starting a local one."""
+    num_recycle: int | None = None
+    """Recycling iterations; None: each model's preset (3 for the released models)."""
+    num_seeds: int = 1
+    """Predictions per model, MSA sampling seeds `seed`, `seed + 1`, ...; with several, labels end `_seed_<k>`."""
+    subtract_plddt: bool = False
+    """B-factor column holds 100 - pLDDT (OpenFold's `--subtract_plddt`) instead of pLDDT."""
 
     def __post_init__(self) -> None:
+        if self.num_recycle is not None and self.num_recycle < 0:
+            raise ValueError(f"FoldConfig.num_recycle must be >= 0, got {self.num_recycle}")
+        if self.num_seeds < 1:
+            raise ValueError(f"FoldConfig.num_seeds must be >= 1, got {self.num_seeds}")
         if not self.models:
             raise ValueError("FoldConfig.models must name at least one model")
         if self.devices < 1:
@@ -154,12 +169,25 @@ class Prediction:
         """AlphaFold's ranking: `metric` "ptm" (all models are `_ptm`) or "mean_plddt"."""
         return float(self.ptm) if metric == "ptm" else float(self.plddt.mean())
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, fingerprint: str | None = None) -> None:
+        """`fingerprint` (JSON of what made it) is stored beside the arrays, so a cache is reused only for the
+        same inputs (`cached_fingerprint`)."""
         arrays = {"positions": self.positions, "atom_mask": self.atom_mask, "plddt": self.plddt}
         if self.pae is not None:
             arrays.update(pae=self.pae, ptm=np.array(self.ptm, np.float32))
+        if fingerprint is not None:
+            arrays["fingerprint"] = np.array(fingerprint)
         with atomic_write(path, "wb") as f:
             np.savez(f, **arrays)
+
+    @staticmethod
+    def cached_fingerprint(path: Path) -> str | None:
+        """The fingerprint a saved prediction was stored with (None: none, or an unreadable file)."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return str(z["fingerprint"]) if "fingerprint" in z else None
+        except (OSError, ValueError, EOFError, KeyError):
+            return None
 
     @classmethod
     def load(cls, path: Path) -> Prediction:
@@ -181,6 +209,10 @@ class TargetResult:
     folder: str = ""
     error: str = ""
     files: list[str] = dataclasses.field(default_factory=list)
+    note: str = ""
+    """Why a finished target was redone (its inputs changed), or other remarks for the summary."""
+    inputs: str = ""
+    """What the features were made of, in a few words (MSA depth per source, templates)."""
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -221,7 +253,7 @@ def features_for_model(raw: dict[str, np.ndarray], feature_config: FeatureConfig
 def _inference_options(spec: ModelSpec) -> Any:
     from .model import InferenceOptions
 
-    return InferenceOptions(chunk_size=spec.chunk_size)
+    return InferenceOptions(chunk_size=spec.chunk_size, residual="in_place" if spec.inplace else "out_of_place")
 
 
 def _to_prediction(outputs: dict[str, Any]) -> Prediction:
@@ -306,16 +338,23 @@ def _write_structure(folder: Path, stem: str, protein: Protein, remark: str) -> 
     return [f"{stem}.pdb", f"{stem}.cif"]
 
 
-def _write_confidence(folder: Path, name: str, pred: Prediction) -> list[str]:
+def _write_confidence(folder: Path, name: str, pred: Prediction, mark: str = "", plots: bool = True) -> list[str]:
     from .io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
 
     write_confidence_json(folder / f"{name}_confidence.json", confidence_dict(pred.plddt, pred.ptm, pred.pae))
-    plot_plddt(folder / f"{name}_plddt.png", pred.plddt, f"{name}: mean pLDDT {pred.plddt.mean():.1f}")
-    files = [f"{name}_confidence.json", f"{name}_plddt.png"]
+    files = [f"{name}_confidence.json"]
+    if not plots:
+        return files
+    plot_plddt(folder / f"{name}_plddt.png", pred.plddt, f"{name}: mean pLDDT {pred.plddt.mean():.1f}", mark=mark)
+    files.append(f"{name}_plddt.png")
     if pred.pae is not None:
-        plot_pae(folder / f"{name}_pae.png", pred.pae, f"{name}: pTM {pred.ptm:.3f}")
+        plot_pae(folder / f"{name}_pae.png", pred.pae, f"{name}: pTM {pred.ptm:.3f}", mark=mark)
         files.append(f"{name}_pae.png")
     return files
+
+
+def _plot_mark(remark: str) -> str:
+    return "RANDOM WEIGHTS" if "RANDOM WEIGHTS" in remark else ""
 
 
 def write_target_outputs(
@@ -325,27 +364,37 @@ def write_target_outputs(
     relax_config: Any = None,
     timings: dict[str, float] | None = None,
     remark: str = "",
+    features_info: dict[str, Any] | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    subtract_plddt: bool = False,
 ) -> list[str]:
     """Write every output file of one target (module docstring) and return their names.
 
-    `predictions` maps model label -> Prediction; the best ranked one is relaxed (when `relax_config` is
-    given) and written under the target's name. `timings.json` is written last; `timings` (seconds per
-    stage) gets the relaxation time added.
+    `predictions` maps model label -> Prediction; every one gets its PDB, mmCIF and confidence JSON (and
+    plots when there are several); the best ranked one is relaxed (when `relax_config` is given) and
+    written under the target's name. `features_info` (what the features were made of) goes to
+    `features.json`; `fingerprint` (what made the outputs) to `timings.json`, which is written last;
+    `timings` (seconds per stage) gets the relaxation time added. `subtract_plddt`: B-factors are 100 - pLDDT.
     """
+
+    def protein(pred: Prediction) -> Protein:
+        b = None if not subtract_plddt else np.repeat(100.0 - pred.plddt[:, None], 37, axis=1)
+        return prediction_to_protein(target, pred, b)
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     timings = timings if timings is not None else {}
     files = []
-    from .io.protein import to_pdb
-
+    mark = _plot_mark(remark)
+    several = len(predictions) > 1
     for label, pred in predictions.items():
-        text = to_pdb(prediction_to_protein(target, pred), remark=remark)
-        _write_text(folder / f"{target.name}_{label}_unrelaxed.pdb", text)
-        files.append(f"{target.name}_{label}_unrelaxed.pdb")
+        stem = f"{target.name}_{label}"
+        files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark)
+        files += _write_confidence(folder, stem, pred, mark, plots=several)
     metric = "ptm" if all(p.ptm is not None for p in predictions.values()) else "mean_plddt"
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
-    unrelaxed = prediction_to_protein(target, best)
+    unrelaxed = protein(best)
     files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip())
     relax_summary = None
     if relax_config is not None:
@@ -355,67 +404,158 @@ def write_target_outputs(
         relax_summary = result.summary()
         timings["relax"] = result.seconds
         files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} relaxed".strip())
-    files += _write_confidence(folder, target.name, best)
+    files += _write_confidence(folder, target.name, best, mark)
     ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score(metric) for k in ranked}, "metric": metric}
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))
-    files.append("ranking.json")
-    record = {"target": target.name, "length": len(target.sequence), "timings": timings,
-              "mean_plddt": float(best.plddt.mean()), "relax": relax_summary, "files": files}
+    # AlphaFold's file: mean pLDDT per model and the order the outputs were ranked in
+    debug: dict[str, Any] = {"plddts": {k: float(predictions[k].plddt.mean()) for k in ranked}}
+    if metric == "ptm":
+        debug["ptms"] = {k: float(predictions[k].ptm) for k in ranked}
+    debug["order"] = ranked
+    _write_text(folder / "ranking_debug.json", json.dumps(debug, indent=4))
+    files += ["ranking.json", "ranking_debug.json"]
+    if features_info is not None:
+        _write_text(folder / "features.json", json.dumps(features_info, indent=2))
+        files.append("features.json")
+    record = {"target": target.name, "description": target.description, "length": len(target.sequence),
+              "timings": timings, "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
+              "inputs": features_info, "fingerprint": fingerprint, "files": files}
     _write_text(folder / "timings.json", json.dumps(record, indent=2))
     return [*files, "timings.json"]
 
 
-def is_complete(target: Target, output_dir: str | Path) -> bool:
-    """True when the target's `timings.json` exists and every file it lists exists."""
+def _record(target: Target, output_dir: str | Path) -> dict[str, Any] | None:
+    """The target's `timings.json` when it and every file it lists exist, else None."""
     record_path = Path(output_dir) / target.name / "timings.json"
     if not record_path.exists():
-        return False
+        return None
     try:
         record = json.loads(record_path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or not all((record_path.parent / f).exists() for f in record.get("files", [])):
+        return None
+    return record
+
+
+def is_complete(target: Target, output_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> bool:
+    """True when the target's `timings.json` exists and every file it lists exists; with `fingerprint`,
+    also when the outputs were made from the same inputs (`target_fingerprint`)."""
+    record = _record(target, output_dir)
+    if record is None:
         return False
-    return all((record_path.parent / f).exists() for f in record.get("files", []))
+    return fingerprint is None or not fp.diff(record.get("fingerprint"), fingerprint)
+
+
+def _param_entry(spec: ModelSpec) -> dict[str, Any]:
+    if spec.param_path is None:
+        return {"name": spec.model_name, "params": "random", "tiny": spec.tiny, "weight_seed": spec.seed}
+    return {"name": spec.model_name, "params": fp.file_digest(spec.param_path)}
+
+
+def _alignment_entry(target: Target, a: AlignmentConfig) -> dict[str, Any]:
+    if a.precomputed_dir is not None:
+        mode = "precomputed, single sequence" if a.single_sequence else "precomputed"
+        return {"mode": mode, "files": fp.folder_digest(Path(a.precomputed_dir) / target.name)}
+    if a.single_sequence or not a.runs_tools:
+        return {"mode": "single_sequence"}
+    dbs = {k: getattr(a, k) for k in ("uniref90_database_path", "mgnify_database_path", "bfd_database_path",
+                                        "uniref30_database_path", "pdb70_database_path")}
+    return {"mode": "search", **{k: str(Path(v).resolve()) if v else None for k, v in dbs.items()}}
+
+
+def target_fingerprint(target: Target, cfg: FoldConfig) -> dict[str, Any]:
+    """What a target's outputs are made from (module `fastfold.data.fingerprint`): compared on a rerun."""
+    a = cfg.alignment
+    templates = None
+    if a.template_mmcif_dir:
+        templates = {"mmcif_dir": str(Path(a.template_mmcif_dir).resolve()), "max_template_date": a.max_template_date,
+                     "kalign": a.kalign_binary_path}
+    relax = None
+    if cfg.relax is not None:  # the OpenMM platform is left out: where it runs, not what it computes
+        relax = dataclasses.asdict(cfg.relax) if dataclasses.is_dataclass(cfg.relax) else {"config": repr(cfg.relax)}
+        relax.pop("platform", None)
+    return {
+        "sequence": target.sequence,
+        "models": [_param_entry(s) for s in cfg.models],
+        "alignments": _alignment_entry(target, a),
+        "templates": templates,
+        "relax": relax,
+        "seed": cfg.seed,
+        "num_seeds": cfg.num_seeds,
+        "precision": [s.precision for s in cfg.models],
+        "num_recycle": cfg.num_recycle,
+        "b_factors": "100 - pLDDT" if cfg.subtract_plddt else "pLDDT",
+    }
+
+
+def _model_fingerprint(target_fp: dict[str, Any], spec_index: int, seed: int) -> str:
+    """The part of a target's fingerprint one model's prediction depends on (no relaxation), as JSON."""
+    part = {k: target_fp[k] for k in ("sequence", "alignments", "templates", "num_recycle")}
+    part.update(model=target_fp["models"][spec_index], precision=target_fp["precision"][spec_index], seed=seed)
+    return json.dumps(part, sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------------- flow
 
 
+FEATURE_INFO = "_feature_info"
+"""Key of the raw-features dict under which `target_raw_features`' report travels (popped before use)."""
+
+
 class _Models:
     """Models built once per run, on first use."""
 
-    def __init__(self, specs: list[ModelSpec]) -> None:
+    def __init__(self, specs: list[ModelSpec], num_recycle: int | None = None) -> None:
         self.specs = specs
+        self.num_recycle = num_recycle
         self._built: dict[str, tuple[Any, FeatureConfig]] = {}
 
     def get(self, spec: ModelSpec) -> tuple[Any, FeatureConfig]:
         if spec.label not in self._built:
-            self._built[spec.label] = load_model(spec)
+            model, feats = load_model(spec)
+            if self.num_recycle is not None:
+                feats = dataclasses.replace(feats, num_recycle=self.num_recycle)
+            self._built[spec.label] = (model, feats)
         return self._built[spec.label]
 
     def feature_config(self, spec: ModelSpec) -> FeatureConfig:
         return self.get(spec)[1]
 
 
+def _runs(cfg: FoldConfig) -> list[tuple[int, ModelSpec, str, int]]:
+    """(model index, spec, output label, MSA sampling seed) of every prediction a target gets."""
+    out = []
+    for i, spec in enumerate(cfg.models):
+        for k in range(cfg.num_seeds):
+            label = spec.label if cfg.num_seeds == 1 else f"{spec.label}_seed_{cfg.seed + k}"
+            out.append((i, spec, label, cfg.seed + k))
+    return out
+
+
 def _predict_all(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, models: _Models,
-                 timings: dict[str, float]) -> dict[str, Prediction]:
-    """Every model's prediction for one target (reusing predictions cached by an interrupted run)."""
+                 timings: dict[str, float], target_fp: dict[str, Any] | None = None) -> dict[str, Prediction]:
+    """Every model's prediction for one target, reusing a prediction cached by an interrupted run only when
+    it was made from the same inputs (its stored fingerprint)."""
     folder = Path(cfg.output_dir) / target.name
     folder.mkdir(parents=True, exist_ok=True)
+    target_fp = target_fp if target_fp is not None else target_fingerprint(target, cfg)
     predictions = {}
-    for spec in cfg.models:
-        cache = folder / f"{target.name}_{spec.label}_prediction.npz"
-        if cache.exists() and not cfg.overwrite:
-            predictions[spec.label] = Prediction.load(cache)
+    for index, spec, label, seed in _runs(cfg):
+        cache = folder / f"{target.name}_{label}_prediction.npz"
+        made_from = _model_fingerprint(target_fp, index, seed)
+        if cache.exists() and not cfg.overwrite and Prediction.cached_fingerprint(cache) == made_from:
+            predictions[label] = Prediction.load(cache)
             continue
         t0 = time.perf_counter()
         model, feature_cfg = models.get(spec)
-        batch = features_for_model(raw, feature_cfg, cfg.seed)
+        batch = features_for_model(raw, feature_cfg, seed)
         if cfg.devices > 1:
-            predictions[spec.label] = predict_dap(spec, batch, cfg.devices, folder)
+            predictions[label] = predict_dap(spec, batch, cfg.devices, folder)
         else:
-            predictions[spec.label] = predict(model, batch, spec)
-        predictions[spec.label].save(cache)
-        timings[f"model_{spec.label}"] = time.perf_counter() - t0
+            predictions[label] = predict(model, batch, spec)
+        predictions[label].save(cache, made_from)
+        timings[f"model_{label}"] = time.perf_counter() - t0
     return predictions
 
 
@@ -424,15 +564,38 @@ def _remark(cfg: FoldConfig) -> str:
 
 
 def _outputs_job(target: Target, predictions: dict[str, Prediction], folder: str, relax: Any,
-                 timings: dict[str, float], remark: str) -> tuple[list[str], dict[str, float]]:
+                 timings: dict[str, float], remark: str, info: dict | None = None,
+                 fingerprint: dict | None = None, subtract_plddt: bool = False) -> tuple[list[str], dict[str, float]]:
     """What one Ray relax/output task runs."""
-    files = write_target_outputs(target, predictions, folder, relax, timings, remark)
+    files = write_target_outputs(target, predictions, folder, relax, timings, remark, info, fingerprint,
+                                 subtract_plddt)
     return files, timings
 
 
-def _done(target: Target, folder: Path, files: list[str], timings: dict[str, float]) -> TargetResult:
+def inputs_summary(info: dict[str, Any] | None) -> str:
+    """A few words on what the features were made of (the summary table's column)."""
+    if not info:
+        return ""
+    depth = info.get("msa_depth_dedup", 1)
+    parts = [f"MSA {depth}"]
+    files = info.get("alignment_files", [])
+    per_file = [f"{f['file'].split('_hits')[0].split('.')[0]} {f['rows_used']}" for f in files]
+    if per_file:
+        parts[0] += f" of {info.get('msa_depth_total', depth)} ({', '.join(per_file)})"
+    elif "single" in info.get("msa_mode", ""):
+        parts[0] = "single sequence"
+    templates = info.get("templates", [])
+    if templates:
+        parts.append("templates " + " ".join(f"{t['pdb_id']}_{t['chain']}" for t in templates))
+    else:
+        parts.append("no templates")
+    return "; ".join(parts)
+
+
+def _done(target: Target, folder: Path, files: list[str], timings: dict[str, float], note: str = "") -> TargetResult:
     record = json.loads((folder / "timings.json").read_text())
-    return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files)
+    return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files,
+                        note=note, inputs=inputs_summary(record.get("inputs")))
 
 
 def _uses_ray(cfg: FoldConfig, num_targets: int) -> bool:
@@ -460,9 +623,12 @@ def _ray_session(cfg: FoldConfig):
 
 
 def _features_job(target: Target, cfg: AlignmentConfig, work_dir: str, with_templates: bool):
-    """What one Ray task runs: the raw features and the seconds they took."""
+    """What one Ray task runs: the raw features (with their report under `FEATURE_INFO`) and the seconds
+    they took."""
     t0 = time.perf_counter()
-    raw = target_raw_features(target, cfg, work_dir, with_templates)
+    info: dict[str, Any] = {}
+    raw = target_raw_features(target, cfg, work_dir, with_templates, info=info)
+    raw[FEATURE_INFO] = info
     return raw, time.perf_counter() - t0
 
 
@@ -504,23 +670,48 @@ def _ray_cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
+def _forget_outputs(target: Target, output_dir: str | Path, record: dict[str, Any]) -> None:
+    """Remove a finished target's record and the files it lists, before redoing it with other inputs: an
+    interrupted redo must not leave old outputs that look current (prediction caches carry their own
+    fingerprint and stay)."""
+    folder = Path(output_dir) / target.name
+    (folder / "timings.json").unlink(missing_ok=True)
+    for name in record.get("files", []):
+        path = folder / name
+        if path.parent == folder and not name.endswith("_prediction.npz"):
+            path.unlink(missing_ok=True)
+
+
 def fold_targets(
     targets: list[Target], cfg: FoldConfig, emit: Callable[[str, Target], None] | None = None
 ) -> list[TargetResult]:
-    """Fold every target; complete ones are skipped unless `cfg.overwrite`. Never raises for one target's
-    failure: its `TargetResult.status` is "failed" with the error. `emit(stage, target)` reports progress
-    (stages "skipped", "features", "model", "outputs", "failed")."""
+    """Fold every target. A finished target is skipped only when its recorded fingerprint (what made it:
+    sequence, models and parameter files, alignments, templates, relaxation, seeds, precision, recycles)
+    equals this run's; otherwise it is redone and its result says why (`TargetResult.note`). `cfg.overwrite`
+    redoes everything. Never raises for one target's failure: its `TargetResult.status` is "failed" with the
+    error. `emit(stage, target)` reports progress (stages "skipped", "features", "model", "outputs", "failed")."""
     emit = emit or (lambda stage, target: None)
     results: dict[str, TargetResult] = {}
+    fingerprints = {t.name: target_fingerprint(t, cfg) for t in targets}
+    notes: dict[str, str] = {}
     todo = []
     for t in targets:
-        if not cfg.overwrite and is_complete(t, cfg.output_dir):
-            results[t.name] = TargetResult(t, "skipped", _recorded_plddt(t, cfg.output_dir),
-                                           folder=str(Path(cfg.output_dir) / t.name))
+        record = _record(t, cfg.output_dir)
+        changed = fp.diff(record.get("fingerprint"), fingerprints[t.name]) if record is not None else []
+        if record is not None and not cfg.overwrite and not changed:
+            results[t.name] = TargetResult(t, "skipped", record.get("mean_plddt"),
+                                           folder=str(Path(cfg.output_dir) / t.name),
+                                           note="same inputs as the finished run",
+                                           inputs=inputs_summary(record.get("inputs")))
             emit("skipped", t)
-        else:
-            todo.append(t)
-    models = _Models(cfg.models)
+            continue
+        if record is not None:
+            notes[t.name] = "redone (--overwrite)" if cfg.overwrite else f"redone: {', '.join(changed)} changed"
+            logger.warning("target %s: %s since the finished run in %s", t.name, notes[t.name],
+                           Path(cfg.output_dir) / t.name)
+            _forget_outputs(t, cfg.output_dir, record)
+        todo.append(t)
+    models = _Models(cfg.models, cfg.num_recycle)
     with_templates = any(models.feature_config(s).max_templates > 0 for s in cfg.models) if todo else False
     use_ray = _uses_ray(cfg, len(todo))
     with _ray_session(cfg) if use_ray else contextlib.nullcontext() as ray:
@@ -533,18 +724,21 @@ def fold_targets(
             if isinstance(raw, BaseException):
                 results[target.name] = _failed(target, raw, emit)
                 continue
+            info = raw.pop(FEATURE_INFO, None)
             emit("features", target)
             folder = Path(cfg.output_dir) / target.name
+            target_fp = fingerprints[target.name]
             try:
                 timings = {"features": seconds}
-                predictions = _predict_all(target, raw, cfg, models, timings)
+                predictions = _predict_all(target, raw, cfg, models, timings, target_fp)
                 emit("model", target)
+                args = (target, predictions, str(folder), cfg.relax, timings, _remark(cfg), info, target_fp,
+                        cfg.subtract_plddt)
                 if relax_remote is not None:
-                    ref = relax_remote.remote(target, predictions, str(folder), cfg.relax, timings, _remark(cfg))
-                    pending[ref] = target
+                    pending[relax_remote.remote(*args)] = target
                 else:
-                    files = write_target_outputs(target, predictions, folder, cfg.relax, timings, _remark(cfg))
-                    results[target.name] = _done(target, folder, files, timings)
+                    files, _ = _outputs_job(*args)
+                    results[target.name] = _done(target, folder, files, timings, notes.get(target.name, ""))
                     emit("outputs", target)
             except Exception as exc:  # noqa: BLE001 - one target's failure is reported, the others go on
                 results[target.name] = _failed(target, exc, emit)
@@ -553,7 +747,8 @@ def fold_targets(
             target = pending.pop(ref)
             try:
                 files, timings = ray.get(ref)
-                results[target.name] = _done(target, Path(cfg.output_dir) / target.name, files, timings)
+                folder = Path(cfg.output_dir) / target.name
+                results[target.name] = _done(target, folder, files, timings, notes.get(target.name, ""))
                 emit("outputs", target)
             except Exception as exc:  # noqa: BLE001
                 results[target.name] = _failed(target, _ray_cause(exc), emit)
@@ -565,8 +760,3 @@ def _failed(target: Target, exc: BaseException, emit: Callable[[str, Target], No
     logger.debug("target %s failure", target.name, exc_info=exc)
     emit("failed", target)
     return TargetResult(target, "failed", error=f"{type(exc).__name__}: {exc}")
-
-
-def _recorded_plddt(target: Target, output_dir: str | Path) -> float | None:
-    record = json.loads((Path(output_dir) / target.name / "timings.json").read_text())
-    return record.get("mean_plddt")

@@ -1,24 +1,26 @@
-"""A small mmCIF reader: the polymer chains (SEQRES and atom37 coordinates) and the release date.
+"""mmCIF templates through gemmi: the polymer chains (SEQRES and atom37 coordinates) and the release date.
 
-Enough of the format for template features: `loop_` tables, single items, quoted values and `;` text
-fields. Only the first model and the first alternate location of each atom are read.
+gemmi's CIF reader handles the whole syntax (quoted values, `;` text fields, loops); this module only picks
+the tables template features need. Only the first model and the first alternate location of each atom are
+read. Modified residues become their parent amino acid through gemmi's chemical-component table
+(MSE -> MET, SEP -> SER, TPO -> THR, MLY -> LYS, ...), keeping the parent's atoms (selenomethionine's SE is
+MET's SD), as AlphaFold's template featuriser does; a residue gemmi does not know is unknown (X).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterator
+import functools
 
 import numpy as np
 
 from ..common import residue_constants as rc
 from .parsers import InputError
 
-__all__ = ["MmcifChain", "MmcifFile", "parse_mmcif"]
+__all__ = ["MmcifChain", "MmcifFile", "parent_residue", "parse_mmcif"]
 
-_MODIFIED = {"MSE": "MET"}
-"""Modified residues read as their parent (selenomethionine's SE becomes MET's SD)."""
+_ATOM_RENAMES = {("MSE", "SE"): "SD"}
+"""Atoms of a modified residue that take the name of the parent's atom in the same place."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,115 +40,107 @@ class MmcifFile:
     release_date: str
 
 
-_TOKEN = re.compile(r"'(.*?)'(?=\s|$)|\"(.*?)\"(?=\s|$)|(\S+)")
+@functools.cache
+def parent_residue(name: str) -> str | None:
+    """The standard amino acid (three letters) a residue name stands for: itself for the 20, the parent for
+    a modified amino acid in gemmi's chemical-component table (Biopython's table when gemmi lacks it),
+    None for anything else (nucleotides, ligands, unknown names)."""
+    if name in rc.restype_3to1:
+        return name
+    import gemmi
+
+    info = gemmi.find_tabulated_residue(name)
+    letter = ""
+    if info is not None and info.is_amino_acid() and info.one_letter_code.strip():
+        letter = info.one_letter_code.strip().upper()
+    if letter not in rc.restype_1to3:
+        try:
+            from Bio.Data.PDBData import protein_letters_3to1_extended as table
+        except ImportError:  # Biopython is optional
+            table = {}
+        letter = table.get(name, "")
+    return rc.restype_1to3.get(letter)
 
 
-def _tokens(text: str, source: str) -> Iterator[tuple[str, bool]]:
-    """(value, was quoted) for each token; quoted values are never names or keywords."""
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith(";"):
-            block = [line[1:]]
-            i += 1
-            while i < len(lines) and not lines[i].startswith(";"):
-                block.append(lines[i])
-                i += 1
-            if i == len(lines):
-                raise InputError(f"{source}: unterminated ';' text field")
-            yield "\n".join(block).strip(), True
-        elif line.strip() and not line.lstrip().startswith("#"):
-            for m in _TOKEN.finditer(line):
-                if m.group(3) is not None:
-                    yield m.group(3), False
-                else:
-                    yield (m.group(1) if m.group(1) is not None else m.group(2)), True
-        i += 1
-
-
-def _tables(text: str, source: str) -> dict[str, dict[str, list[str]]]:
-    """category -> {field -> column of values} (single items become one-row columns)."""
-    tables: dict[str, dict[str, list[str]]] = {}
-    pairs = list(_tokens(text, source))
-    toks = [v for v, _ in pairs]
-    keyword = [not quoted and (v.startswith("_") or v == "loop_" or v.startswith("data_")) for v, quoted in pairs]
-    i = 0
-    while i < len(toks):
-        tok = toks[i]
-        if keyword[i] and tok == "loop_":
-            names = []
-            i += 1
-            while i < len(toks) and keyword[i] and toks[i].startswith("_"):
-                names.append(toks[i])
-                i += 1
-            values = []
-            while i < len(toks) and not keyword[i]:
-                values.append(toks[i])
-                i += 1
-            if names and len(values) % len(names):
-                raise InputError(f"{source}: loop of {names[0].split('.')[0]} has a ragged value count")
-            for k, name in enumerate(names):
-                cat, _, field = name.partition(".")
-                tables.setdefault(cat, {})[field] = values[k :: len(names)]
-        elif keyword[i] and tok.startswith("_") and i + 1 < len(toks):
-            cat, _, field = tok.partition(".")
-            tables.setdefault(cat, {})[field] = [toks[i + 1]]
-            i += 2
-        else:
-            i += 1
-    return tables
-
-
-def _release_date(t: dict[str, dict[str, list[str]]]) -> str:
-    dates = t.get("_pdbx_audit_revision_history", {}).get("revision_date", [])
+def _release_date(block) -> str:
+    dates = [d for d in block.find_values("_pdbx_audit_revision_history.revision_date") if d not in "?."]
     if dates:
         return min(dates)
-    return t.get("_pdbx_database_status", {}).get("recvd_initial_deposition_date", [""])[0]
+    date = block.find_value("_pdbx_database_status.recvd_initial_deposition_date")
+    return date if date and date not in "?." else ""
 
 
-def _seqres(t: dict[str, dict[str, list[str]]]) -> dict[str, list[tuple[int, str]]]:
+def _column(table, k: int) -> list[str]:
+    import gemmi
+
+    return [gemmi.cif.as_string(row[k]) for row in table]
+
+
+def _seqres(block) -> dict[str, list[tuple[int, str]]]:
     """author chain -> [(label seq id, residue name)] from the polymer sequence scheme."""
-    scheme = t.get("_pdbx_poly_seq_scheme", {})
+    table = block.find("_pdbx_poly_seq_scheme.", ["pdb_strand_id", "seq_id", "mon_id"])
     out: dict[str, list[tuple[int, str]]] = {}
-    for strand, seq_id, mon in zip(scheme.get("pdb_strand_id", []), scheme.get("seq_id", []), scheme.get("mon_id", [])):
-        out.setdefault(strand, []).append((int(seq_id), _MODIFIED.get(mon, mon)))
+    for strand, seq_id, mon in zip(_column(table, 0), _column(table, 1), _column(table, 2)):
+        out.setdefault(strand, []).append((int(seq_id), mon))
     return out
 
 
-def _fill_atoms(
-    t: dict[str, dict[str, list[str]]], chain: str, index: dict[int, int], pos: np.ndarray, mask: np.ndarray
-) -> None:
-    a = t["_atom_site"]
-    models = a.get("pdbx_PDB_model_num", ["1"] * len(a["id"]))
-    first_model = models[0] if models else "1"
-    for k in range(len(a["id"])):
-        if a["auth_asym_id"][k] != chain or models[k] != first_model or a["label_seq_id"][k] in (".", "?"):
+_ChainWork = tuple[dict[int, int], list[str], np.ndarray, np.ndarray]
+"""label seq id -> row, parent residue per row, positions, mask."""
+
+
+def _fill_atoms(block, chains: dict[str, _ChainWork], source: str) -> None:
+    fields = ["auth_asym_id", "label_seq_id", "label_atom_id", "label_comp_id", "Cartn_x", "Cartn_y", "Cartn_z",
+              "?pdbx_PDB_model_num"]
+    table = block.find("_atom_site.", fields)
+    first_model = None
+    for row in table:
+        model = row.str(7) if row.has(7) else "1"
+        first_model = first_model or model
+        chain = chains.get(row.str(0))
+        if chain is None or model != first_model or row[1] in (".", "?"):
             continue
-        row = index.get(int(a["label_seq_id"][k]))
-        name = a["label_atom_id"][k]
-        if a["label_comp_id"][k] == "MSE" and name == "SE":
-            name = "SD"
-        if row is None or name not in rc.atom_order or mask[row, rc.atom_order[name]]:
+        index, parents, pos, mask = chain
+        try:
+            seq_row = index.get(int(row.str(1)))
+        except ValueError:
+            raise InputError(f"{source}: _atom_site.label_seq_id {row.str(1)!r} is not a number") from None
+        if seq_row is None:
+            continue
+        comp, name = row.str(3), row.str(2)
+        name = _ATOM_RENAMES.get((comp, name), name)
+        parent = parents[seq_row]
+        if (name != "OXT" and name not in rc.residue_atoms.get(parent, ())) or mask[seq_row, rc.atom_order[name]]:
             continue
         j = rc.atom_order[name]
-        pos[row, j] = (float(a["Cartn_x"][k]), float(a["Cartn_y"][k]), float(a["Cartn_z"][k]))
-        mask[row, j] = 1.0
+        try:
+            pos[seq_row, j] = (float(row.str(4)), float(row.str(5)), float(row.str(6)))
+        except ValueError:
+            raise InputError(f"{source}: atom {name} of residue {row.str(1)}: coordinates are not numbers") from None
+        mask[seq_row, j] = 1.0
 
 
 def parse_mmcif(text: str, source: str = "<mmcif>") -> MmcifFile:
     """The protein chains of an mmCIF file with their SEQRES and atom37 coordinates."""
-    t = _tables(text, source)
-    if "_atom_site" not in t:
+    import gemmi
+
+    try:
+        block = gemmi.cif.read_string(text)[0]
+    except (ValueError, RuntimeError, IndexError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{source}: not a readable mmCIF file ({first})") from None
+    if not block.find_mmcif_category("_atom_site."):
         raise InputError(f"{source}: not an mmCIF coordinate file (no _atom_site table)")
-    chains = {}
-    for chain, residues in _seqres(t).items():
-        if not any(name in rc.restype_3to1 for _, name in residues):
+    chains, work = {}, {}
+    for chain, residues in _seqres(block).items():
+        parents = [parent_residue(name) for _, name in residues]
+        if not any(parents):
             continue  # DNA/RNA
-        seq = "".join(rc.restype_3to1.get(name, "X") for _, name in residues)
+        seq = "".join(rc.restype_3to1[p] if p else "X" for p in parents)
         index = {seq_id: row for row, (seq_id, _) in enumerate(residues)}
         pos = np.zeros((len(seq), rc.atom_type_num, 3), dtype=np.float32)
         mask = np.zeros((len(seq), rc.atom_type_num), dtype=np.float32)
-        _fill_atoms(t, chain, index, pos, mask)
+        work[chain] = (index, [p or "UNK" for p in parents], pos, mask)
         chains[chain] = MmcifChain(seq, pos, mask)
-    return MmcifFile(chains, _release_date(t))
+    _fill_atoms(block, work, source)
+    return MmcifFile(chains, _release_date(block))

@@ -16,8 +16,10 @@ __all__ = [
     "TemplateHit",
     "parse_a3m",
     "parse_fasta",
+    "parse_fasta_records",
     "parse_hhr",
     "parse_stockholm",
+    "target_name",
     "validate_sequence",
 ]
 
@@ -107,19 +109,29 @@ def validate_sequence(sequence: str, where: str) -> str:
     return seq
 
 
-def parse_fasta(text: str, source: str = "<fasta>") -> list[tuple[str, str]]:
-    """Targets `(name, sequence)` of a FASTA file; the name is the header's first word.
+_UNIPROT = re.compile(r"^(?:sp|tr)\|([A-Za-z0-9_.\-]+)\|")
+"""UniProt FASTA headers (`sp|P0CG48|UBC_HUMAN ...`): the target is named from the accession."""
 
-    Raises `InputError` for a file that is not FASTA, an empty record, a non-amino-acid letter or a
-    duplicate name. Lower case is accepted.
-    """
+
+def target_name(description: str) -> str:
+    """The name of a target from its header: the accession of a UniProt header, else the first word."""
+    words = description.split()
+    first = words[0] if words else ""
+    m = _UNIPROT.match(first)
+    return m.group(1) if m else first
+
+
+def parse_fasta_records(text: str, source: str = "<fasta>") -> list[tuple[str, str, str]]:
+    """Targets `(name, sequence, header)` of a FASTA file (see `parse_fasta`); a UTF-8 byte-order mark is
+    ignored, and the whole header is kept for the outputs."""
+    text = text.removeprefix("\ufeff")
     records = _fasta_records(text, source)
     if not records:
         raise InputError(f"{source}: no FASTA records (expected lines starting with '>')")
     seen: dict[str, int] = {}
     out = []
     for k, (desc, raw, lineno) in enumerate(records, start=1):
-        name = desc.split()[0] if desc.split() else ""
+        name = target_name(desc)
         where = f"{source}: record {k} ({name or 'unnamed'}, line {lineno})"
         if not name:
             raise InputError(f"{where}: empty header (a target needs a name)")
@@ -128,8 +140,18 @@ def parse_fasta(text: str, source: str = "<fasta>") -> list[tuple[str, str]]:
         if name in seen:
             raise InputError(f"{where}: duplicate name {name!r} (first at record {seen[name]})")
         seen[name] = k
-        out.append((name, validate_sequence(raw, where)))
+        out.append((name, validate_sequence(raw, where), desc))
     return out
+
+
+def parse_fasta(text: str, source: str = "<fasta>") -> list[tuple[str, str]]:
+    """Targets `(name, sequence)` of a FASTA file; the name is the header's first word, or the accession of a
+    UniProt header (`>sp|P0CG48|UBC_HUMAN ...` -> P0CG48).
+
+    Raises `InputError` for a file that is not FASTA, an empty record, a non-amino-acid letter or a
+    duplicate name. Lower case is accepted.
+    """
+    return [(name, seq) for name, seq, _ in parse_fasta_records(text, source)]
 
 
 def parse_a3m(text: str, source: str = "<a3m>") -> Msa:

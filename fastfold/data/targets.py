@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from .features import empty_template_features, make_msa_features, make_sequence_features
-from .parsers import InputError, Msa, TemplateHit, parse_a3m, parse_fasta, parse_hhr, parse_stockholm
+from .parsers import InputError, Msa, TemplateHit, parse_a3m, parse_fasta_records, parse_hhr, parse_stockholm
 
 __all__ = [
+    "MAX_HITS",
     "AlignmentConfig",
     "Target",
+    "alignment_files",
+    "check_text_file",
     "read_alignment_dir",
+    "read_text_file",
     "read_targets",
     "run_alignment_tools",
     "target_raw_features",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +36,8 @@ class Target:
 
     name: str
     sequence: str
+    description: str = dataclasses.field(default="", compare=False)
+    """The FASTA header (without '>'), kept for the outputs."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,41 +87,146 @@ class AlignmentConfig:
         dbs = (self.uniref90_database_path, self.mgnify_database_path, self.bfd_database_path)
         return not self.single_sequence and self.precomputed_dir is None and any(dbs)
 
+FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas", ".fsa")
+"""Files read from a folder of FASTA files (OpenFold's first argument)."""
+
+
 def read_targets(fasta_path: str | Path) -> list[Target]:
-    """The targets of a FASTA file (validated; `InputError` names the record and position)."""
+    """The targets of a FASTA file, or of every FASTA file in a folder (OpenFold's `fasta_dir`), validated:
+    `InputError` names the file, record and position; names must be unique across the files."""
     path = Path(fasta_path)
-    if not path.is_file():
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FASTA_SUFFIXES)
+        if not files:
+            raise InputError(f"{path}: folder holds no FASTA file ({', '.join(FASTA_SUFFIXES)})")
+    elif path.is_file():
+        files = [path]
+    else:
         raise InputError(f"{path}: no such FASTA file")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file (not FASTA)") from None
-    return [Target(name, seq) for name, seq in parse_fasta(text, str(path))]
+    targets: list[Target] = []
+    first: dict[str, Path] = {}
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError:
+            raise InputError(f"{f}: not a text file (not FASTA)") from None
+        for name, seq, header in parse_fasta_records(text, str(f)):
+            if name in first:
+                raise InputError(f"{f}: target {name!r} is also in {first[name]} (names must be unique)")
+            first[name] = f
+            targets.append(Target(name, seq, header))
+    return targets
 
 
 _MSA_FILES = ("uniref90_hits.sto", "mgnify_hits.sto", "bfd_uniref_hits.a3m", "bfd_uniclust_hits.a3m",
               "small_bfd_hits.sto", "uniclust30_hits.a3m")
 """OpenFold/AlphaFold per-target alignment file names, in the order their rows enter the MSA."""
 
+MAX_HITS = {"uniref90_hits.sto": 10_000, "mgnify_hits.sto": 501}
+"""Rows kept per search result, AlphaFold's caps (`uniref_max_hits`, `mgnify_max_hits`); query row included."""
+
+MSA_SUFFIXES = (".sto", ".a3m", ".sto.gz", ".a3m.gz")
+"""Alignment files read from a target's folder (gzip-compressed ones too)."""
+HIT_SUFFIXES = (".hhr", ".hhr.gz")
+"""Template-hit files read from a target's folder."""
+
+
+def _kind(path: Path) -> str:
+    """"msa", "hits" or "" (a file the reader does not use)."""
+    name = path.name
+    if name.endswith(MSA_SUFFIXES):
+        return "msa"
+    return "hits" if name.endswith(HIT_SUFFIXES) else ""
+
+
+def _base_name(path: Path) -> str:
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def read_text_file(path: Path) -> str:
+    """A text file (gunzipped when it ends in .gz); `InputError` naming it when it is binary."""
+    import gzip
+
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return f.read()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a text file (byte {exc.start} is not UTF-8: binary or compressed?)") from None
+    except (OSError, EOFError) as exc:
+        raise InputError(f"{path}: cannot be read ({exc})") from None
+    if "\0" in text[:65536]:
+        raise InputError(f"{path}: not a text file (holds NUL bytes: binary?)")
+    return text
+
+
+def check_text_file(path: Path, size: int = 65536) -> None:
+    """Cheap check before any work: the first `size` characters of `path` (gunzipped for .gz) are text;
+    `InputError` naming the file otherwise."""
+    import gzip
+
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                head = f.read(size)
+        else:
+            with open(path, encoding="utf-8") as f:
+                head = f.read(size)
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a text file (byte {exc.start} is not UTF-8: binary or compressed?)") from None
+    except (OSError, EOFError) as exc:
+        raise InputError(f"{path}: cannot be read ({exc})") from None
+    if "\0" in head:
+        raise InputError(f"{path}: not a text file (holds NUL bytes: binary?)")
+
 
 def _read_msa(path: Path) -> Msa:
-    parse = parse_stockholm if path.suffix == ".sto" else parse_a3m
-    return parse(path.read_text(), str(path))
+    parse = parse_stockholm if _base_name(path).endswith(".sto") else parse_a3m
+    return parse(read_text_file(path), str(path))
 
 
-def read_alignment_dir(folder: Path, sequence: str) -> tuple[list[Msa], list[TemplateHit]]:
-    """MSAs (`*.sto`, `*.a3m`; known names first) and template hits (`*.hhr`) of one target's folder."""
+def alignment_files(folder: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(alignment files in MSA order, template-hit files, files the reader ignores) of a target's folder."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    msas = [p for p in files if _kind(p) == "msa"]
+    msas.sort(key=lambda p: _MSA_FILES.index(_base_name(p)) if _base_name(p) in _MSA_FILES else len(_MSA_FILES))
+    return msas, [p for p in files if _kind(p) == "hits"], [p for p in files if not _kind(p)]
+
+
+def read_alignment_dir(
+    folder: Path, sequence: str, info: dict | None = None, require_msa: bool = False
+) -> tuple[list[Msa], list[TemplateHit]]:
+    """MSAs (`*.sto`, `*.a3m`, also gzipped; known names first, AlphaFold's row caps applied) and template
+    hits (`*.hhr`) of one target's folder. `info`, when given, gets what was read (files, rows per file
+    before/after the cap, ignored files). `require_msa`: an `InputError` when the folder holds no
+    alignment file (empty, or only files the reader does not know)."""
+    folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: no precomputed alignments for this target (folder missing)")
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".sto", ".a3m"))
-    files.sort(key=lambda p: _MSA_FILES.index(p.name) if p.name in _MSA_FILES else len(_MSA_FILES))
-    msas = []
-    for p in files:
+    msa_files, hit_files, ignored = alignment_files(folder)
+    if ignored:
+        names = ", ".join(p.name for p in ignored)
+        logger.warning("%s: ignoring %s (not .sto/.a3m/.hhr, optionally .gz)", folder, names)
+    if not msa_files:
+        what = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
+        if require_msa:
+            raise InputError(f"{folder}: no alignment file (.sto/.a3m) for this target, it holds {what}; "
+                             "add --single_sequence to fold it from the sequence alone")
+        logger.warning("%s: NO ALIGNMENT FILE (holds %s): this target's MSA is the query alone", folder, what)
+    msas, read = [], []
+    for p in msa_files:
         msa = _read_msa(p)
         if msa.sequences and len(msa.sequences[0]) != len(sequence):
             raise InputError(f"{p}: alignment has {len(msa.sequences[0])} columns, the target has {len(sequence)}")
-        msas.append(msa)
-    hits = [h for p in sorted(folder.glob("*.hhr")) for h in parse_hhr(p.read_text(), str(p))]
+        cap = MAX_HITS.get(_base_name(p))
+        kept = msa.truncate(cap) if cap is not None and len(msa) > cap else msa
+        msas.append(kept)
+        read.append({"file": p.name, "rows": len(msa), "rows_used": len(kept), **({"cap": cap} if cap else {})})
+    hits = [h for p in hit_files for h in parse_hhr(read_text_file(p), str(p))]
+    if info is not None:
+        info.update(alignment_dir=str(folder), alignment_files=read, ignored_files=[p.name for p in ignored],
+                    template_hit_files=[p.name for p in hit_files], template_hits=len(hits))
     return msas, hits
 
 
@@ -134,30 +248,56 @@ def run_alignment_tools(target: Target, cfg: AlignmentConfig, folder: Path) -> N
                           cfg.cpus)
     hhr = folder / "pdb70_hits.hhr"
     if cfg.pdb70_database_path and uniref.exists() and not hhr.exists():
-        a3m = tools.msa_to_a3m(_read_msa(uniref))
+        a3m = tools.msa_to_a3m(_read_msa(uniref).truncate(MAX_HITS[uniref.name]))
         tools.run_hhsearch(tools.find_binary(cfg.hhsearch_binary_path, "hhsearch"), a3m, cfg.pdb70_database_path, hhr)
 
 
 def target_raw_features(
-    target: Target, cfg: AlignmentConfig, work_dir: str | Path, with_templates: bool = True
+    target: Target, cfg: AlignmentConfig, work_dir: str | Path, with_templates: bool = True,
+    info: dict | None = None,
 ) -> dict[str, np.ndarray]:
-    """Raw features of one target: sequence, MSA (precomputed, searched or single) and templates."""
+    """Raw features of one target: sequence, MSA (precomputed, searched or single) and templates.
+
+    `info`, when given, gets what the features were made of: the MSA mode, the alignment files read with
+    their rows, the MSA depth before and after removing duplicates, and every template hit considered
+    (used: PDB id, chain, aligned columns, release date; else why not). With `cfg.single_sequence` and a
+    `cfg.precomputed_dir`, the MSA is the query alone and the folder's `.hhr` hits still give templates."""
+    info = {} if info is None else info
     msas: list[Msa] = []
     hits: list[TemplateHit] = []
-    if not cfg.single_sequence:
-        if cfg.precomputed_dir is not None:
-            msas, hits = read_alignment_dir(Path(cfg.precomputed_dir) / target.name, target.sequence)
-        elif cfg.runs_tools:
-            folder = Path(work_dir) / "msas"
-            run_alignment_tools(target, cfg, folder)
-            msas, hits = read_alignment_dir(folder, target.sequence)
+    if cfg.precomputed_dir is not None:
+        info["msa_mode"] = "single_sequence (templates from the alignment folder)" if cfg.single_sequence \
+            else "precomputed"
+        msas, hits = read_alignment_dir(Path(cfg.precomputed_dir) / target.name, target.sequence, info,
+                                        require_msa=not cfg.single_sequence)
+        if cfg.single_sequence:
+            msas = []
+    elif cfg.single_sequence:
+        info["msa_mode"] = "single_sequence"
+    elif cfg.runs_tools:
+        info["msa_mode"] = "search"
+        folder = Path(work_dir) / "msas"
+        run_alignment_tools(target, cfg, folder)
+        msas, hits = read_alignment_dir(folder, target.sequence, info)
+    else:
+        info["msa_mode"] = "single_sequence (no alignments given)"
     raw = {**make_sequence_features(target.sequence), **make_msa_features(target.sequence, msas)}
+    info["msa_depth"] = {"query": 1, **{f["file"]: f["rows_used"] for f in info.get("alignment_files", [])}}
+    info["msa_depth_total"] = 1 + sum(len(m) for m in msas)
+    info["msa_depth_dedup"] = int(raw["msa"].shape[0])
+    info["templates"] = []
     if with_templates and hits and cfg.template_mmcif_dir:
         from .templates import TemplateConfig, TemplateFeaturizer
 
         tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date,
                               kalign_binary_path=cfg.kalign_binary_path)
-        raw.update(TemplateFeaturizer(tcfg).get(target.sequence, hits))
+        featurizer = TemplateFeaturizer(tcfg)
+        raw.update(featurizer.get(target.sequence, hits))
+        info["templates"] = [r for r in featurizer.report if r["used"]]
+        info["templates_skipped"] = [r for r in featurizer.report if not r["used"]]
     else:
         raw.update(empty_template_features(len(target.sequence)))
+        if hits:
+            info["templates_note"] = ("models without templates" if not with_templates
+                                      else "no template_mmcif_dir given: hits not used")
     return raw

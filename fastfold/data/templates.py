@@ -54,6 +54,8 @@ class TemplateFeaturizer:
     def __init__(self, config: TemplateConfig) -> None:
         self.config = config
         self._cache: dict[str, MmcifFile | None] = {}
+        self.report: list[dict] = []
+        """What the last `get` did with each hit it considered (used: PDB id, chain, columns, date; else why)."""
 
     def _load(self, pdb_id: str) -> MmcifFile | None:
         if pdb_id not in self._cache:
@@ -61,27 +63,43 @@ class TemplateFeaturizer:
             if not path.exists():
                 self._cache[pdb_id] = None
             else:
-                self._cache[pdb_id] = parse_mmcif(path.read_text(), str(path))
+                try:
+                    text = path.read_text()
+                except UnicodeDecodeError:
+                    raise InputError(f"{path}: not a text mmCIF file (binary or compressed)") from None
+                self._cache[pdb_id] = parse_mmcif(text, str(path))
         return self._cache[pdb_id]
+
+    def _skip(self, hit: TemplateHit, reason: str, level: int = logging.WARNING) -> None:
+        logger.log(level, "template %s skipped: %s", hit.name, reason)
+        self.report.append({"hit": hit.name, "used": False, "reason": reason})
 
     def _one(self, query: str, hit: TemplateHit) -> dict[str, np.ndarray] | None:
         pdb_id, _, chain_id = hit.name.partition("_")
         try:
             mmcif = self._load(pdb_id.lower())
         except InputError as exc:
-            logger.warning("template %s skipped: %s", hit.name, exc)
+            self._skip(hit, str(exc))
             return None
         if mmcif is None:
-            logger.warning("template %s skipped: no %s.cif in %s", hit.name, pdb_id.lower(), self.config.mmcif_dir)
+            self._skip(hit, f"no {pdb_id.lower()}.cif in {self.config.mmcif_dir}")
             return None
         if not mmcif.release_date or mmcif.release_date > self.config.max_template_date:
-            logger.info("template %s skipped: released %s, after the cut-off", hit.name, mmcif.release_date or "?")
+            self._skip(hit, f"released {mmcif.release_date or '?'}, after the cut-off", logging.INFO)
             return None
         chain = mmcif.chains.get(chain_id)
         if chain is None:
-            logger.warning("template %s skipped: chain %s not in the mmCIF file", hit.name, chain_id)
+            self._skip(hit, f"chain {chain_id} not in the mmCIF file")
             return None
-        return _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask, self._kalign())
+        feats = _features_from_hit(query, hit, chain.sequence, chain.positions, chain.mask, self._kalign())
+        if feats is None:
+            self.report.append({"hit": hit.name, "used": False, "reason": "hit residues not placed on the SEQRES"})
+            return None
+        columns = int((feats["template_all_atom_mask"].sum(-1) > 0).sum())
+        self.report.append({"hit": hit.name, "used": True, "pdb_id": pdb_id.lower(), "chain": chain_id,
+                            "aligned_cols": hit.aligned_cols, "query_residues_with_atoms": columns,
+                            "sum_probs": hit.sum_probs, "release_date": mmcif.release_date})
+        return feats
 
     def _kalign(self) -> str | None:
         from .tools import ToolError, find_binary
@@ -97,6 +115,7 @@ class TemplateFeaturizer:
     def get(self, query: str, hits: Sequence[TemplateHit]) -> dict[str, np.ndarray]:
         """Template features for `query` from `hits` (best first); T = 0 when none is usable."""
         feats = []
+        self.report = []
         for hit in sorted(hits, key=lambda h: -h.sum_probs):
             if len(feats) >= self.config.max_hits:
                 break

@@ -11,7 +11,11 @@ import numpy as np
 
 from ...core_parallel.fileio import atomic_write
 
-__all__ = ["confidence_dict", "plot_pae", "plot_plddt", "write_confidence_json"]
+__all__ = ["MAX_PAE", "confidence_dict", "plot_pae", "plot_plddt", "write_confidence_json"]
+
+MAX_PAE = 31.75
+"""AlphaFold's PAE cap in Angstrom: the centre of the last of its 64 PAE bins (0.5 Angstrom wide, edges to 31)
+(`max_predicted_aligned_error` in its confidence JSON), the fixed top of its PAE colour scale."""
 
 
 def confidence_dict(plddt: np.ndarray, ptm: float | None = None, pae: np.ndarray | None = None) -> dict[str, Any]:
@@ -23,7 +27,7 @@ def confidence_dict(plddt: np.ndarray, ptm: float | None = None, pae: np.ndarray
     if pae is not None:
         pae = np.asarray(pae, dtype=np.float64)
         out["pae"] = [[round(float(x), 2) for x in row] for row in pae]
-        out["max_pae"] = round(float(pae.max()), 2)
+        out["max_pae"] = MAX_PAE  # AlphaFold's field: the cap of the scale, not this matrix's maximum
     return out
 
 
@@ -39,8 +43,15 @@ def _save(fig, path: str | Path) -> None:
         f.write(buf.getvalue())
 
 
-def plot_plddt(path: str | Path, plddt: np.ndarray, title: str) -> None:
-    """Per-residue pLDDT line plot with AlphaFold's confidence bands."""
+def _mark(fig, mark: str) -> None:
+    """A large red stamp across the figure (e.g. "RANDOM WEIGHTS"), so a plot cannot pass for a real one."""
+    if mark:
+        fig.text(0.5, 0.5, mark, ha="center", va="center", rotation=20, fontsize=28, color="red", alpha=0.45,
+                 weight="bold")
+
+
+def plot_plddt(path: str | Path, plddt: np.ndarray, title: str, mark: str = "") -> None:
+    """Per-residue pLDDT line plot with AlphaFold's confidence bands; `mark` is stamped across it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,20 +62,23 @@ def plot_plddt(path: str | Path, plddt: np.ndarray, title: str) -> None:
         ax.axhspan(lo, hi, color=colour, alpha=0.15, lw=0)
     ax.plot(np.arange(1, len(plddt) + 1), plddt, color="black", lw=1)
     ax.set(xlabel="residue", ylabel="pLDDT", ylim=(0, 100), xlim=(1, max(len(plddt), 2)), title=title)
+    _mark(fig, mark)
     _save(fig, path)
     plt.close(fig)
 
 
-def plot_pae(path: str | Path, pae: np.ndarray, title: str) -> None:
-    """Predicted aligned error heat map (scored residue vs aligned residue)."""
+def plot_pae(path: str | Path, pae: np.ndarray, title: str, mark: str = "") -> None:
+    """Predicted aligned error heat map (scored residue vs aligned residue) on AlphaFold's fixed 0..31.75
+    Angstrom scale, so plots of different models compare by colour; `mark` is stamped across it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4.2))
-    im = ax.imshow(pae, cmap="Greens_r", vmin=0, vmax=max(float(np.max(pae)), 1e-6))
+    im = ax.imshow(pae, cmap="Greens_r", vmin=0, vmax=MAX_PAE)
     fig.colorbar(im, ax=ax, label="expected position error (Å)")
     ax.set(xlabel="scored residue", ylabel="aligned residue", title=title)
+    _mark(fig, mark)
     _save(fig, path)
     plt.close(fig)

@@ -68,8 +68,152 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "targets)")
     parser.add_argument("--overwrite", action="store_true", help="redo targets that are already complete")
     parser.add_argument("--seed", type=int, default=0, help="seed of MSA sampling and of random weights")
+    parser.add_argument("--num_recycle", type=int, default=None,
+                        help="recycling iterations (default: the model's, 3 for the released models)")
+    parser.add_argument("--num_seeds", type=int, default=1,
+                        help="predictions per model, MSA sampling seeds --seed, --seed+1, ... (all ranked)")
+    parser.add_argument("--subtract_plddt", action="store_true",
+                        help="write 100 - pLDDT in the B-factor column (OpenFold's flag)")
+    parser.add_argument("--inplace", action="store_true",
+                        help="in-place residual updates in the model (FastFold's flag): one activation copy less")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML of these flags (the recipe file, recipes/configs/fold.yaml); the command line wins")
+    _add_compat_arguments(parser)
+
+
+_UNSET = object()
+
+
+def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    """OpenFold's (`run_pretrained_openfold.py`) and FastFold's (`inference.py`) flags that have another name
+    here, or that cannot apply: parsed so a copied command line gets their meaning or one line saying why
+    (`_apply_compat`)."""
+    group = parser.add_argument_group("OpenFold / FastFold flags (translated, or refused with the reason)")
+    add = group.add_argument
+    add("--config_preset", default=None, help="OpenFold: = --model_name")
+    add("--jax_param_path", default=None, help="OpenFold: = --param_path (AlphaFold .npz)")
+    add("--openfold_checkpoint_path", default=None, help="OpenFold: = --param_path (OpenFold .pt)")
+    add("--skip_relaxation", action="store_true", help="OpenFold: = --no-relax")
+    add("--relaxation", action="store_true", help="FastFold: = --relax (the default)")
+    add("--data_random_seed", default=None, help="OpenFold/FastFold: = --seed")
+    add("--use_single_seq_mode", action="store_true", help="OpenFold SoloSeq (ESM-1b): refused, see --single_sequence")
+    add("--cif_output", action="store_true", help="OpenFold: mmCIF output (always written here, beside PDB)")
+    add("--save_outputs", action="store_true",
+        help="OpenFold: raw outputs (always saved: <target>_<model>_prediction.npz)")
+    add("--save_prediction_result", nargs="?", const="True", default=None,
+        help="FastFold: raw outputs (always saved: <target>_<model>_prediction.npz)")
+    add("--output_postfix", default=None, help="OpenFold: refused (fixed names in one folder per target)")
+    add("--long_sequence_inference", action="store_true", help="OpenFold: = --chunk_size auto")
+    add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
+    add("--preset", choices=["full_dbs", "reduced_dbs"], default=None, help="full_dbs; reduced_dbs is refused")
+    add("--model_preset", default=None, help="FastFold: monomer (multimer is refused)")
+    add("--gpus", type=int, default=None, help="FastFold: DAP size = --devices")
+    add("--enable_workflow", action="store_true", help="FastFold: alignment jobs as Ray tasks (= --num_workers)")
+    for flag in ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearch_binary_path",
+                 "hmmbuild_binary_path", "obsolete_pdbs_path", "release_dates_path", "multimer_ri_gap",
+                 "experiment_config_json"):
+        add(f"--{flag}", default=None, help="refused or unused: see the error message")
+    for flag in ("trace_model", "use_deepspeed_evoformer_attention", "use_custom_template"):
+        add(f"--{flag}", action="store_true", help="refused: see the error message")
+
+
+_REFUSED = {
+    "use_single_seq_mode": "is OpenFold's SoloSeq (ESM-1b embeddings with the seq_model_* presets), which this "
+                           "build does not have; --single_sequence folds from the query alone with AlphaFold models",
+    "output_postfix": "cannot apply: every target's files have fixed names in <output_dir>/<target>/; use another "
+                      "--output_dir per run",
+    "trace_model": "cannot apply: TorchScript tracing is not implemented (the model runs eagerly, on CPU or CUDA)",
+    "use_deepspeed_evoformer_attention": "cannot apply: DeepSpeed's DS4Sci kernel is not used; attention kernels "
+                                         "are chosen by the model itself",
+    "use_custom_template": "is not supported: templates come from .hhr hits and template_mmcif_dir",
+    "experiment_config_json": "cannot apply: OpenFold config overrides do not map onto this model; use "
+                              "--config FILE with suite fold flags",
+    "multimer_ri_gap": "cannot apply: suite fold runs monomer models only (no chains to separate)",
+    "obsolete_pdbs_path": "is not supported: obsolete template ids are not remapped (a hit without its mmCIF "
+                          "file is skipped with a warning)",
+    "release_dates_path": "is not needed: template release dates are read from each mmCIF file "
+                          "(_pdbx_audit_revision_history)",
+}
+"""Flags of OpenFold/FastFold that cannot apply here, and why (one line each)."""
+
+_MULTIMER_ONLY = ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearch_binary_path",
+                  "hmmbuild_binary_path")
+"""Multimer-only inputs: OpenFold's monomer runs ignore them too; accepted with a warning."""
+
+COMPAT_FLAGS = {
+    "openfold": (
+        "fasta_dir", "template_mmcif_dir", "--use_precomputed_alignments", "--use_custom_template",
+        "--use_single_seq_mode", "--output_dir", "--model_device", "--config_preset", "--jax_param_path",
+        "--openfold_checkpoint_path", "--save_outputs", "--cpus", "--preset", "--output_postfix",
+        "--data_random_seed", "--skip_relaxation", "--multimer_ri_gap", "--trace_model", "--subtract_plddt",
+        "--long_sequence_inference", "--cif_output", "--experiment_config_json",
+        "--use_deepspeed_evoformer_attention",
+    ),
+    "fastfold": (
+        "fasta_path", "template_mmcif_dir", "--use_precomputed_alignments", "--output_dir", "--model_name",
+        "--param_path", "--relaxation", "--cpus", "--gpus", "--preset", "--save_prediction_result",
+        "--data_random_seed", "--model_preset", "--chunk_size", "--enable_workflow", "--inplace",
+    ),
+    "data": (
+        "--uniref90_database_path", "--mgnify_database_path", "--pdb70_database_path", "--pdb_seqres_database_path",
+        "--uniref30_database_path", "--uniclust30_database_path", "--uniprot_database_path",
+        "--bfd_database_path", "--jackhmmer_binary_path", "--hhblits_binary_path", "--hhsearch_binary_path",
+        "--hmmsearch_binary_path", "--hmmbuild_binary_path", "--kalign_binary_path", "--max_template_date",
+        "--obsolete_pdbs_path", "--release_dates_path",
+    ),
+}
+"""The two scripts' command-line arguments (run_pretrained_openfold.py with OpenFold's add_data_args;
+FastFold's inference.py with its add_data_args): each is accepted here with its meaning or refused."""
+
+
+def _same_or_usage(args: argparse.Namespace, dest: str, value, flag: str, default=None) -> None:
+    current = getattr(args, dest)
+    if current not in (default, value):
+        raise _usage(f"{flag} {value} contradicts --{dest} {current}")
+    setattr(args, dest, value)
+
+
+def _apply_compat(args: argparse.Namespace) -> None:
+    """Translate OpenFold/FastFold flags into suite fold's, or refuse one with the reason (exit 2)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    for flag, why in _REFUSED.items():
+        if getattr(args, flag, None) not in (None, False):
+            raise _usage(f"--{flag} {why}")
+    for flag in _MULTIMER_ONLY:
+        if getattr(args, flag, None) is not None:
+            log.warning("--%s is used by multimer models only; suite fold runs monomer models, so it is unused", flag)
+    if args.model_preset not in (None, "monomer"):
+        raise _usage(f"--model_preset {args.model_preset!r}: only monomer models are supported (no multimer)")
+    if args.preset == "reduced_dbs":
+        raise _usage("--preset reduced_dbs: the small-BFD jackhmmer search is not implemented; give "
+                     "--bfd_database_path and --uniref30_database_path (full_dbs) or precomputed alignments")
+    if args.config_preset is not None:
+        _same_or_usage(args, "model_name", args.config_preset, "--config_preset", "model_1_ptm")
+    for flag in ("jax_param_path", "openfold_checkpoint_path"):
+        if getattr(args, flag) is not None:
+            _same_or_usage(args, "param_path", getattr(args, flag), f"--{flag}")
+    if args.skip_relaxation:
+        if args.relaxation:
+            raise _usage("--skip_relaxation contradicts --relaxation")
+        args.relax = False
+    if args.data_random_seed is not None:
+        try:
+            seed = int(args.data_random_seed)
+        except ValueError:
+            raise _usage(f"--data_random_seed {args.data_random_seed!r}: expected an integer") from None
+        _same_or_usage(args, "seed", seed, "--data_random_seed", 0)
+    if args.long_sequence_inference and args.chunk_size is None:
+        args.chunk_size = "auto"
+    if args.uniclust30_database_path is not None:
+        _same_or_usage(args, "uniref30_database_path", args.uniclust30_database_path, "--uniclust30_database_path")
+    if args.gpus is not None:
+        _same_or_usage(args, "devices", args.gpus, "--gpus", 1)
+    if args.enable_workflow and args.num_workers is None:
+        import os
+
+        args.num_workers = max(1, min(4, os.cpu_count() or 1))
 
 
 _RECIPE_ONLY = {"accelerator"}
@@ -154,23 +298,76 @@ def _param_paths(args: argparse.Namespace, names: list[str]) -> list[str | None]
         paths = [p.strip() for p in args.param_path.split(",")]
         if len(paths) != len(names):
             raise _usage(f"--param_path gives {len(paths)} file(s) for {len(names)} model(s) in --model_name")
-    for p in paths:
+    for p, name in zip(paths, names):
         if not os.path.isfile(p):
             raise _usage(f"--param_path: {p}: no such parameter file")
+        _check_param_file(p, name)
     return paths
 
 
-def _validate_alignments(args: argparse.Namespace, targets) -> None:
-    import os
+def _check_param_file(path: str, model_name: str) -> None:
+    """A parameter file must open as what its suffix says and hold the model `model_name` needs: one line
+    naming the file (and the preset it looks like) before any work, not a traceback later."""
+    import zipfile
 
-    if args.single_sequence:
+    from ...fastfold import params
+    from ...fastfold.model.config import preset
+
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if suffix in ("pt", "pth", "ckpt"):
+        if not zipfile.is_zipfile(path):
+            raise _usage(f"--param_path: {path}: not a PyTorch checkpoint (not a zip archive: truncated or corrupt?)")
         return
+    if suffix != "npz":
+        raise _usage(f"--param_path: {path}: unknown parameter file type (expected AlphaFold .npz or OpenFold .pt)")
+    try:
+        with zipfile.ZipFile(path) as z:
+            keys = [n[:-4] for n in z.namelist() if n.endswith(".npy")]
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise _usage(f"--param_path: {path}: not a readable .npz file ({exc}: truncated or not an npz?)") from None
+    af = [k for k in keys if k.startswith(params.PREFIX)]
+    if not af:
+        raise _usage(f"--param_path: {path}: no AlphaFold parameters in this .npz (no '{params.PREFIX}...' arrays)")
+    if any("~_relative_encoding" in k or "template_embedding_iteration" in k for k in af):
+        raise _usage(f"--param_path: {path}: looks like an AlphaFold-Multimer file; suite fold runs monomer models")
+    has_tm = params.PREFIX + "predicted_aligned_error_head/logits//weights" in keys
+    has_templates = any("/template_embedding/" in k for k in af)
+    cfg = preset(model_name)
+    if (cfg.template.enabled, cfg.heads.tm) != (has_templates, has_tm):
+        looks = ("model_1 or model_2" if has_templates else "model_3, model_4 or model_5") + ("_ptm" if has_tm else "")
+        want = ("template" if cfg.template.enabled else "no template") + (" and pTM" if cfg.heads.tm else ", no pTM")
+        raise _usage(f"--param_path: {path}: looks like a {looks} file, but --model_name {model_name} needs "
+                     f"{want} weights")
+
+
+def _validate_alignments(args: argparse.Namespace, targets) -> None:
+    """Every input the run will read is checked before any work: the alignment folder (also with
+    --single_sequence, which then takes only its template hits), one sub-folder per target holding alignment
+    files (refused when empty or holding only unknown files, unless --single_sequence), text files only."""
+    from pathlib import Path
+
+    from ...fastfold.data.parsers import InputError
+    from ...fastfold.data.targets import alignment_files, check_text_file
+
     _existing(args.use_precomputed_alignments, "--use_precomputed_alignments", "dir")
     if args.use_precomputed_alignments:
         for t in targets:
-            if not os.path.isdir(os.path.join(args.use_precomputed_alignments, t.name)):
+            folder = Path(args.use_precomputed_alignments) / t.name
+            if not folder.is_dir():
                 raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: "
                              f"no folder for target {t.name!r}")
+            msas, hits, ignored = alignment_files(folder)
+            if not msas and not args.single_sequence:
+                holds = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
+                raise _usage(f"--use_precomputed_alignments: {folder}: no alignment file (.sto/.a3m, optionally .gz) "
+                             f"for target {t.name!r}, it holds {holds}; add --single_sequence to fold it alone")
+            for p in [*msas, *hits]:
+                try:
+                    check_text_file(p)
+                except InputError as exc:
+                    raise _usage(f"--use_precomputed_alignments: {exc}") from None
+    if args.single_sequence:
+        return
     for db in _DATABASES:
         _existing(getattr(args, f"{db}_database_path"), f"--{db}_database_path")
     if args.use_precomputed_alignments is None:
@@ -194,7 +391,9 @@ def _model_specs(args: argparse.Namespace):
     from ...fastfold.model.config import model_names
     from ...fastfold.pipeline import ModelSpec
 
-    names = [n.strip() for n in args.model_name.split(",") if n.strip()]
+    names = [n.strip() for n in str(args.model_name).split(",") if n.strip()]
+    if not names:
+        raise _usage(f"--model_name {args.model_name!r}: names no model; expected one of {', '.join(model_names())}")
     for n in names:
         if n not in model_names():
             raise _usage(f"--model_name {n!r}: unknown model; expected one of {', '.join(model_names())}")
@@ -203,10 +402,61 @@ def _model_specs(args: argparse.Namespace):
     paths = _param_paths(args, names)
     tiny = args.random_model_size == "tiny"
     device = args.model_device
-    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
-        raise _usage(f"--model_device {device!r}: expected auto, cpu, cuda or cuda:N")
+    _check_device(device)
     return [ModelSpec(model_name=n, param_path=p, tiny=tiny and p is None, precision=args.precision,
-                      chunk_size=args.chunk_size, seed=args.seed, device=device) for n, p in zip(names, paths)]
+                      chunk_size=args.chunk_size, seed=args.seed, device=device, inplace=args.inplace)
+            for n, p in zip(names, paths)]
+
+
+def _check_device(device: str) -> None:
+    import re
+
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device not in ("auto", "cpu") and m is None:
+        raise _usage(f"--model_device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if m is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _usage(f"--model_device {device}: CUDA is not available here (use --model_device cpu or auto)")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise _usage(f"--model_device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_ray_address(address: str | None, timeout: float = 3.0) -> str | None:
+    """The Ray cluster to join, checked to answer within `timeout` seconds; "auto" is resolved the way Ray
+    resolves it (RAY_ADDRESS, then the cluster this machine started last) and the result is said."""
+    import logging
+    import os
+    import socket
+
+    if address is None:
+        return None
+    source = ""
+    if address == "auto":
+        if os.environ.get("RAY_ADDRESS"):
+            address, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+        else:
+            current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "ray_current_cluster")
+            try:
+                with open(current) as f:
+                    address, source = f.read().strip(), current
+            except OSError:
+                raise _usage("--ray_address auto: no running Ray cluster found (RAY_ADDRESS unset, no "
+                             f"{current}); start one with 'ray start --head' or give its address") from None
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise _usage(f"--ray_address {address!r}: expected host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise _usage(f"--ray_address {address}: no answer within {timeout:.0f} s ({exc.strerror or exc})") from None
+    if source:
+        logging.getLogger(__name__).warning("--ray_address auto: joining the Ray cluster at %s (from %s)",
+                                            address, source)
+    return address
 
 
 def _build_config(args: argparse.Namespace, targets):
@@ -227,6 +477,14 @@ def _build_config(args: argparse.Namespace, targets):
             raise _usage(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.num_workers is not None and args.num_workers < 0:
         raise _usage(f"--num_workers must be >= 0, got {args.num_workers}")
+    if args.seed < 0:
+        raise _usage(f"--seed must be >= 0, got {args.seed}")
+    if args.num_recycle is not None and args.num_recycle < 0:
+        raise _usage(f"--num_recycle must be >= 0, got {args.num_recycle}")
+    if args.num_seeds < 1:
+        raise _usage(f"--num_seeds must be >= 1, got {args.num_seeds}")
+    models = _model_specs(args)
+    ray_address = _check_ray_address(args.ray_address)
     _validate_alignments(args, targets)
     alignment = AlignmentConfig(
         precomputed_dir=args.use_precomputed_alignments, single_sequence=args.single_sequence,
@@ -238,9 +496,10 @@ def _build_config(args: argparse.Namespace, targets):
     if workers is None:
         workers = min(4, os.cpu_count() or 1, len(targets)) if len(targets) > 1 else 0
     return FoldConfig(
-        output_dir=args.output_dir, models=_model_specs(args), alignment=alignment,
+        output_dir=args.output_dir, models=models, alignment=alignment,
         relax=RelaxConfig(platform=args.relax_platform) if args.relax else None, overwrite=args.overwrite,
-        seed=args.seed, devices=args.devices, num_workers=workers, ray_address=args.ray_address,
+        seed=args.seed, devices=args.devices, num_workers=workers, ray_address=ray_address,
+        num_recycle=args.num_recycle, num_seeds=args.num_seeds, subtract_plddt=args.subtract_plddt,
     )
 
 
@@ -259,6 +518,8 @@ def _warn_mode(cfg, args: argparse.Namespace) -> None:
         )
     a = cfg.alignment
     if not a.single_sequence and a.precomputed_dir is None and not a.runs_tools:
+        sys.stderr.write("!! suite fold: NO ALIGNMENTS given (no --use_precomputed_alignments, no databases): "
+                         "SINGLE-SEQUENCE mode, expect low confidence\n")
         log.warning("no alignments given (no --use_precomputed_alignments, no databases): single-sequence mode")
         a.single_sequence = True
     if args.devices > 1:
@@ -291,18 +552,22 @@ def _summary(results, output_dir: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"suite fold: outputs in {output_dir}/")
-    for col in ("target", "length", "status", "mean pLDDT", "time (s)", "files"):
+    for col in ("target", "length", "status", "mean pLDDT", "time (s)", "inputs", "files / note"):
         table.add_column(col)
     for r in results:
         plddt = f"{r.mean_plddt:.1f}" if r.mean_plddt is not None else "-"
         files = r.error if r.status == "failed" else (f"{r.folder}/ ({len(r.files)} files)" if r.files else r.folder)
-        table.add_row(r.target.name, str(len(r.target.sequence)), r.status, plddt, f"{r.seconds:.1f}", files)
-    Console(width=160).print(table)
+        if r.note and r.status != "failed":
+            files = f"{files}; {r.note}"
+        table.add_row(r.target.name, str(len(r.target.sequence)), r.status, plddt, f"{r.seconds:.1f}", r.inputs,
+                      files)
+    Console(width=200).print(table)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.config:
         _apply_config(args)
+    _apply_compat(args)
     targets = _read_targets(args)
     cfg = _build_config(args, targets)
     _warn_mode(cfg, args)

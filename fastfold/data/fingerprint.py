@@ -1,0 +1,67 @@
+"""What made a target's outputs: a JSON-ready record compared on a rerun, so a finished target is reused only
+when every input that shaped it is the same (sequence, models and their parameter files, alignment inputs,
+template settings, relaxation, seeds, precision, recycles).
+
+Files are hashed cheaply: size plus the SHA-256 of their first and last MiB. For a parameter `.npz` (a zip)
+the last MiB holds the central directory with every member's CRC-32, so any changed array shows there; for
+an alignment file of a few MiB the two blocks cover it whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["diff", "file_digest", "folder_digest"]
+
+_BLOCK = 1 << 20
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """`<size>:<sha256 of the first and last MiB>` (the whole file when it is under 2 MiB)."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= 2 * _BLOCK:
+            h.update(f.read())
+        else:
+            h.update(f.read(_BLOCK))
+            f.seek(size - _BLOCK)
+            h.update(f.read(_BLOCK))
+    return f"{size}:{h.hexdigest()[:32]}"
+
+
+def folder_digest(folder: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, str]:
+    """`{file name: file_digest}` of the plain files in `folder` (only `names` when given); {} if absent."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (names is None or p.name in names))
+    return {p.name: file_digest(p) for p in files}
+
+
+_LABELS = {
+    "sequence": "sequence",
+    "models": "models/parameters",
+    "alignments": "alignments",
+    "templates": "templates",
+    "relax": "relax",
+    "seed": "seed",
+    "num_seeds": "seeds per model",
+    "precision": "precision",
+    "num_recycle": "recycles",
+    "b_factors": "B-factors",
+}
+
+
+def diff(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
+    """Human names of the parts of `new` that differ from `old` (["no record of its inputs"] when `old` is
+    missing, as for outputs written before fingerprints existed)."""
+    if not old:
+        return ["no record of its inputs"]
+    keys = list(dict.fromkeys([*new, *old]))
+    return [_LABELS.get(k, k) for k in keys if old.get(k) != new.get(k)]
