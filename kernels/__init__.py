@@ -5,6 +5,8 @@
     p = kernels.softmax(x, mask=mask, bias=bias, scale=s)   # x [B, S, H, Q, K], mask [B, S, 1, 1, K], ...
     o = kernels.attention(q, k, v, bias=bias, mask=mask)    # q [*, H, Q, D], bias [*, H, Q, K] broadcastable
     with kernels.use_backend("torch"): ...                  # or SUITE_KERNEL_BACKEND=auto|triton|torch
+
+The kernels are torch.library custom ops, `getattr(torch.ops, kernels.OP_NAMESPACE).attention_fwd` and so on.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attention, attention_reference
-from .backend import BACKENDS, ENV_VAR, current_backend, triton_unavailable_reason, use_backend
+from .backend import BACKENDS, ENV_VAR, OP_NAMESPACE, current_backend, triton_unavailable_reason, use_backend
 from .layer_norm import LayerNorm, layer_norm, layer_norm_reference
 from .softmax import softmax, softmax_reference
 
@@ -20,6 +22,7 @@ __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "LayerNorm",
+    "OP_NAMESPACE",
     "attention",
     "attention_reference",
     "backend_report",

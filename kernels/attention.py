@@ -9,10 +9,14 @@
   buffer of the bias's own (broadcast) shape, so no `[*, H, Q, K]` tensor ever exists.
 - PyTorch path (any device, the default on CPU): `F.scaled_dot_product_attention` when there is neither bias
   nor mask, or when no gradient is needed and bias and mask fold into one attn_mask no wider than the bias
-  (PyTorch's fused CPU kernel then tiles the keys itself); otherwise an autograd Function that walks query
-  blocks, holding scores for `block_q` rows at a time (memory grows with block_q x K), saves only the
-  output and the row log-sum-exp, and recomputes each block in the backward.
+  (PyTorch's fused CPU kernel then tiles the keys itself); otherwise a loop over query blocks, holding
+  scores for `block_q` rows at a time (memory grows with block_q x K), that saves only the output and the
+  row log-sum-exp and recomputes each block in the backward.
 - `attention_reference`: the plain formula, materialising everything.
+
+The Triton kernels and the block loop are the custom ops `torch.ops.<ns>.attention_fwd/attention_bwd`
+(torch.library, `ns` = `backend.OP_NAMESPACE`) with fake implementations, so torch.compile traces through
+them without graph breaks and selective activation checkpointing can name them.
 
 Fully masked query rows give zeros (and zero gradients), never NaN: their log-sum-exp is stored as +inf.
 """
@@ -23,9 +27,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
-from .backend import select_path
+from .backend import op_name, select_path
 from .softmax import softmax_reference
 
 try:
@@ -102,64 +107,61 @@ def _block_q(q: torch.Tensor, n_k: int, block_q: int | None) -> int:
     return int(max(1, min(q.shape[-2], max(16, _CHUNK_BYTES // per_row))))
 
 
-class _ChunkedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale, block):
-        compute = torch.promote_types(q.dtype, torch.float32)
-        qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
-        kt = kf.transpose(-1, -2)
-        n_q = q.shape[-2]
-        out = torch.empty(*torch.broadcast_shapes(q.shape[:-1], v.shape[:-2] + (1,)), v.shape[-1], dtype=compute,
-                          device=q.device)
-        lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)
-        for qs in range(0, n_q, block):
-            qe = min(qs + block, n_q)
-            s = _block_scores(qf[..., qs:qe, :] * scale, kt, bias, mask, qs, qe)
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = s.sub_(m).exp_()
-            total = p.sum(-1, keepdim=True)
-            out[..., qs:qe, :] = torch.matmul(p, vf).div_(total.clamp_min(torch.finfo(compute).tiny))
-            # +inf for an empty row makes exp(s - lse) = 0 there in the backward
-            lse[..., qs:qe] = torch.where(total > 0, m + total.log(), math.inf).squeeze(-1)
-        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
-        ctx.scale, ctx.block = scale, block
-        return out.to(q.dtype)
+def _chunked_fwd(q, k, v, bias, mask, scale, block):
+    """(out, row log-sum-exp), both in the compute dtype (fp32, or fp64 for fp64 inputs)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
+    kt = kf.transpose(-1, -2)
+    n_q = q.shape[-2]
+    out = torch.empty(*torch.broadcast_shapes(q.shape[:-1], v.shape[:-2] + (1,)), v.shape[-1], dtype=compute,
+                      device=q.device)
+    lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)
+    for qs in range(0, n_q, block):
+        qe = min(qs + block, n_q)
+        s = _block_scores(qf[..., qs:qe, :] * scale, kt, bias, mask, qs, qe)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = s.sub_(m).exp_()
+        total = p.sum(-1, keepdim=True)
+        out[..., qs:qe, :] = torch.matmul(p, vf).div_(total.clamp_min(torch.finfo(compute).tiny))
+        # +inf for an empty row makes exp(s - lse) = 0 there in the backward
+        lse[..., qs:qe] = torch.where(total > 0, m + total.log(), math.inf).squeeze(-1)
+    return out, lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, bias, mask, out, lse = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
-        compute = out.dtype
-        qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
-        do = dout.to(compute)
-        delta = (do * out).sum(-1)
-        dq = torch.empty_like(qf)
-        dk_full = dv_full = None
-        want_bias = bias is not None and ctx.needs_input_grad[3]
-        dbias = torch.zeros(bias.shape, dtype=compute, device=q.device) if want_bias else None
-        kt = kf.transpose(-1, -2)
-        for qs in range(0, q.shape[-2], block):
-            qe = min(qs + block, q.shape[-2])
-            qc, doc = qf[..., qs:qe, :] * scale, do[..., qs:qe, :]
-            p = _block_scores(qc, kt, bias, mask, qs, qe).sub_(lse[..., qs:qe, None]).exp_()
-            dv_c = torch.matmul(p.transpose(-1, -2), doc)
-            ds = torch.matmul(doc, vf.transpose(-1, -2)).sub_(delta[..., qs:qe, None]).mul_(p)
-            del p
-            dq[..., qs:qe, :] = torch.matmul(ds, kf).mul_(scale)
-            dk_c = torch.matmul(ds.transpose(-1, -2), qc)
-            dk_full = dk_c if dk_full is None else dk_full.add_(dk_c)
-            dv_full = dv_c if dv_full is None else dv_full.add_(dv_c)
-            if want_bias:
-                if bias.shape[-2] == 1:
-                    dbias += reduce_to(ds, bias.shape)
-                else:
-                    dbias[..., qs:qe, :] = reduce_to(ds, bias.shape[:-2] + (qe - qs, bias.shape[-1]))
-        if dk_full is None:  # no query rows
-            dk_full, dv_full = torch.zeros_like(kf), torch.zeros_like(vf)
-        dk = reduce_to(dk_full, k.shape).to(k.dtype)
-        dv = reduce_to(dv_full, v.shape).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None, None
+
+def _chunked_bwd(dout, q, k, v, bias, mask, out, lse, scale, block, want_bias):
+    """(dq, dk, dv, dbias or None) in the inputs' dtypes, recomputing each query block's probabilities."""
+    compute = out.dtype
+    qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
+    do = dout.to(compute)
+    delta = (do * out).sum(-1)
+    # contiguous whatever q's layout: the op's fake promises contiguous gradients
+    dq = torch.empty(qf.shape, dtype=compute, device=q.device)
+    dk_full = dv_full = None
+    dbias = torch.zeros(bias.shape, dtype=compute, device=q.device) if want_bias else None
+    kt = kf.transpose(-1, -2)
+    for qs in range(0, q.shape[-2], block):
+        qe = min(qs + block, q.shape[-2])
+        qc, doc = qf[..., qs:qe, :] * scale, do[..., qs:qe, :]
+        p = _block_scores(qc, kt, bias, mask, qs, qe).sub_(lse[..., qs:qe, None]).exp_()
+        dv_c = torch.matmul(p.transpose(-1, -2), doc)
+        ds = torch.matmul(doc, vf.transpose(-1, -2)).sub_(delta[..., qs:qe, None]).mul_(p)
+        del p
+        dq[..., qs:qe, :] = torch.matmul(ds, kf).mul_(scale)
+        dk_c = torch.matmul(ds.transpose(-1, -2), qc)
+        dk_full = dk_c if dk_full is None else dk_full.add_(dk_c)
+        dv_full = dv_c if dv_full is None else dv_full.add_(dv_c)
+        if want_bias:
+            if bias.shape[-2] == 1:
+                dbias += reduce_to(ds, bias.shape)
+            else:
+                dbias[..., qs:qe, :] = reduce_to(ds, bias.shape[:-2] + (qe - qs, bias.shape[-1]))
+    if dk_full is None:  # no query rows
+        dk_full = torch.zeros(kf.shape, dtype=compute, device=q.device)
+        dv_full = torch.zeros(vf.shape, dtype=compute, device=q.device)
+    dk = reduce_to(dk_full, k.shape).to(k.dtype)
+    dv = reduce_to(dv_full, v.shape).to(v.dtype)
+    return dq.to(q.dtype), dk.contiguous(), dv.contiguous(), None if dbias is None else dbias.to(bias.dtype)
 
 
 def _sdpa_mask(q, bias, mask):
@@ -207,7 +209,8 @@ def _attention_torch_path(q, k, v, bias, mask, scale, block_q):
             return out
     nd = q.dim()
     bias_a, mask_a = _align(bias, nd), _align(mask, nd)
-    return _ChunkedAttention.apply(q, k, v, bias_a, mask_a, scale, _block_q(q, k.shape[-2], block_q))
+    out, _ = _attention_fwd(q, k, v, bias_a, mask_a, scale, _block_q(q, k.shape[-2], block_q), "cpu")
+    return out.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -390,61 +393,58 @@ def _launch_config(q: torch.Tensor, d: int) -> tuple[int, int, int, int]:
     return 64, 64, block_d, 4
 
 
-def _common_args(ctx_like, q, bias, mask):
+def _common_args(q, n_k, scale, bias, mask):
     """Leading sizes and the bias/mask strides shared by the three kernels."""
     lead = tuple(q.shape[:-2])
-    n_q, n_k = q.shape[-2], ctx_like.n_k
+    n_q = q.shape[-2]
     full = lead + (n_q, n_k)
     _, l1, l2, l3 = lead_sizes(lead)
-    return (l1, l2, l3, n_q, n_k, q.shape[-1], float(ctx_like.scale),
+    return (l1, l2, l3, n_q, n_k, q.shape[-1], float(scale),
             *lead_strides(bias, full, len(lead)), *lead_strides(mask, full, len(lead)))
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ctx.n_k, ctx.scale = k.shape[-2], scale
-        mask_u8 = None if mask is None else mask.view(torch.uint8)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-        bm, bn, bd, warps = _launch_config(q, q.shape[-1])
-        z = math.prod(q.shape[:-2])
-        flags = _flags(q, bias, mask)
-        if z > 0 and q.shape[-2] > 0:
-            _attn_fwd_kernel[(z, triton.cdiv(q.shape[-2], bm))](
-                q, k, v, _or(bias, q), _or(mask_u8, q), out, lse, *_common_args(ctx, q, bias, mask),
-                **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
-            )
-        ctx.save_for_backward(q, k, v, bias, mask_u8, out, lse)
-        ctx.bias_shape = None if bias is None else bias.shape
-        return out
+def _triton_fwd(q, k, v, bias, mask, scale):
+    """(out in q's dtype, fp32 row log-sum-exp); bias and mask already have q's number of dims."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    mask_u8 = None if mask is None else mask.view(torch.uint8)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    bm, bn, bd, warps = _launch_config(q, q.shape[-1])
+    z = math.prod(q.shape[:-2])
+    if z > 0 and q.shape[-2] > 0:
+        _attn_fwd_kernel[(z, triton.cdiv(q.shape[-2], bm))](
+            q, k, v, _or(bias, q), _or(mask_u8, q), out, lse, *_common_args(q, k.shape[-2], scale, bias, mask),
+            **_flags(q, bias, mask), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
+        )
+    return out, lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, bias, mask_u8, out, lse = ctx.saved_tensors
-        do = dout.contiguous()
-        delta = (do.float() * out.float()).sum(-1)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        want_bias = bias is not None and ctx.needs_input_grad[3]
-        dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if want_bias else None
-        bm, bn, bd, warps = _launch_config(q, q.shape[-1])
-        z = math.prod(q.shape[:-2])
-        common = _common_args(ctx, q, bias, mask_u8)
-        flags = _flags(q, bias, mask_u8)
-        tensors = (q, k, v, _or(bias, q), _or(mask_u8, q), do, lse, delta)
-        if z > 0 and q.shape[-2] > 0 and ctx.n_k > 0:
-            _attn_bwd_dkdv_kernel[(z, triton.cdiv(ctx.n_k, bn))](
-                *tensors, dk, dv, *common, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
-            full = tuple(q.shape[:-1]) + (ctx.n_k,)
-            g_strides = lead_strides(dbias, full, q.dim() - 2)
-            _attn_bwd_dq_kernel[(z, triton.cdiv(q.shape[-2], bm))](
-                *tensors, dq, _or(dbias, lse), *common, *g_strides, **flags, BIAS_GRAD=want_bias,
-                BIAS_Q1=want_bias and bias.shape[-2] == 1, BIAS_K1=want_bias and bias.shape[-1] == 1,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
-        else:
-            dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype), None, None
+
+def _triton_bwd(dout, q, k, v, bias, mask, out, lse, scale, want_bias):
+    """(dq, dk, dv, dbias or None): the dk/dv kernel per key block, the dq (and bias) kernel per query block."""
+    q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+    mask_u8 = None if mask is None else mask.view(torch.uint8)
+    n_k = k.shape[-2]
+    do = dout.contiguous()
+    delta = (do.float() * out.float()).sum(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if want_bias else None
+    bm, bn, bd, warps = _launch_config(q, q.shape[-1])
+    z = math.prod(q.shape[:-2])
+    common = _common_args(q, n_k, scale, bias, mask_u8)
+    flags = _flags(q, bias, mask_u8)
+    tensors = (q, k, v, _or(bias, q), _or(mask_u8, q), do, lse.contiguous(), delta)
+    if z > 0 and q.shape[-2] > 0 and n_k > 0:
+        _attn_bwd_dkdv_kernel[(z, triton.cdiv(n_k, bn))](
+            *tensors, dk, dv, *common, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+        full = tuple(q.shape[:-1]) + (n_k,)
+        g_strides = lead_strides(dbias, full, q.dim() - 2)
+        _attn_bwd_dq_kernel[(z, triton.cdiv(q.shape[-2], bm))](
+            *tensors, dq, _or(dbias, lse), *common, *g_strides, **flags, BIAS_GRAD=want_bias,
+            BIAS_Q1=want_bias and bias.shape[-2] == 1, BIAS_K1=want_bias and bias.shape[-1] == 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps)
+    else:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype)
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -489,6 +489,80 @@ def _check_shapes(q, k, v, bias, mask) -> None:
         raise ValueError(f"attention: mask must be a bool tensor (True = keep), got {mask.dtype}")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops: the Triton kernels and the chunked PyTorch path as `torch.ops.<ns>.attention_fwd/_bwd`, opaque to
+# torch.compile (the fakes give the outputs' metadata) and visible by name to selective checkpointing.
+# `backend` is "triton" or "cpu" (the chunked path); `out` is in q's dtype for Triton and in the compute dtype
+# for "cpu", where the backward needs it unrounded. The callers cast.
+
+
+def _check_op_backend(backend: str) -> None:
+    if backend not in ("triton", "cpu"):
+        raise ValueError(f"attention op: backend must be 'triton' or 'cpu', got {backend!r}")
+
+
+@torch.library.custom_op(op_name("attention_fwd"), mutates_args=())
+def _attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None, scale: float, block_q: int,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    _check_op_backend(backend)
+    if backend == "triton":
+        return _triton_fwd(q, k, v, bias, mask, scale)
+    return _chunked_fwd(q, k, v, bias, mask, scale, block_q)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, bias, mask, scale, block_q, backend):
+    _check_op_backend(backend)
+    if backend == "triton":
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    lead = torch.broadcast_shapes(q.shape[:-1], v.shape[:-2] + (1,))
+    return q.new_empty((*lead, v.shape[-1]), dtype=compute), q.new_empty(lead, dtype=compute)
+
+
+@torch.library.custom_op(op_name("attention_bwd"), mutates_args=())
+def _attention_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None, out: Tensor,
+    lse: Tensor, scale: float, block_q: int, bias_grad: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is an empty tensor unless `bias_grad` (ops cannot return None)."""
+    _check_op_backend(backend)
+    want_bias = bias is not None and bias_grad
+    if backend == "triton":
+        dq, dk, dv, dbias = _triton_bwd(dout, q, k, v, bias, mask, out, lse, scale, want_bias)
+    else:
+        dq, dk, dv, dbias = _chunked_bwd(dout, q, k, v, bias, mask, out, lse, scale, block_q, want_bias)
+    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, bias, mask, out, lse, scale, block_q, bias_grad, backend):
+    _check_op_backend(backend)
+    dbias = bias.new_empty(bias.shape) if bias is not None and bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, scale, block_q, backend = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+    ctx.scale, ctx.block_q, ctx.backend = scale, block_q, backend
+
+
+def _attention_backward(ctx, dout, _dlse):
+    q, k, v, bias, mask, out, lse = ctx.saved_tensors
+    want_bias = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = _attention_bwd(dout, q, k, v, bias, mask, out, lse, ctx.scale, ctx.block_q, want_bias,
+                                       ctx.backend)
+    return dq, dk, dv, dbias if want_bias else None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -512,5 +586,6 @@ def attention(
     if path == "torch":
         return attention_reference(q, k, v, bias, mask, scale)
     if path == "triton":
-        return _TritonAttention.apply(q, k, v, _align(bias, q.dim()), _align(mask, q.dim()), scale)
+        out, _ = _attention_fwd(q, k, v, _align(bias, q.dim()), _align(mask, q.dim()), scale, 0, "triton")
+        return out
     return _attention_torch_path(q, k, v, bias, mask, scale, block_q)

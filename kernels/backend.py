@@ -10,6 +10,10 @@ environment variable `SUITE_KERNEL_BACKEND`; the default is `auto`.
 - `torch`: the plain PyTorch reference (`*_reference` in each kernel module).
 
 Every fallback is logged once (per op and reason), never silent.
+
+Under `torch.compile` the choice is made when Dynamo traces the call (the kernels themselves are
+`torch.library` custom ops in the namespace `OP_NAMESPACE`, opaque to the compiler); a later change of
+backend needs a fresh compile (`torch.compiler.reset()`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "Path", "current_backend", "select_path", "triton_unavailable_reason",
-           "use_backend"]
+__all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "op_name", "select_path",
+           "triton_unavailable_reason", "use_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,10 @@ BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "SUITE_KERNEL_BACKEND"
 #: The implementation an op call ends up in: the Triton kernel, the fast PyTorch path, or the reference.
 Path = str
+
+#: torch.library namespace of the kernels' custom ops (`torch.ops.<OP_NAMESPACE>.attention_fwd`, ...): the
+#: top-level package the kernels are installed under, so the package name is written in one place only.
+OP_NAMESPACE = __name__.partition(".")[0]
 
 # Triton decides at decoration time whether a kernel is interpreted, so the flag is read once at import.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -90,6 +98,13 @@ def log_once(message: str) -> None:
         logger.warning(message)
 
 
+def op_name(name: str) -> str:
+    """The qualified custom-op name `"<OP_NAMESPACE>::<name>"` for `torch.library.custom_op`."""
+    return f"{OP_NAMESPACE}::{name}"
+
+
+# Dynamo cannot read a ContextVar; it calls this once while tracing and bakes the answer into the graph.
+@torch.compiler.assume_constant_result
 def select_path(op: str, device: torch.device, unsupported: str | None) -> Path:
     """Pick `"triton"`, `"cpu"` (the fast PyTorch path) or `"torch"` (the reference) for one call of `op`.
 

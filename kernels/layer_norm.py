@@ -5,6 +5,7 @@ Design follows the Triton layer-norm tutorial (`05-layer-norm.py`) in the form f
 program walks a contiguous band of rows and keeps its partial weight/bias gradients in registers, so the
 partials buffer is [n_programs, N] and one small torch sum finishes them. Statistics are fp32 whatever the
 input dtype. Rows of up to `MAX_TRITON_N` elements fit one block; longer rows use the PyTorch path.
+The Triton forward and backward are the custom ops `torch.ops.<ns>.layer_norm_fwd/layer_norm_bwd`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from .backend import select_path
+from .backend import op_name, select_path
 
 try:
     import triton
@@ -139,39 +141,86 @@ def _num_programs(x: torch.Tensor, rows: int) -> int:
     return min(rows, 4)  # the interpreter: few programs, each a band of rows
 
 
-class _TritonLayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        m, n = x2.shape
-        y = torch.empty_like(x2)
-        mean = torch.empty(m, device=x.device, dtype=torch.float32)
-        rstd = torch.empty_like(mean)
-        block = triton.next_power_of_2(n)
-        if m > 0:
-            _ln_fwd_kernel[(m,)](x2, y, weight, bias, mean, rstd, n, eps, HAS_W=weight is not None,
-                                 HAS_B=bias is not None, BLOCK_N=block, num_warps=_num_warps(block))
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        ctx.shape = shape
-        return y.reshape(shape)
+def _triton_fwd(x, weight, bias, eps):
+    """(y, mean, rstd): y in x's shape and dtype, the fp32 row statistics in x's leading shape."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    m = x2.shape[0]
+    y = torch.empty_like(x2)
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block = triton.next_power_of_2(n)
+    if m > 0:
+        _ln_fwd_kernel[(m,)](x2, y, weight, bias, mean, rstd, n, eps, HAS_W=weight is not None,
+                             HAS_B=bias is not None, BLOCK_N=block, num_warps=_num_warps(block))
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = dy.reshape(m, n).contiguous()
-        dx = torch.empty_like(x2)
-        programs = max(_num_programs(x2, m), 1)
-        dw = torch.zeros(programs, n, device=x2.device, dtype=torch.float32)
-        db = torch.zeros_like(dw)
-        block = triton.next_power_of_2(n)
-        if m > 0:
-            _ln_bwd_kernel[(programs,)](x2, dy2, dx, weight, mean, rstd, dw, db, m, n, math.ceil(m / programs),
-                                        HAS_W=weight is not None, BLOCK_N=block, num_warps=_num_warps(block))
-        dweight = dw.sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = db.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return dx.reshape(ctx.shape), dweight, dbias, None
+
+def _triton_bwd(dy, x, weight, mean, rstd):
+    """(dx, dweight, dbias): dx in x's shape and dtype, the parameter gradients fp32 [N] (summed partials)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    m = x2.shape[0]
+    dy2 = dy.reshape(m, n).contiguous()
+    dx = torch.empty_like(x2)
+    programs = max(_num_programs(x2, m), 1)
+    dw = torch.zeros(programs, n, device=x2.device, dtype=torch.float32)
+    db = torch.zeros_like(dw)
+    block = triton.next_power_of_2(n)
+    if m > 0:
+        _ln_bwd_kernel[(programs,)](x2, dy2, dx, weight, mean.contiguous(), rstd.contiguous(), dw, db, m, n,
+                                    math.ceil(m / programs), HAS_W=weight is not None, BLOCK_N=block,
+                                    num_warps=_num_warps(block))
+    return dx.reshape(x.shape), dw.sum(0), db.sum(0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops `torch.ops.<ns>.layer_norm_fwd/_bwd` around the Triton kernels: opaque to torch.compile, visible
+# to selective checkpointing. The PyTorch path is `F.layer_norm` itself, which both already see.
+
+
+@torch.library.custom_op(op_name("layer_norm_fwd"), mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _triton_fwd(x, weight, bias, eps)
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    lead = x.shape[:-1]
+    return x.new_empty(x.shape), x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.float32)
+
+
+@torch.library.custom_op(op_name("layer_norm_bwd"), mutates_args=())
+def _layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _triton_bwd(dy, x, weight, mean, rstd)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd):
+    n = x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd)
+    dweight = dw.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+    dbias = db.to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+    return dx, dweight, dbias, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
 
 
 def _triton_unsupported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> str | None:
@@ -200,7 +249,7 @@ def layer_norm(
             raise ValueError(f"layer_norm: {name} must have shape ({n},), got {tuple(p.shape)}")
     path = select_path("layer_norm", x.device, _triton_unsupported(x, weight, bias))
     if path == "triton":
-        return _TritonLayerNorm.apply(x, weight, bias, eps)
+        return _layer_norm_fwd(x, weight, bias, float(eps))[0]
     if path == "torch":
         return layer_norm_reference(x, weight, bias, eps)
     if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):

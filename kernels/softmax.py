@@ -7,14 +7,18 @@ A fully masked row gives zeros (its maximum is -inf; the kernel subtracts 0 inst
 
 The backward kernel writes `ds = p * (dp - sum(p * dp))` once in fp32; `dx = scale * ds` and the bias
 gradient is `ds` summed over the bias's broadcast dims.
+
+The Triton kernels and the PyTorch path are the custom ops `torch.ops.<ns>.softmax_fwd/softmax_bwd`
+(torch.library, `ns` = `backend.OP_NAMESPACE`), opaque to torch.compile and visible to selective checkpointing.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ._shapes import LEAD_DIMS, lead_sizes, lead_strides, reduce_to
-from .backend import select_path
+from .backend import op_name, select_path
 
 try:
     import triton
@@ -60,30 +64,28 @@ def _ds(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
     return p * (dp - (p * dp).sum(-1, keepdim=True))
 
 
-class _TorchSoftmax(torch.autograd.Function):
-    """The PyTorch path: in-place fp32 scores, fused `torch.softmax`, only the output kept for backward."""
+def _cpu_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """dtype of the PyTorch path's probabilities: fp32 (fp64 for fp64 x), promoted by a bias that widens x."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    if bias is not None and not _fits(x, bias):
+        compute = torch.promote_types(compute, bias.dtype)
+    return compute
 
-    @staticmethod
-    def forward(ctx, x, mask, bias, scale):
-        compute = torch.promote_types(x.dtype, torch.float32)
-        s = torch.mul(x.to(compute), scale)
-        # in place where the other operand broadcasts into the scores, out of place where it widens them
-        if bias is not None:
-            s = s.add_(bias) if _fits(s, bias) else s + bias
-        if mask is not None:
-            s = s.masked_fill_(~mask, float("-inf")) if _fits(s, mask) else s.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        del s
-        if mask is not None:
-            p.masked_fill_(~mask.any(-1, keepdim=True), 0.0)
-        ctx.save_for_backward(p)
-        ctx.meta = _meta(x, bias, scale)
-        return p.to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (p,) = ctx.saved_tensors
-        return _grads(ctx, _ds(p, dy.to(p.dtype)))
+def _cpu_fwd(x, mask, bias, scale):
+    """The PyTorch path: in-place fp32 scores, fused `torch.softmax`; returns p in `_cpu_dtype`."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    s = torch.mul(x.to(compute), scale)
+    # in place where the other operand broadcasts into the scores, out of place where it widens them
+    if bias is not None:
+        s = s.add_(bias) if _fits(s, bias) else s + bias
+    if mask is not None:
+        s = s.masked_fill_(~mask, float("-inf")) if _fits(s, mask) else s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    del s
+    if mask is not None:
+        p.masked_fill_(~mask.any(-1, keepdim=True), 0.0)
+    return p.contiguous()  # a permuted x gives permuted scores; the op's fake promises a contiguous result
 
 
 def _meta(x: torch.Tensor, bias: torch.Tensor | None, scale: float) -> tuple:
@@ -158,39 +160,86 @@ def _softmax_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-class _TritonSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mask, bias, scale):
-        shapes = [x.shape] + [t.shape for t in (mask, bias) if t is not None]
-        full = tuple(torch.broadcast_shapes(*shapes))
-        n_lead = len(full) - 1
-        k = full[-1]
-        y = torch.empty(full, device=x.device, dtype=x.dtype)
-        rows = y.numel() // max(k, 1)
-        mask_u8 = None if mask is None else mask.view(torch.uint8)
-        block = triton.next_power_of_2(k)
-        _, l1, l2, l3 = lead_sizes(full[:-1])
-        if rows > 0 and k > 0:
-            _softmax_fwd_kernel[(rows,)](
-                x, bias if bias is not None else x, mask_u8 if mask_u8 is not None else x, y,
-                l1, l2, l3, k, float(scale),
-                *lead_strides(x, full, n_lead), *lead_strides(bias, full, n_lead), *lead_strides(mask, full, n_lead),
-                HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_K=block, num_warps=_softmax_warps(block),
-            )
-        ctx.save_for_backward(y)
-        ctx.meta = _meta(x, bias, scale)
-        return y
+def _triton_fwd(x, mask, bias, scale):
+    shapes = [x.shape] + [t.shape for t in (mask, bias) if t is not None]
+    full = tuple(torch.broadcast_shapes(*shapes))
+    n_lead = len(full) - 1
+    k = full[-1]
+    y = torch.empty(full, device=x.device, dtype=x.dtype)
+    rows = y.numel() // max(k, 1)
+    mask_u8 = None if mask is None else mask.view(torch.uint8)
+    block = triton.next_power_of_2(k)
+    _, l1, l2, l3 = lead_sizes(full[:-1])
+    if rows > 0 and k > 0:
+        _softmax_fwd_kernel[(rows,)](
+            x, bias if bias is not None else x, mask_u8 if mask_u8 is not None else x, y,
+            l1, l2, l3, k, float(scale),
+            *lead_strides(x, full, n_lead), *lead_strides(bias, full, n_lead), *lead_strides(mask, full, n_lead),
+            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, BLOCK_K=block, num_warps=_softmax_warps(block),
+        )
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        k = y.shape[-1]
-        ds = torch.empty(y.shape, device=y.device, dtype=torch.float32)
-        rows = y.numel() // max(k, 1)
-        if rows > 0 and k > 0:
-            block = triton.next_power_of_2(k)
-            _softmax_bwd_kernel[(rows,)](y, dy.contiguous(), ds, k, BLOCK_K=block, num_warps=_softmax_warps(block))
-        return _grads(ctx, ds)
+
+def _triton_bwd(y, dy):
+    y = y.contiguous()
+    k = y.shape[-1]
+    ds = torch.empty(y.shape, device=y.device, dtype=torch.float32)
+    rows = y.numel() // max(k, 1)
+    if rows > 0 and k > 0:
+        block = triton.next_power_of_2(k)
+        _softmax_bwd_kernel[(rows,)](y, dy.contiguous(), ds, k, BLOCK_K=block, num_warps=_softmax_warps(block))
+    return ds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops `torch.ops.<ns>.softmax_fwd/_bwd`: opaque to torch.compile, visible to selective checkpointing.
+# `backend` "triton": p in x's dtype, ds fp32; "cpu": both in `_cpu_dtype` (the backward needs p unrounded).
+
+
+def _check_op_backend(backend: str) -> None:
+    if backend not in ("triton", "cpu"):
+        raise ValueError(f"softmax op: backend must be 'triton' or 'cpu', got {backend!r}")
+
+
+@torch.library.custom_op(op_name("softmax_fwd"), mutates_args=())
+def _softmax_fwd(x: Tensor, mask: Tensor | None, bias: Tensor | None, scale: float, backend: str) -> Tensor:
+    _check_op_backend(backend)
+    return _triton_fwd(x, mask, bias, scale) if backend == "triton" else _cpu_fwd(x, mask, bias, scale)
+
+
+@_softmax_fwd.register_fake
+def _(x, mask, bias, scale, backend):
+    _check_op_backend(backend)
+    full = torch.broadcast_shapes(*[t.shape for t in (x, mask, bias) if t is not None])
+    return x.new_empty(full, dtype=x.dtype if backend == "triton" else _cpu_dtype(x, bias))
+
+
+@torch.library.custom_op(op_name("softmax_bwd"), mutates_args=())
+def _softmax_bwd(p: Tensor, dp: Tensor, backend: str) -> Tensor:
+    """ds = d loss / d (x * scale + bias) from the probabilities p and their gradient dp."""
+    _check_op_backend(backend)
+    return _triton_bwd(p, dp) if backend == "triton" else _ds(p, dp.to(p.dtype)).contiguous()
+
+
+@_softmax_bwd.register_fake
+def _(p, dp, backend):
+    _check_op_backend(backend)
+    return p.new_empty(p.shape, dtype=torch.float32 if backend == "triton" else p.dtype)
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    x, mask, bias, scale, backend = inputs
+    ctx.save_for_backward(output)
+    ctx.meta = _meta(x, bias, scale)
+    ctx.backend = backend
+
+
+def _softmax_backward(ctx, dp):
+    (p,) = ctx.saved_tensors
+    return (*_grads(ctx, _softmax_bwd(p, dp, ctx.backend)), None)
+
+
+_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
 def _triton_unsupported(x: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None) -> str | None:
@@ -220,8 +269,6 @@ def softmax(
     if bias is not None:
         bias = bias.to(x.dtype) if not bias.is_floating_point() else bias
     path = select_path("softmax", x.device, _triton_unsupported(x, mask, bias))
-    if path == "triton":
-        return _TritonSoftmax.apply(x, mask, bias, scale)
     if path == "torch":
         return softmax_reference(x, mask, bias, scale)
-    return _TorchSoftmax.apply(x, mask, bias, scale)
+    return _softmax_fwd(x, mask, bias, float(scale), path).to(x.dtype)
