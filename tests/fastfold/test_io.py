@@ -95,3 +95,30 @@ def test_confidence_json_and_plots(tmp_path):
 def test_protein_validates_shapes(protein):
     with pytest.raises(ValueError, match="b_factors"):
         Protein(protein.atom_positions, protein.atom_mask, protein.aatype, protein.residue_index, np.zeros(3))
+
+
+def test_pae_on_alphafolds_fixed_scale_and_the_random_weights_mark(tmp_path):
+    """max_pae is AlphaFold's cap (31.75), not this matrix's maximum; a cell of 5 A has one colour whatever the
+    matrix's maximum; "RANDOM WEIGHTS" is stamped in red across the plots it is asked for."""
+    import matplotlib.image as mpimg
+
+    small = np.full((12, 12), 5.0)
+    large = small.copy()
+    large[0, 0] = 10.0
+    assert confidence_dict(np.full(12, 50.0), 0.5, small)["max_pae"] == 31.75
+    plot_pae(tmp_path / "small.png", small, "t")
+    plot_pae(tmp_path / "large.png", large, "t")
+    a, b = mpimg.imread(tmp_path / "small.png"), mpimg.imread(tmp_path / "large.png")
+    assert a.shape == b.shape
+    centre = (a.shape[0] // 2, int(a.shape[1] * 0.4))  # inside the heat map, away from the [0, 0] cell
+    np.testing.assert_allclose(a[centre], b[centre], atol=2 / 255)
+
+    def red_pixels(path):
+        img = mpimg.imread(path)[..., :3]
+        return int(((img[..., 0] > 0.8) & (img[..., 1] < 0.6) & (img[..., 2] < 0.6)).sum())
+
+    plot_pae(tmp_path / "marked.png", small, "t", mark="RANDOM WEIGHTS")
+    plot_plddt(tmp_path / "plddt.png", np.linspace(20, 95, 12), "t")
+    plot_plddt(tmp_path / "plddt_marked.png", np.linspace(20, 95, 12), "t", mark="RANDOM WEIGHTS")
+    assert red_pixels(tmp_path / "small.png") == 0 and red_pixels(tmp_path / "marked.png") > 500
+    assert red_pixels(tmp_path / "plddt.png") == 0 and red_pixels(tmp_path / "plddt_marked.png") > 500
