@@ -593,13 +593,6 @@ class CheckpointReader:
         """Saved scalar optimizer state of parameter `name` (0-dim tensors restored as tensors)."""
         return {k: _decode_scalar(v) for k, v in self.index["params"][name].get("scalars", {}).items()}
 
-    def _handle(self, fname: str):
-        from safetensors import safe_open
-
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
-        return self._handles[fname]
-
     def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         """Flat elements `[start, end)` of `key` of parameter `name`, from the shards that overlap: [end - start]."""
         numel = 1

@@ -17,7 +17,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = ["RankError", "free_port", "run_on_ranks"]
@@ -95,6 +95,7 @@ def run_on_ranks(
     timeout: float = 120.0,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
+    may_die: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned ranks.
@@ -102,6 +103,8 @@ def run_on_ranks(
     `fn` must be importable by name (a module-level function). Its return value must be picklable; it is
     copied by value, so returned tensors stay valid after the ranks exit.
     `backend="none"` skips process-group initialisation (for code that sets up its own).
+    `may_die`: ranks that may exit without a result (a test of a dead rank); the call returns once every
+    other rank finished, with None for those that did not return.
     Returns the results in rank order; raises `RankError` for the first rank that failed and
     `TimeoutError` if the ranks did not all finish within `timeout` seconds.
     """
@@ -122,17 +125,18 @@ def run_on_ranks(
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}
+    needed = set(range(world_size)) - set(may_die)
     deadline = time.monotonic() + timeout
     try:
-        while len(outs) < world_size:
+        while not needed <= set(outs):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outs))
+                missing = sorted(needed - set(outs))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (hang or deadlock)")
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outs]
+                dead = [r for r in sorted(needed - set(outs)) if procs[r].exitcode not in (None, 0)]
                 if dead:
                     r = dead[0]
                     raise RankError(r, "ProcessDied", f"exit code {procs[r].exitcode}", "(no traceback)") from None
@@ -143,8 +147,8 @@ def run_on_ranks(
     finally:
         for p in procs:
             if p.is_alive():
-                p.join(timeout=0.2 if len(outs) < world_size else 5.0)
+                p.join(timeout=0.2 if not needed <= set(outs) else 5.0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
-    return [outs[r] for r in range(world_size)]
+    return [outs.get(r) for r in range(world_size)]

@@ -104,7 +104,9 @@ class StableDiffusionFineTune(pl.LightningModule):
             # recompute every block but not the attention (same gradients, no second attention pass)
             enable_checkpointing(self.unet, "keep_attention")
             if cfg.train_text_encoder:
-                self.text_encoder.gradient_checkpointing_enable()
+                te = self.text_encoder
+                # transformers 5 renamed it (the old name warns)
+                (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
 
     def set_modes(self) -> None:
         """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them.
@@ -479,7 +481,16 @@ class CheckpointEvery(pl.Callback):
             self._prune()
             logger.info("wrote %s", final)
         trainer.strategy.barrier("checkpoint-end")
+        if hasattr(trainer.strategy, "note_checkpoint"):  # the sharded strategies' fault advice names it
+            trainer.strategy.note_checkpoint(final, "--resume_from_checkpoint latest")
         return final
+
+    def save_on_signal(self, trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
+        """On SIGTERM the sharded strategies save through here: this step's checkpoint-N/ (unless just written)."""
+        if trainer.global_step != self._last:
+            self._last = trainer.global_step
+            self.save(trainer, module, trainer.global_step)
+        return self.output_dir / f"checkpoint-{trainer.global_step}"
 
     def _prune(self) -> None:
         if self.limit is None:
@@ -749,6 +760,8 @@ def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Pa
     data = ImageCaptionData(cfg, tokenizer=None)
     max_steps = cfg.total_steps(len(data.scan()), world)
     resumed_step = int(_CKPT_RE.match(ckpt.name).group(1)) if ckpt and _CKPT_RE.match(ckpt.name) else None
+    if ckpt is not None:
+        logger.info("resuming from %s (step %s of %d)", ckpt, "?" if resumed_step is None else resumed_step, max_steps)
     return data, max_steps, ckpt, resumed_step
 
 

@@ -26,9 +26,19 @@ shards, loadable on any number of ranks, `suite checkpoint consolidate`) plus `l
 the loop, callback and scheduler state. The folder replaces the old one in one rename once every rank
 has written its part, so a crash mid-save leaves the previous checkpoint intact.
 
-A rank that dies or stops answering turns into an error on the others after at most
-`collective_timeout_s` (a peer that exits is usually noticed at once); the error names the last
-complete checkpoint to resume from.
+Faults:
+- A rank that dies turns into an error on the others within seconds (gloo sees its socket close, Gemini's
+  shared-memory collectives see its process gone); one that stops answering, after `collective_timeout_s`.
+  The error names the rank, the last complete checkpoint on disk and how to resume from it. An app that
+  moves its checkpoints after `trainer.save_checkpoint` (a staging folder renamed into place) names the
+  final folder and its resume advice with `strategy.note_checkpoint(path, resume="...")`.
+- SIGTERM (a preempted or cancelled job) is not taken for success: training goes on to the end of the
+  current optimizer step, every rank agrees on stopping, a checkpoint is written, one line says where and
+  how to resume, and the process exits with code 143 (128 + SIGTERM). Lightning's own handler would stop at
+  the next batch, possibly mid-accumulation, without a checkpoint and with exit code 0. The checkpoint is
+  written by the first trainer callback that has a `save_on_signal(trainer, module)` method (returning the
+  path; the diffusion recipe's checkpoint-N writer does), else as `preempted-step=N.ckpt` in the
+  ModelCheckpoint folder or `default_root_dir`.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -48,9 +60,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..core_parallel.fileio import atomic_write, replace_dir
 from .precision import ShardedPrecision
@@ -58,6 +72,7 @@ from .precision import ShardedPrecision
 __all__ = [
     "LIGHTNING_STATE",
     "OFFLOAD_DIR_ENV",
+    "SIGTERM_EXIT_CODE",
     "GeminiStrategy",
     "PeerFailureError",
     "ZeroStrategy",
@@ -70,6 +85,8 @@ LIGHTNING_STATE = "lightning_state.pt"
 """File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
 OFFLOAD_DIR_ENV = "SUITE_OFFLOAD_DIR"
 """Environment variable naming the NVMe folder of `gemini_nvme` when no `offload_dir` is given."""
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""Exit code after a SIGTERM: what a shell reports for a process the signal ended, so job scripts see a failure."""
 
 # Messages by which gloo, NCCL and the TCP store report a peer that died or stopped answering.
 _PEER_FAILURE = re.compile(
@@ -113,6 +130,8 @@ class _ShardedStrategy(DDPStrategy):
         self.collective_timeout_s = float(collective_timeout_s)
         self._core_optimizer: Any = None
         self._last_checkpoint: str | None = None
+        self._resume_advice: str | None = None
+        self._sigterm = threading.Event()
 
     # -- subclasses ----------------------------------------------------------------------------------
     def core_config(self, precision: str) -> Any:
@@ -150,6 +169,8 @@ class _ShardedStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        if not any(isinstance(cb, _StopOnSigterm) for cb in trainer.callbacks):
+            trainer.callbacks.append(_StopOnSigterm())
         self.accelerator.setup(trainer)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -232,7 +253,12 @@ class _ShardedStrategy(DDPStrategy):
         if self.is_global_zero:
             replace_dir(staging, path)
         self.barrier("sharded_checkpoint_renamed")
-        self._last_checkpoint = os.fspath(path)
+        self._last_checkpoint, self._resume_advice = os.fspath(path), None
+
+    def note_checkpoint(self, path: str | os.PathLike, resume: str | None = None) -> None:
+        """Name where the last checkpoint now lives (after the app moved it into place) and, optionally, how
+        to resume from it (`"--resume_from_checkpoint latest"`); the fault messages quote both."""
+        self._last_checkpoint, self._resume_advice = os.fspath(path), resume
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the sharded folder into the set-up model and optimizer; return Lightning's own state."""
@@ -270,14 +296,81 @@ class _ShardedStrategy(DDPStrategy):
         super().on_exception(exception)
         if not _looks_like_peer_failure(exception):
             return
-        where = self._last_checkpoint or "none saved in this run"
+        ranks = _lost_ranks(exception, self.world_size, self.global_rank)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}" if ranks else "another rank"
         message = (
-            f"rank {self.global_rank}: lost contact with another rank (it died or did not answer within the "
-            f"collective timeout of {self.collective_timeout_s:g}s); training stopped. Last complete checkpoint: "
-            f"{where}; resume with trainer.fit(..., ckpt_path=...). Cause: {exception}"
+            f"rank {self.global_rank}: lost contact with {who} (it died or did not answer within the collective "
+            f"timeout of {self.collective_timeout_s:g}s); training stopped. {self._resume_hint()} Cause: {exception}"
         )
         logger.error(message)
         exception.args = (message,)
+
+    def _resume_hint(self) -> str:
+        """'Last complete checkpoint: PATH; resume with ...', naming only a checkpoint that is on disk."""
+        path = self._last_checkpoint
+        if path is None:
+            return "Last complete checkpoint: none saved in this run."
+        if not os.path.exists(path):
+            return (f"Last complete checkpoint: none found ({path} was saved in this run but is no longer there: "
+                    f"moved, removed, or on another host's disk).")
+        advice = self._resume_advice or f"trainer.fit(..., ckpt_path={path!r})"
+        return f"Last complete checkpoint: {path}; resume with {advice}."
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # After Lightning registered its own handler (Trainer._run), which is replaced here: it runs a collective
+        # inside the handler and stops at the next batch without a checkpoint, exiting 0.
+        self._sigterm.clear()
+        if threading.current_thread() is not threading.main_thread():
+            return
+        connector = getattr(self.lightning_module.trainer, "_signal_connector", None)
+        chained = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+        if not callable(chained) or chained in (signal.SIG_DFL, signal.SIG_IGN):
+            chained = None
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._sigterm.set()  # acted on at the next optimizer-step boundary (_StopOnSigterm)
+            if chained is not None:
+                chained(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)  # Lightning's teardown restores the handler it found
+
+    def stop_if_terminated(self, trainer: Any, module: Any) -> None:
+        """At an optimizer-step boundary, on every rank: if any rank got SIGTERM, save a checkpoint and exit 143."""
+        flag = torch.tensor([1 if self._sigterm.is_set() else 0], device=self.root_device)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if not flag.item():
+            return
+        saver = next((cb for cb in trainer.callbacks if callable(getattr(cb, "save_on_signal", None))), None)
+        if saver is not None:
+            saver.save_on_signal(trainer, module)
+        else:
+            folder = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
+            trainer.save_checkpoint(os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt"))
+        if self.is_global_zero:
+            logger.warning(
+                "SIGTERM received: stopped after step %d. %s Exiting with code %d.",
+                trainer.global_step, self._resume_hint(), SIGTERM_EXIT_CODE,
+            )
+        raise SIGTERMException(SIGTERM_EXIT_CODE)
+
+
+class _StopOnSigterm(Callback):
+    """Registered by the sharded strategies: checks for a SIGTERM at each optimizer-step boundary (a step has
+    completed when `global_step` moved), so a checkpoint never holds half an accumulated gradient."""
+
+    def __init__(self) -> None:
+        self._step: int | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step or not isinstance(trainer.strategy, _ShardedStrategy):
+            return
+        self._step = trainer.global_step
+        trainer.strategy.stop_if_terminated(trainer, module)
 
 
 class ZeroStrategy(_ShardedStrategy):
@@ -390,6 +483,18 @@ def _looks_like_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, PeerFailureError) or (dist_errors and isinstance(exc, dist_errors)):
         return True
     return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and bool(_PEER_FAILURE.search(str(exc)))
+
+
+def _lost_ranks(exc: BaseException | None, world: int, me: int) -> list[int]:
+    """The ranks a peer failure names (`PeerLostError.ranks` anywhere in the chain); with two ranks, the other."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        ranks = getattr(exc, "ranks", None)
+        if isinstance(ranks, list) and ranks:
+            return [int(r) for r in ranks]
+        exc = exc.__cause__ or exc.__context__
+    return [1 - me] if world == 2 else []
 
 
 def _load_lightning_state(path: Path) -> dict[str, Any]:

@@ -5,22 +5,39 @@ there and reserved with `posix_fallocate`: a folder without room fails at setup 
 later writes through the mapping can never hit a full disk (which would kill the process with SIGBUS or
 leave half-written weights). Every access checks that the file is still linked into the folder, so a
 folder that disappears raises `NvmeTierError` instead of silently training on orphaned data.
+
+The folder may be shared (by the ranks of a job, by several jobs, by a stale run): each file has a name of
+its own (`gemini-rank{r}-{random}.bin`), is created with `O_EXCL | O_NOFOLLOW` (never through a planted link,
+never over someone else's file) and is `flock`ed for as long as it is open. It is removed on `close`, when
+its `NvmeFile` is collected or the interpreter exits, and otherwise (the owner was killed) by the next run
+in that folder, which removes every such file whose lock is free: a live owner always holds its lock.
+
+Two jobs must not share a folder by accident (a copy-pasted `--offload_dir`): each rank also holds
+`gemini-rank{r}.lock` there for the run. Within a job every rank number is unique, so a second live job that
+opens the folder meets a held rank lock and is refused with one line naming the holder's pid. One process may
+open several tiers in one folder (its own lock is shared, counted, and released with the last).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
+import uuid
+import weakref
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIERS", "HostHeap", "HostPages", "NvmeFile", "NvmeTierError", "PageRecycler", "TieredBuffer"]
+__all__ = ["TIERS", "HostHeap", "HostPages", "NvmeFile", "NvmeTierError", "PageRecycler", "TieredBuffer",
+           "remove_stale_files"]
 
 TIERS = ("device", "cpu", "nvme")
 _PAGE = mmap.PAGESIZE
@@ -31,15 +48,25 @@ class NvmeTierError(RuntimeError):
     """The NVMe offload folder is full, missing or was removed while training."""
 
 
+_NVME_NAME = re.compile(r"gemini-rank\d+-[0-9a-f]{16}\.bin")
+
+
 class NvmeFile:
     """One preallocated, memory-mapped file of fp32 regions. Reserve all regions, then `open()`."""
 
     def __init__(self, folder: str | os.PathLike, rank: int) -> None:
         self.folder = Path(folder)
-        self.path = self.folder / f"gemini-rank{rank}.bin"
+        self.rank = rank
+        self.path = self.folder / self._new_name()  # the name is final once `open()` succeeds
         self.size = 0
         self._fd: int | None = None
         self._mm: mmap.mmap | None = None
+        self._ino: tuple[int, int] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._rank_lock: tuple[str, int] | None = None
+
+    def _new_name(self) -> str:
+        return f"gemini-rank{self.rank}-{uuid.uuid4().hex[:16]}.bin"
 
     def reserve(self, numel: int) -> int:
         """Reserve a page-aligned region of `numel` fp32 elements; returns its byte offset."""
@@ -48,29 +75,67 @@ class NvmeFile:
         return offset
 
     def open(self) -> None:
-        """Create the file, reserve its blocks on disk and map it."""
+        """Remove stale files of dead runs, create this run's file, lock it, reserve its blocks and map it."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
-            raise NvmeTierError(f"offload_dir {self.folder}: cannot create {self.path.name}: {exc.strerror}") from exc
+            raise NvmeTierError(f"offload_dir {self.folder}: cannot create the folder: {exc.strerror}") from exc
+        self._rank_lock = _acquire_rank_lock(self.folder, self.rank)
+        try:
+            remove_stale_files(self.folder)
+            fd = self._create()
+        except BaseException:
+            _release_rank_lock(self._rank_lock)
+            self._rank_lock = None
+            raise
         try:
             _reserve_blocks(fd, max(self.size, _PAGE))
         except OSError as exc:
+            _unlink_if_same(self.path, fd)
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            _release_rank_lock(self._rank_lock)
+            self._rank_lock = None
             raise NvmeTierError(
                 f"offload_dir {self.folder}: cannot reserve {max(self.size, _PAGE) / 2**20:.1f} MiB for the NVMe "
                 f"tier ({exc.strerror}); free space there or choose another folder"
             ) from exc
         self._fd = fd
+        st = os.fstat(fd)
+        self._ino = (st.st_dev, st.st_ino)
         self._mm = mmap.mmap(fd, max(self.size, _PAGE), flags=mmap.MAP_SHARED)
+        # Collected without close() (no one calls it) or at interpreter exit: the file still goes. Only a killed
+        # process leaves it, and its lock dies with it, so the next run in this folder removes it.
+        self._finalizer = weakref.finalize(self, _release, str(self.path), fd, self._ino, os.getpid(),
+                                           self._rank_lock)
+
+    def _create(self) -> int:
+        """A new, locked, private file under a fresh name (retried if a name is taken or lost its lock race)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        for _ in range(8):
+            try:
+                fd = os.open(self.path, flags, 0o600)
+            except FileExistsError:
+                self.path = self.folder / self._new_name()
+                continue
+            except OSError as exc:
+                raise NvmeTierError(
+                    f"offload_dir {self.folder}: cannot create {self.path.name}: {exc.strerror}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Between create and lock, another run's cleanup may have taken the free lock and unlinked it
+                if _same_file(self.path, os.fstat(fd)):
+                    return fd
+            except BlockingIOError:  # that cleanup holds the lock now and will unlink it
+                pass
+            os.close(fd)
+            self.path = self.folder / self._new_name()
+        raise NvmeTierError(f"offload_dir {self.folder}: could not create a file of our own there after 8 tries")
 
     def check(self) -> None:
-        """Raise `NvmeTierError` if the file was removed (its folder deleted or emptied)."""
+        """Raise `NvmeTierError` if the file was removed (its folder deleted or emptied) or replaced."""
         if self._fd is None:
             raise NvmeTierError(f"offload_dir {self.folder}: the NVMe tier is not open")
-        if os.fstat(self._fd).st_nlink == 0 or not self.path.exists():
+        if os.fstat(self._fd).st_nlink == 0 or not _same_file(self.path, os.fstat(self._fd)):
             raise NvmeTierError(
                 f"offload_dir {self.folder}: {self.path.name} was removed while training; the parameters and "
                 "optimizer states kept there are no longer safe. Restore from the last checkpoint."
@@ -99,7 +164,10 @@ class NvmeFile:
             self._mm.madvise(mmap.MADV_DONTNEED, offset, -(-numel * _F32 // _PAGE) * _PAGE)
 
     def close(self, remove: bool = True) -> None:
-        """Unmap and close; remove the file unless `remove=False`."""
+        """Unmap, unlock and close; remove the file unless `remove=False`."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -107,10 +175,137 @@ class NvmeFile:
                 logger.debug("NVMe mapping still viewed; left open")
             self._mm = None
         if self._fd is not None:
-            os.close(self._fd)
+            if remove:
+                _unlink_if_same(self.path, os.fstat(self._fd))
+            os.close(self._fd)  # the lock goes with the last descriptor (the mapping's own, if still viewed)
             self._fd = None
-        if remove:
-            self.path.unlink(missing_ok=True)
+        if self._rank_lock is not None:
+            _release_rank_lock(self._rank_lock)
+            self._rank_lock = None
+
+
+def _same_file(path: Path | str, st: os.stat_result | tuple[int, int]) -> bool:
+    """Whether `path` (not followed if a link) is the file `st` describes."""
+    dev_ino = (st.st_dev, st.st_ino) if isinstance(st, os.stat_result) else st
+    try:
+        cur = os.lstat(path)
+    except OSError:
+        return False
+    return (cur.st_dev, cur.st_ino) == dev_ino
+
+
+def _unlink_if_same(path: Path | str, st: os.stat_result | int | tuple[int, int]) -> None:
+    if isinstance(st, int):
+        st = os.fstat(st)
+    if _same_file(path, st):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _release(path: str, fd: int, dev_ino: tuple[int, int], owner: int, rank_lock: tuple[str, int] | None) -> None:
+    """Finalizer of an open NvmeFile: remove its file and close its descriptor (never someone else's file)."""
+    if os.getpid() != owner:  # a forked child exiting normally: the file is still its parent's
+        return
+    if rank_lock is not None:
+        _release_rank_lock(rank_lock)
+    try:
+        _unlink_if_same(path, dev_ino)
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# (folder, rank) -> [descriptor, users] for the rank locks this process holds
+_RANK_LOCKS: dict[tuple[str, int], list[int]] = {}
+
+
+def _acquire_rank_lock(folder: Path, rank: int) -> tuple[str, int]:
+    """Hold `gemini-rank{rank}.lock` in `folder` for this process, or raise `NvmeTierError` naming the live
+    process (another job) that holds it. Returns the key to release it with."""
+    key = (os.path.realpath(folder), rank)
+    if key in _RANK_LOCKS:
+        _RANK_LOCKS[key][1] += 1
+        return key
+    path = os.path.join(key[0], f"gemini-rank{rank}.lock")
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(8):
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise NvmeTierError(f"offload_dir {folder}: cannot create {os.path.basename(path)}: {exc.strerror}"
+                                + (" (a symbolic link is there)" if exc.errno == errno.ELOOP else "")) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise NvmeTierError(
+                f"offload_dir {folder} is in use by another live job (pid {holder} holds rank {rank}'s lock); "
+                "give each job its own offload_dir, or wait for that job to end") from None
+        if _same_file(path, os.fstat(fd)):  # not unlinked by its previous holder between our open and lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _RANK_LOCKS[key] = [fd, 1]
+            return key
+        os.close(fd)
+    raise NvmeTierError(f"offload_dir {folder}: could not take rank {rank}'s lock after 8 tries")
+
+
+def _release_rank_lock(key: tuple[str, int] | None) -> None:
+    entry = _RANK_LOCKS.get(key) if key is not None else None
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    del _RANK_LOCKS[key]
+    fd = entry[0]
+    try:
+        _unlink_if_same(os.path.join(key[0], f"gemini-rank{key[1]}.lock"), os.fstat(fd))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def remove_stale_files(folder: str | os.PathLike) -> list[str]:
+    """Remove the NVMe files in `folder` whose owner is gone (their lock is free); returns their names.
+
+    Links, other people's files and anything not named like ours are left alone.
+    """
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if _NVME_NAME.fullmatch(n)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue  # gone, a link (ELOOP), or not ours to read
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live run holds it
+            if _same_file(path, st):
+                os.unlink(path)
+                removed.append(name)
+                logger.info("offload_dir %s: removed %s, left by a run that ended without cleaning up "
+                            "(%.1f MiB)", folder, name, st.st_size / 2**20)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _rw(op, fd: int, t: torch.Tensor, offset: int) -> None:

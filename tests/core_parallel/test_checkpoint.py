@@ -226,3 +226,187 @@ def test_tied_weights_consolidate_into_a_strict_state_dict(tmp_path):
     fresh = Tied()
     fresh.load_state_dict(load_file(str(tmp_path / "t.safetensors")))
     torch.testing.assert_close(fresh.head.weight, model.head.weight, rtol=0, atol=0)
+
+
+# ---- untrusted checkpoints: forged names and ranges, damaged bytes, a crash while replacing -------------------
+def _saved(tmp_path, name: str = "c"):
+    model, opt, _ = _setup(stage=2, seed=0)
+    train_zero(model, opt, range(1), 0, 1)
+    core_parallel.save_checkpoint(tmp_path / name, model, opt)
+    return tmp_path / name, model
+
+
+def _forge(folder, change) -> None:
+    index = json.loads((folder / checkpoint.INDEX).read_text())
+    change(index)
+    (folder / checkpoint.INDEX).write_text(json.dumps(index))
+
+
+def _sha(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_fresh(folder):
+    fresh, fresh_opt, _ = _setup(stage=2, seed=9)
+    core_parallel.load_checkpoint(folder, fresh, fresh_opt)
+    return fresh
+
+
+def _assert_one_line_exit_2(folder, tmp_path, capsys, *words: str) -> None:
+    """`suite checkpoint consolidate`, in this process (a subprocess costs seconds of imports)."""
+    from lowmem.suite.cli import main
+
+    capsys.readouterr()
+    code = main(["checkpoint", "consolidate", str(folder), str(tmp_path / "out.safetensors")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "model_file", "link"])
+def test_forged_file_names_are_refused_without_reading_outside(tmp_path, capsys, where):
+    folder, _ = _saved(tmp_path)
+    shard = "shard-00000-of-00001.safetensors"
+    outside = tmp_path / "outside.safetensors"  # a valid copy outside the folder: reading it would succeed
+    outside.write_bytes((folder / shard).read_bytes())
+    forged = {"dotdot": "../outside.safetensors", "absolute": str(outside)}.get(where)
+    if where == "link":
+        (folder / shard).unlink()
+        (folder / shard).symlink_to(outside)
+    elif where == "model_file":
+        (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+        _forge(folder, lambda ix: ix.update(model_file="../model.safetensors"))
+    else:
+        def rename(ix):
+            ix["shards"][forged] = ix["shards"].pop(shard)
+            if "checksums" in ix:  # (so that the test also runs, and fails, on version 1)
+                ix["checksums"][forged] = ix["checksums"].pop(shard)
+        _forge(folder, rename)
+    what = "not a regular file" if where == "link" else "not a plain file name"
+    with pytest.raises(checkpoint.CheckpointError, match=what):
+        _load_fresh(folder)
+    _assert_one_line_exit_2(folder, tmp_path, capsys, what)
+
+
+@pytest.mark.parametrize("fault", ["overlap_and_gap", "gap", "past_the_end"])
+def test_ranges_must_tile_each_parameter_exactly(tmp_path, capsys, fault):
+    """Overlap by one and miss one element: the element counts add up, and today's reader left the last element
+    uninitialised. Every forged shard is a valid file with its checksum in the index: the tiling check decides."""
+    from safetensors.torch import save_file
+
+    folder, _ = _saved(tmp_path)
+    shard = "shard-00000-of-00001.safetensors"
+    tensors = load_file(str(folder / shard))
+    index = json.loads((folder / checkpoint.INDEX).read_text())
+    name = "a.weight"
+    keys = index["params"][name]["state_keys"]
+    n = tensors[f"master/{name}"].numel()
+    pieces = {"overlap_and_gap": [(0, n // 2 + 1), (n // 2, n - 1)], "gap": [(0, n // 2), (n // 2 + 1, n)],
+              "past_the_end": [(0, n // 2), (n // 2, n + 1)]}[fault]
+    index["shards"][shard].pop(name)
+    for i, (s, e) in enumerate(pieces):
+        fname = f"forged-{i}.safetensors"
+        padded = {k: torch.cat([tensors[f"{k}/{name}"], torch.zeros(1)]) for k in keys}
+        save_file({f"{k}/{name}": padded[k][s:e].contiguous() for k in keys}, str(folder / fname))
+        index["shards"][fname] = {name: [s, e]}
+        index.setdefault("checksums", {})[fname] = _sha(folder / fname)
+    (folder / checkpoint.INDEX).write_text(json.dumps(index))
+    word = {"overlap_and_gap": "overlaps", "gap": "uncovered", "past_the_end": "outside"}[fault]
+    with pytest.raises(checkpoint.CheckpointError, match=f"index.json: .*{word}"):
+        _load_fresh(folder)
+    _assert_one_line_exit_2(folder, tmp_path, capsys, "index.json", word)
+
+
+@pytest.mark.parametrize("fname", ["shard-00000-of-00001.safetensors", "model.safetensors"])
+def test_a_flipped_byte_fails_the_checksum(tmp_path, capsys, fname):
+    folder, _ = _saved(tmp_path)
+    data = bytearray((folder / fname).read_bytes())
+    data[-3] ^= 0x10  # in the tensor data, not the header: the file still parses
+    (folder / fname).write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{fname}: sha256 does not match"):
+        _load_fresh(folder)
+    _assert_one_line_exit_2(folder, tmp_path, capsys, fname, "sha256")
+
+
+def test_version_1_checkpoints_load_unverified_with_a_warning(tmp_path, caplog):
+    folder, model = _saved(tmp_path)
+
+    def as_version_1(ix):
+        ix["version"] = 1
+        del ix["checksums"]
+    _forge(folder, as_version_1)
+    with caplog.at_level("WARNING"):
+        fresh = _load_fresh(folder)
+    assert max_rel_err(fresh, model) == 0.0
+    assert "without verification" in caplog.text
+
+
+def test_crash_between_the_renames_of_a_replace_keeps_a_loadable_checkpoint(tmp_path, monkeypatch):
+    """Where no atomic exchange exists, replace_dir moves the old folder aside and the new one in: a crash between
+    the two leaves no folder under the name, and loading falls back to the complete old copy. The next save
+    removes that copy and the staging folder of a save killed earlier."""
+    from lowmem.core_parallel import fileio
+
+    folder, model = _saved(tmp_path)
+    other, other_opt, _ = _setup(stage=2, seed=5)
+    train_zero(other, other_opt, range(2), 0, 1)
+    monkeypatch.setattr(fileio, "_exchange", lambda a, b: False)
+    real_replace, calls = os.replace, []
+
+    def crash_after_first(src, dst):
+        if os.path.isdir(src):  # files (index.json) are renamed into the staging folder too
+            calls.append(dst)
+        if len(calls) > 1:
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        core_parallel.save_checkpoint(folder, other, other_opt)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not folder.exists()
+    assert max_rel_err(_load_fresh(folder), model) == 0.0
+    (tmp_path / ".c.0123abcd.tmp").mkdir()  # a save killed while writing its staging folder
+    core_parallel.save_checkpoint(folder, other, other_opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert max_rel_err(_load_fresh(folder), other) == 0.0
+
+
+def test_replace_swaps_atomically_where_it_can(tmp_path, monkeypatch):
+    """With renameat2(RENAME_EXCHANGE) (Linux) the old folder never leaves the name: a rename may not even fail."""
+    from lowmem.core_parallel import fileio
+
+    if fileio._RENAMEAT2 is None:
+        pytest.skip("no renameat2 in this C library")
+    folder, _ = _saved(tmp_path)
+    other, other_opt, _ = _setup(stage=2, seed=5)
+
+    def no_renames(*args):
+        raise AssertionError("os.replace of the checkpoint folder: a moment without one")
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (no_renames if os.path.isdir(src) else real_replace)(src, dst))
+    core_parallel.save_checkpoint(folder, other, other_opt)
+    assert max_rel_err(_load_fresh(folder), other) == 0.0
+
+
+def test_every_file_and_the_folder_are_flushed_to_disk(tmp_path, monkeypatch):
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def record(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    folder, _ = _saved(tmp_path)
+    # index.json is flushed under its temporary name, then renamed (in the staging folder, flushed below)
+    names = [os.path.basename(p) for p in flushed]
+    for f in folder.iterdir():
+        assert any(n == f.name or (n.startswith(f".{f.name}.") and n.endswith(".tmp")) for n in names), (f, names)
+    assert any(p.startswith(str(tmp_path / ".c.")) and p.endswith(".tmp") for p in flushed)  # the folder itself
+    assert str(tmp_path) in flushed  # its rename

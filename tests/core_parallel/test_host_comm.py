@@ -1,16 +1,19 @@
 """Shared-memory collectives for CPU ranks against a float64 reference and gloo, on 1, 2 and 4 ranks: values,
-rank order, a barrier timeout that names the missing rank, the fallback when a rank cannot map the segment,
-and no file left in /dev/shm."""
+rank order, a barrier timeout that names the missing rank, a dead rank noticed at once, the fallback when a
+rank cannot map the segment, and no file left in /dev/shm."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from lowmem.core_parallel import run_on_ranks
-from lowmem.core_parallel.host_comm import HostCollectives, host_collectives_supported
+from lowmem.core_parallel.host_comm import HostCollectives, PeerLostError, host_collectives_supported
 
 pytestmark = pytest.mark.skipif(not host_collectives_supported(), reason="x86-64 Linux with /dev/shm only")
 
@@ -67,11 +70,12 @@ def test_all_gather_and_reduce_scatter_match_float64_and_gloo(world):
 def _late(rank: int, world: int) -> str:
     hc = HostCollectives.create(None, slot_bytes=64, timeout=1.0)
     if rank == 1:
-        return "skipped"  # never reaches the barrier
+        time.sleep(2.5)  # alive (busy) but never reaches the barrier
+        return "skipped"
     try:
         hc.barrier()
-    except RuntimeError as exc:
-        return str(exc)
+    except PeerLostError as exc:
+        return f"{exc} {exc.ranks} dead={exc.dead}"
     return "passed"
 
 
@@ -79,7 +83,57 @@ def _late(rank: int, world: int) -> str:
 def test_barrier_names_the_rank_that_does_not_arrive():
     results = run_on_ranks(_late, 2, timeout=60)
     assert results[1] == "skipped"
-    assert "ranks [1] did not arrive within 1s" in results[0]
+    assert "ranks [1] did not arrive within 1s" in results[0] and "[1] dead=False" in results[0], results[0]
+
+
+def _victim_dies_mid_collective(rank: int, world: int, victim: int) -> dict:
+    import torch.distributed as dist
+
+    # Ten minutes: only noticing the death, not this timeout, can end the wait within the test's time.
+    hc = HostCollectives.create(None, slot_bytes=4096, timeout=600.0)
+    out = torch.empty(world * 8)
+    hc.all_gather(out, torch.full((8,), float(rank)))  # the group works
+    if rank == victim:
+        os._exit(3)  # no goodbye, as on an OOM kill
+    t0 = time.monotonic()
+    try:
+        for _ in range(100):
+            hc.reduce_scatter(torch.empty(8), torch.ones(world * 8))
+    except dist.DistBackendError as exc:  # what gloo raises for a lost peer
+        return {"error": type(exc).__name__, "message": str(exc), "ranks": exc.ranks, "dead": exc.dead,
+                "waited_s": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_dead_rank_ends_the_others_wait_at_once(victim):
+    results = run_on_ranks(_victim_dies_mid_collective, 2, victim, timeout=60, may_die=[victim])
+    got = results[1 - victim]
+    assert results[victim] is None
+    assert got["error"] == "PeerLostError", got
+    assert (got["ranks"], got["dead"]) == ([victim], True)
+    assert f"rank {victim} (pid " in got["message"] and "exited" in got["message"], got["message"]
+    assert got["waited_s"] < 15, got  # the issue's bound; the collective timeout is 600 s
+
+
+def test_liveness_sees_zombies_and_reused_pids():
+    from lowmem.core_parallel import host_comm as hcm
+
+    me = hcm._start_time(os.getpid())
+    assert me is not None and me > 0
+    assert hcm._running(os.getpid(), me)
+    assert not hcm._running(os.getpid(), me + 1)  # the pid now belongs to another process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        # exited but not reaped: a zombie, as a rank is while the launcher that spawned it is stuck
+        deadline = time.monotonic() + 30
+        while hcm._start_time(child.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hcm._start_time(child.pid) is None
+        assert os.path.exists(f"/proc/{child.pid}")  # still there, as a zombie
+    finally:
+        child.wait()
 
 
 def _timeout(rank: int, world: int) -> float:

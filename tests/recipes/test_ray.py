@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowmem.recipes.ray import FitJob, RayConfig, fit_on_ray
-from tests._paths import tests_only_path
+from tests._paths import tests_only_path as _tests_only_path
 from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
 
 pytest.importorskip("ray.train.lightning")
@@ -44,7 +44,7 @@ def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):
     from lowmem import core_parallel
 
     # Local Ray workers inherit the driver's environment: make `tests` importable there.
-    monkeypatch.setenv("PYTHONPATH", tests_only_path())
+    monkeypatch.setenv("PYTHONPATH", _tests_only_path())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
     result = fit_on_ray(_build_job, config)
