@@ -213,6 +213,9 @@ class TargetResult:
     """Why a finished target was redone (its inputs changed), or other remarks for the summary."""
     inputs: str = ""
     """What the features were made of, in a few words (MSA depth per source, templates)."""
+    relax_problem: str = ""
+    """Why the relaxation cannot be trusted ("" when it can, or did not run): not converged, or refused
+    because it broke chirality or cis/trans peptides (then no relaxed file is written)."""
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -403,7 +406,15 @@ def write_target_outputs(
         result = relax_protein(unrelaxed, relax_config)
         relax_summary = result.summary()
         timings["relax"] = result.seconds
-        files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} relaxed".strip())
+        if result.chirality_changed or result.cis_changed:
+            # AlphaFold's relaxation keeps chirality and cis/trans peptides: a result that broke them is refused
+            # (and an older relaxed file of this target removed, so none can pass for this run's)
+            for suffix in (".pdb", ".cif"):
+                (folder / f"{target.name}_relaxed{suffix}").unlink(missing_ok=True)
+            relax_summary["refused"] = True
+        else:
+            tag = "relaxed" if result.converged else f"relaxed, NOT CONVERGED ({result.violations_after} violating)"
+            files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} {tag}".strip())
     files += _write_confidence(folder, target.name, best, mark)
     ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score(metric) for k in ranked}, "metric": metric}
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))
@@ -592,10 +603,16 @@ def inputs_summary(info: dict[str, Any] | None) -> str:
     return "; ".join(parts)
 
 
+def _relax_problem(record: dict[str, Any]) -> str:
+    relax = record.get("relax") or {}
+    problem = relax.get("problem", "")
+    return f"relax {problem}" + ("; relaxed file refused" if relax.get("refused") else "") if problem else ""
+
+
 def _done(target: Target, folder: Path, files: list[str], timings: dict[str, float], note: str = "") -> TargetResult:
     record = json.loads((folder / "timings.json").read_text())
     return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files,
-                        note=note, inputs=inputs_summary(record.get("inputs")))
+                        note=note, inputs=inputs_summary(record.get("inputs")), relax_problem=_relax_problem(record))
 
 
 def _uses_ray(cfg: FoldConfig, num_targets: int) -> bool:
@@ -702,7 +719,8 @@ def fold_targets(
             results[t.name] = TargetResult(t, "skipped", record.get("mean_plddt"),
                                            folder=str(Path(cfg.output_dir) / t.name),
                                            note="same inputs as the finished run",
-                                           inputs=inputs_summary(record.get("inputs")))
+                                           inputs=inputs_summary(record.get("inputs")),
+                                           relax_problem=_relax_problem(record))
             emit("skipped", t)
             continue
         if record is not None:

@@ -24,7 +24,7 @@ from ..common import residue_constants as rc
 from ..io.protein import Protein, to_pdb
 from .violations import find_violations
 
-__all__ = ["RelaxConfig", "RelaxResult", "relax_protein"]
+__all__ = ["RelaxConfig", "RelaxResult", "chirality", "cis_peptides", "relax_protein"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class RelaxConfig:
     """Tries of one pass when OpenMM raises (NaN coordinates); each retry jitters the start by 0.2 A x try."""
     platform: str = "auto"
     """OpenMM platform: "auto" (CUDA when present, else CPU), "CPU" or "CUDA"."""
+    max_seconds: float | None = None
+    """Time budget: no new pass starts after this many seconds (None: passes only, `max_outer_iterations`)."""
 
     def __post_init__(self) -> None:
         if self.stiffness < 0:
@@ -54,6 +56,8 @@ class RelaxConfig:
         for name in ("max_iterations", "max_outer_iterations", "max_attempts"):
             if getattr(self, name) < (0 if name == "max_iterations" else 1):
                 raise ValueError(f"RelaxConfig.{name} is out of range: {getattr(self, name)}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"RelaxConfig.max_seconds must be > 0, got {self.max_seconds}")
         if self.platform not in ("auto", "CPU", "CUDA"):
             raise ValueError(f"RelaxConfig.platform must be auto, CPU or CUDA, got {self.platform!r}")
 
@@ -72,26 +76,101 @@ class RelaxResult:
     rmsd: float
     outer_iterations: int
     seconds: float
+    stopped: str = "converged"
+    """Why the violation loop ended: "converged" (no violating residue left), "pass limit" or "time budget"."""
+    chirality_changed: list[int] = dataclasses.field(default_factory=list)
+    """Residue numbers whose CA chirality (L/D) differs from the input's: the relaxed file is not to be used."""
+    cis_changed: list[int] = dataclasses.field(default_factory=list)
+    """Residue numbers i whose peptide bond to i+1 turned cis <-> trans."""
+    passes: list[dict] = dataclasses.field(default_factory=list)
+    """Per pass: energy before/after (kJ/mol), violating residues after, seconds."""
+
+    @property
+    def converged(self) -> bool:
+        return self.violations_after == 0
+
+    @property
+    def problem(self) -> str:
+        """Why this relaxed structure is not to be trusted, in one line ("" when it is)."""
+        if self.chirality_changed or self.cis_changed:
+            parts = []
+            if self.chirality_changed:
+                parts.append(f"chirality changed at residue(s) {_short(self.chirality_changed)}")
+            if self.cis_changed:
+                parts.append(f"cis/trans peptide changed after residue(s) {_short(self.cis_changed)}")
+            return "broke the structure: " + "; ".join(parts)
+        if not self.converged:
+            return (f"not converged: {self.violations_after} violating residue(s) after {self.outer_iterations} "
+                    f"pass(es) ({self.stopped})")
+        return ""
 
     def summary(self) -> dict[str, float | None]:
-        """JSON-ready numbers (a non-finite energy, e.g. of coincident atoms, becomes None)."""
+        """JSON-ready numbers (a non-finite energy, e.g. of coincident atoms, becomes None), `converged` and
+        `problem` ("" when the relaxed structure can be used)."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "protein"}
-        return {k: (v if not isinstance(v, float) or np.isfinite(v) else None) for k, v in out.items()}
+        out = {k: (v if not isinstance(v, float) or np.isfinite(v) else None) for k, v in out.items()}
+        return {**out, "converged": self.converged, "problem": self.problem}
 
 
-def _clean(pdb_text: str):
+def _short(numbers: list[int], limit: int = 8) -> str:
+    text = ", ".join(str(n) for n in numbers[:limit])
+    return text + (f" and {len(numbers) - limit} more" if len(numbers) > limit else "")
+
+
+def chirality(p: Protein) -> np.ndarray:
+    """Per residue: +1 for an L, -1 for a D amino acid, 0 where it is undefined (glycine, missing N/CA/C/CB).
+    The sign of the triple product (N - CA) x (C - CA) . (CB - CA), which is positive for L (all 81 of
+    PDB 4ZEY chain A)."""
+    n, ca, c, cb = (rc.atom_order[a] for a in ("N", "CA", "C", "CB"))
+    x = p.atom_positions
+    vol = np.einsum("ij,ij->i", np.cross(x[:, n] - x[:, ca], x[:, c] - x[:, ca]), x[:, cb] - x[:, ca])
+    present = (p.atom_mask[:, [n, ca, c, cb]] > 0.5).all(-1)
+    return np.where(present & (np.abs(vol) > 1e-3), np.sign(vol), 0).astype(np.int64)
+
+
+def cis_peptides(p: Protein) -> np.ndarray:
+    """Per residue i, its peptide bond to i+1: +1 cis (omega CA-C-N-CA within 30 degrees of 0), -1 trans (within
+    30 degrees of 180), 0 distorted or
+    undefined (i+1 not the next residue, atoms missing, or C-N not bonded: longer than 2 Angstrom)."""
+    ca, c, n = (rc.atom_order[a] for a in ("CA", "C", "N"))
+    x, m = p.atom_positions, p.atom_mask > 0.5
+    out = np.zeros(len(p.aatype), np.int64)
+    for i in range(len(p.aatype) - 1):
+        if p.residue_index[i + 1] - p.residue_index[i] != 1 or not (m[i, ca] and m[i, c] and m[i + 1, n]
+                                                                    and m[i + 1, ca]):
+            continue
+        b0, b1, b2 = x[i, c] - x[i, ca], x[i + 1, n] - x[i, c], x[i + 1, ca] - x[i + 1, n]
+        if not 0.5 < np.linalg.norm(b1) < 2.0:
+            continue
+        n0, n1 = np.cross(b0, b1), np.cross(b1, b2)
+        omega = np.degrees(np.arctan2(np.dot(np.cross(n0, n1), b1 / np.linalg.norm(b1)), np.dot(n0, n1)))
+        out[i] = 1 if abs(omega) < 30.0 else (-1 if abs(omega) > 150.0 else 0)
+    return out
+
+
+def _clean(pdb_text: str, platform: str = "CPU"):
     """pdbfixer: standard residues, no heterogens, missing heavy atoms and hydrogens (pH 7)."""
+    import random
+
     import pdbfixer
 
     fixer = pdbfixer.PDBFixer(pdbfile=io.StringIO(pdb_text))
+    fixer.platform = _platform(platform)
     fixer.findNonstandardResidues()
     fixer.replaceNonstandardResidues()
     fixer.removeHeterogens(keepWater=False)
     fixer.findMissingResidues()
     fixer.missingResidues = {}  # gaps in the chain stay gaps, as in AlphaFold
     fixer.findMissingAtoms()
-    fixer.addMissingAtoms(seed=0)
-    fixer.addMissingHydrogens(7.0)
+    fixer.addMissingAtoms(seed=1)  # OpenMM takes seed 0 as "a new seed every time"
+    # OpenMM's Modeller starts hydrogens at positions from Python's global `random`: seeded here (and the
+    # caller's state given back), so the same input gets the same hydrogens, hence the same relaxed structure
+    state = random.getstate()
+    random.seed(0)
+    try:
+        fixer.addMissingHydrogens(7.0)
+    finally:
+        random.setstate(state)
     return fixer.topology, fixer.positions
 
 
@@ -108,7 +187,15 @@ def _platform(name: str):
     if name == "auto":
         names = [openmm.Platform.getPlatform(i).getName() for i in range(openmm.Platform.getNumPlatforms())]
         name = "CUDA" if "CUDA" in names else "CPU"
-    return openmm.Platform.getPlatformByName(name)
+    platform = openmm.Platform.getPlatformByName(name)
+    # same input, same output: force sums in a fixed order, and one CPU thread (OpenMM's CPU results depend on
+    # how the atoms are split over threads: 0.01 A apart run to run on 2 threads, identical on one). Defaults
+    # of the platform, so they also hold for the contexts pdbfixer and its Modeller make.
+    if "DeterministicForces" in platform.getPropertyNames():
+        platform.setPropertyDefaultValue("DeterministicForces", "true")
+    if name == "CPU":
+        platform.setPropertyDefaultValue("Threads", "1")
+    return platform
 
 
 def _heavy_atom_restraints(topology, positions, stiffness: float, excluded: set[int]):
@@ -126,19 +213,59 @@ def _heavy_atom_restraints(topology, positions, stiffness: float, excluded: set[
     return force
 
 
-def _simulation(topology, positions, excluded: set[int], cfg: RelaxConfig):
+CHIRALITY_STIFFNESS = 1e8
+"""kJ/mol/nm^6 of the flat-bottom chirality term (`_chirality_force`): zero while a residue keeps its
+handedness with a CA volume of at least CHIRALITY_MARGIN, about 100 kJ/mol at the planar configuration."""
+CHIRALITY_MARGIN = 1e-3
+"""nm^3 (1 A^3; an ideal CA tetrahedron has about 2.5 A^3)."""
+
+
+def _chirality_force(topology, signs: np.ndarray | None):
+    """A flat-bottom term that keeps each residue's CA handedness (`signs`: +1 L, -1 D, 0 free; per residue).
+
+    DISCREPANCY: not in AlphaFold's protocol, whose Amber force field has no term that holds chirality (bond
+    angles are mirror-symmetric). For a sound start it is zero and changes nothing; a start with coincident
+    atoms (untrained or collapsed predictions) otherwise comes apart with D residues (issue 21: half of them)."""
+    import openmm
+
+    if signs is None or not np.any(signs):
+        return None
+    a = "ax=x1-x2; ay=y1-y2; az=z1-z2; bx=x3-x2; by=y3-y2; bz=z3-z2; cx=x4-x2; cy=y4-y2; cz=z4-z2"
+    force = openmm.CustomCompoundBondForce(
+        4, f"k_chir * min(0, s * v - v0)^2; v = (ay*bz - az*by)*cx + (az*bx - ax*bz)*cy + (ax*by - ay*bx)*cz; {a}")
+    force.addGlobalParameter("k_chir", CHIRALITY_STIFFNESS)
+    force.addGlobalParameter("v0", CHIRALITY_MARGIN)
+    force.addPerBondParameter("s")
+    for residue in topology.residues():
+        sign = int(signs[residue.index]) if residue.index < len(signs) else 0
+        atoms = {atom.name: atom.index for atom in residue.atoms()}
+        if sign and all(n in atoms for n in ("N", "CA", "C", "CB")):
+            force.addBond([atoms["N"], atoms["CA"], atoms["C"], atoms["CB"]], [float(sign)])
+    return force if force.getNumBonds() else None
+
+
+def _simulation(topology, positions, excluded: set[int], cfg: RelaxConfig, signs: np.ndarray | None = None):
     import openmm
     from openmm import app, unit
 
     system = _forcefield().createSystem(topology, constraints=app.HBonds)
     system.addForce(_heavy_atom_restraints(topology, positions, cfg.stiffness, excluded))
+    chirality_force = _chirality_force(topology, signs)
+    if chirality_force is not None:
+        system.addForce(chirality_force)
     integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
-    sim = app.Simulation(topology, system, integrator, _platform(cfg.platform))
+    platform = _platform(cfg.platform)
+    sim = app.Simulation(topology, system, integrator, platform, _deterministic(platform))
     sim.context.setPositions(positions)
     return sim
 
 
-def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig):
+def _deterministic(platform) -> dict[str, str]:
+    """Platform properties that make force sums independent of thread scheduling: same input, same output."""
+    return {"DeterministicForces": "true"} if "DeterministicForces" in platform.getPropertyNames() else {}
+
+
+def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig, signs: np.ndarray | None = None):
     """One minimisation pass; returns (energy before, energy after, new positions), energies in kJ/mol."""
     from openmm import unit
 
@@ -152,7 +279,7 @@ def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig):
             xyz = np.asarray(start.value_in_unit(unit.nanometers))
             positions = (xyz + rng.normal(scale=0.02 * attempt, size=xyz.shape)) * unit.nanometers
         try:
-            sim = _simulation(topology, positions, excluded, cfg)
+            sim = _simulation(topology, positions, excluded, cfg, signs)
             e0 = sim.context.getState(getEnergy=True).getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole)
             tol = cfg.tolerance * unit.kilojoules_per_mole / unit.nanometer
             sim.minimizeEnergy(tolerance=tol, maxIterations=cfg.max_iterations)
@@ -181,7 +308,7 @@ def _energy(topology, positions, cfg: RelaxConfig) -> float:
     return sim.context.getState(getEnergy=True).getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole)
 
 
-def _untangle(topology, positions, cfg: RelaxConfig):
+def _untangle(topology, positions, cfg: RelaxConfig, signs: np.ndarray | None = None):
     """Push overlapping atoms apart with a bounded repulsion (Amber's bonded terms, no Coulomb/LJ).
 
     DISCREPANCY: not in AlphaFold's protocol. Predictions with coincident atoms (untrained or collapsed
@@ -204,10 +331,14 @@ def _untangle(topology, positions, cfg: RelaxConfig):
     system.addForce(repulsion)
     # weakened heavy-atom restraints: overlapping atoms separate, the fold stays put
     system.addForce(_heavy_atom_restraints(topology, positions, UNTANGLE_STIFFNESS * cfg.stiffness, set()))
+    chirality_force = _chirality_force(topology, signs)
+    if chirality_force is not None:
+        system.addForce(chirality_force)
     xyz = np.asarray(positions.value_in_unit(unit.nanometers))
     xyz = xyz + np.random.default_rng(0).normal(scale=0.01, size=xyz.shape)  # breaks exact coincidences
     integrator = openmm.LangevinIntegrator(0 * unit.kelvin, 0.01 / unit.picosecond, 0.0 * unit.picoseconds)
-    sim = app.Simulation(topology, system, integrator, _platform(cfg.platform))
+    platform = _platform(cfg.platform)
+    sim = app.Simulation(topology, system, integrator, platform, _deterministic(platform))
     sim.context.setPositions(xyz * unit.nanometers)
     sim.minimizeEnergy(tolerance=cfg.tolerance * unit.kilojoules_per_mole / unit.nanometer, maxIterations=2000)
     return sim.context.getState(getPositions=True).getPositions(asNumpy=True)
@@ -245,23 +376,48 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
     cfg = config or RelaxConfig()
     t0 = time.perf_counter()
     before = int(_violations(protein).sum())
-    topology, positions = _clean(to_pdb(protein))
+    topology, positions = _clean(to_pdb(protein), cfg.platform)
+    signs = chirality(protein)  # kept through every pass (`_chirality_force`)
     initial_energy = _energy(topology, positions, cfg)
     if not np.isfinite(initial_energy) or initial_energy > UNTANGLE_ENERGY:
         logger.warning("start energy %.3g kJ/mol: pushing overlapping atoms apart first", initial_energy)
-        positions = _untangle(topology, positions, cfg)
+        positions = _untangle(topology, positions, cfg, signs)
     excluded: set[int] = set()
     current = protein
+    passes: list[dict] = []
+    stopped = "pass limit"
     for outer in range(1, cfg.max_outer_iterations + 1):
-        e0, e1, positions = _minimize(topology, positions, excluded, cfg)
+        t_pass = time.perf_counter()
+        e0, e1, positions = _minimize(topology, positions, excluded, cfg, signs)
         current = _to_atom37(topology, positions, protein)
         bad = _violations(current)
-        logger.info("relax pass %d: energy %.1f -> %.1f kJ/mol, %d violating residues", outer, e0, e1, bad.sum())
+        passes.append({"pass": outer, "energy_before": _finite(e0), "energy_after": _finite(e1),
+                       "violating_residues": int(bad.sum()), "seconds": round(time.perf_counter() - t_pass, 3)})
+        logger.info("relax pass %d: energy %.1f -> %.1f kJ/mol, %d violating residues, %.1f s", outer, e0, e1,
+                    bad.sum(), passes[-1]["seconds"])
         if not bad.any():
+            stopped = "converged"
+            break
+        if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+            stopped = "time budget"
             break
         excluded |= {int(i) for i in np.nonzero(bad)[0]}
-    return RelaxResult(
+    numbers = protein.residue_index
+    before_l, after_l = chirality(protein), chirality(current)
+    flipped = (before_l != 0) & (after_l != 0) & (before_l != after_l)
+    cis_before, cis_after = cis_peptides(protein), cis_peptides(current)
+    cis = (cis_before != 0) & (cis_after != 0) & (cis_before != cis_after)
+    result = RelaxResult(
         protein=current, initial_energy=float(initial_energy), final_energy=float(e1),
         violations_before=before, violations_after=int(bad.sum()), rmsd=_rmsd(current, protein),
-        outer_iterations=outer, seconds=time.perf_counter() - t0,
+        outer_iterations=outer, seconds=time.perf_counter() - t0, stopped=stopped,
+        chirality_changed=[int(k) for k in numbers[flipped]], cis_changed=[int(k) for k in numbers[cis]],
+        passes=passes,
     )
+    if result.problem:
+        logger.warning("relaxation %s", result.problem)
+    return result
+
+
+def _finite(x: float) -> float | None:
+    return round(float(x), 3) if np.isfinite(x) else None

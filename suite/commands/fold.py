@@ -559,7 +559,10 @@ def _summary(results, output_dir: str) -> None:
         files = r.error if r.status == "failed" else (f"{r.folder}/ ({len(r.files)} files)" if r.files else r.folder)
         if r.note and r.status != "failed":
             files = f"{files}; {r.note}"
-        table.add_row(r.target.name, str(len(r.target.sequence)), r.status, plddt, f"{r.seconds:.1f}", r.inputs,
+        status = r.status
+        if r.relax_problem:
+            status, files = f"{status}, RELAX FAILED", f"{files}; {r.relax_problem}"
+        table.add_row(r.target.name, str(len(r.target.sequence)), status, plddt, f"{r.seconds:.1f}", r.inputs,
                       files)
     Console(width=200).print(table)
 
@@ -573,4 +576,5 @@ def run(args: argparse.Namespace) -> int:
     _warn_mode(cfg, args)
     results = _progress_runner(targets, cfg)
     _summary(results, args.output_dir)
-    return 1 if any(r.status == "failed" for r in results) else 0
+    # exit 1 when a target failed, or its relaxation did not converge or was refused (the table says which)
+    return 1 if any(r.status == "failed" or r.relax_problem for r in results) else 0

@@ -159,3 +159,38 @@ def test_outputs_follow_the_umask(tmp_path, mask):
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "pep").iterdir()}
     assert set(modes.values()) == {0o666 & ~mask}, modes
+
+
+@pytest.mark.parametrize("kind", ["unconverged", "broken"])
+def test_relax_problems_reach_the_table_the_json_and_the_exit_code(tmp_path, monkeypatch, capsys, kind):
+    import lowmem.fastfold.relax as relax
+    from lowmem.suite.cli import main
+
+    real = relax.relax_protein
+
+    def bad_relax(protein, config=None):
+        result = real(protein, config)
+        if kind == "unconverged":
+            result.violations_after, result.stopped = 4, "pass limit"
+        else:
+            result.chirality_changed = [2, 3]
+        return result
+
+    monkeypatch.setattr(relax, "relax_protein", bad_relax)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">pep\nMKTAYIAKQR\n")
+    argv = ["fold", str(fasta), "--output_dir", str(tmp_path / "out"), "--single_sequence", "--relax_platform", "CPU"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "RELAX FAILED" in out
+    folder = tmp_path / "out" / "pep"
+    relax_record = json.loads((folder / "timings.json").read_text())["relax"]
+    assert relax_record["converged"] is (kind == "broken")
+    if kind == "unconverged":
+        assert relax_record["problem"].startswith("not converged: 4 violating residue(s)")
+        assert "NOT CONVERGED" in (folder / "pep_relaxed.pdb").read_text().splitlines()[0]
+    else:
+        assert "chirality changed at residue(s) 2, 3" in relax_record["problem"] and relax_record["refused"]
+        assert not (folder / "pep_relaxed.pdb").exists() and not (folder / "pep_relaxed.cif").exists()
+    assert main(argv) == 1  # the skipped rerun still says so
+    assert "RELAX FAILED" in capsys.readouterr().out

@@ -95,3 +95,55 @@ def test_relax_config_validates():
         RelaxConfig(tolerance=0)
     with pytest.raises(ValueError, match="platform"):
         RelaxConfig(platform="OpenCL2")
+
+
+def _perturbed() -> Protein:
+    prot = ideal_backbone(SEQUENCE)
+    rng = np.random.default_rng(0)
+    pos = prot.atom_positions + rng.normal(scale=0.25, size=prot.atom_positions.shape) * prot.atom_mask[..., None]
+    pos[5, rc.atom_order["CB"]] = pos[3, rc.atom_order["CA"]] + np.array([0.0, 0.0, 1.2])
+    return Protein(pos, prot.atom_mask, prot.aatype, prot.residue_index, prot.b_factors)
+
+
+def test_same_input_same_relaxed_structure():
+    """pdbfixer's hydrogens and side chains (seeded), one CPU thread, deterministic forces: identical twice
+    (issue 21: up to 1.6 A apart before)."""
+    a, b = (relax_protein(_perturbed(), RelaxConfig(platform="CPU")) for _ in range(2))
+    np.testing.assert_array_equal(a.protein.atom_positions, b.protein.atom_positions)
+    summary = a.summary()
+    assert summary["converged"] and summary["problem"] == "" and summary["stopped"] == "converged"
+    assert [p["pass"] for p in summary["passes"]] == list(range(1, a.outer_iterations + 1))
+    assert summary["passes"][-1]["violating_residues"] == 0
+
+
+def test_chirality_and_cis_trans_of_a_structure():
+    prot = ideal_backbone(SEQUENCE)
+    signs = amber.chirality(prot)
+    assert signs.tolist() == [1] * 7 + [0]  # L everywhere; glycine has none
+    mirror = Protein(prot.atom_positions * np.array([-1.0, 1.0, 1.0]), prot.atom_mask, prot.aatype,
+                     prot.residue_index, prot.b_factors)
+    assert amber.chirality(mirror).tolist() == [-1] * 7 + [0]
+    assert amber.cis_peptides(prot).tolist() == [-1] * 7 + [0]  # trans; the last residue has no next
+    pos = prot.atom_positions.copy()
+    pos[4:] += np.array([3.0, 0.0, 0.0])  # a broken bond has no cis/trans
+    broken = Protein(pos, prot.atom_mask, prot.aatype, prot.residue_index, prot.b_factors)
+    assert amber.cis_peptides(broken)[3] == 0
+
+
+def test_a_collapsed_start_keeps_its_chirality():
+    """Coincident atoms (an untrained model's prediction) used to come apart with D residues."""
+    prot = ideal_backbone(SEQUENCE)
+    squeezed = Protein(prot.atom_positions * 0.15, prot.atom_mask, prot.aatype, prot.residue_index, prot.b_factors)
+    result = relax_protein(squeezed, RelaxConfig(platform="CPU"))
+    assert amber.chirality(result.protein)[:-1].tolist() == [1] * 7
+    assert result.chirality_changed == [] and "chirality" not in result.problem
+
+
+def test_problem_names_what_is_wrong():
+    prot = ideal_backbone(SEQUENCE)
+    base = dict(protein=prot, initial_energy=1.0, final_energy=0.5, violations_before=3, rmsd=0.1, seconds=1.0)
+    unconverged = amber.RelaxResult(**base, violations_after=4, outer_iterations=20, stopped="pass limit")
+    assert unconverged.problem == "not converged: 4 violating residue(s) after 20 pass(es) (pass limit)"
+    flipped = amber.RelaxResult(**base, violations_after=0, outer_iterations=1, chirality_changed=[3, 5])
+    assert flipped.problem == "broke the structure: chirality changed at residue(s) 3, 5"
+    assert flipped.summary()["converged"] is True  # converged, but broken
