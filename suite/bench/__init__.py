@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fold-model": (".fold_model", "AlphaFold model pass: chunked vs unchunked"),
     "dap": (".dap", "DAP: per-rank memory and time on 1, 2, ... ranks"),
     "fold": (".fold", "suite fold per-stage time; Ray vs one after another"),
+    "command": (".command", "whole-command peak memory (process tree, page cache) vs a baseline command"),
 }
 
 

@@ -217,8 +217,12 @@ def _compare(args: argparse.Namespace) -> dict:
     print_table(rows, [c for c in columns if any(c in r for r in rows)],
                 title=f"gemini vs baselines: {params / 1e6:.1f}M params, {args.ranks} ranks, per-rank peak")
     methods = sorted({r["memory_method"] for r in rows if "memory_method" in r})
-    print(f"train_peak: peak RSS (VmHWM) over the steps minus RSS before the model was built; charged: {methods} "
-          "from before the model was built, over the steps (page cache included)")
+    import torch
+
+    peak = ("torch.cuda.max_memory_allocated over the steps (device memory)" if torch.cuda.is_available() else
+            "peak RSS (VmHWM) over the steps minus RSS before the model was built")
+    print(f"train_peak: {peak}; charged: {methods} (host memory) from before the model was built, over the steps "
+          "(page cache included)")
     return {"params": params, "ranks": args.ranks, "rows": rows}
 
 

@@ -184,3 +184,23 @@ def test_cgroup_is_made_and_removed_where_the_machine_allows():
     finally:
         group.remove()
     assert not os.path.exists(group.path)
+
+
+def test_bench_command_compares_with_a_baseline(tmp_path, capsys):
+    """`suite bench command`: both whole commands measured, the ratio from the two peaks, JSON written."""
+    import json
+    import shlex
+
+    from lowmem.suite.cli import main
+
+    touch = "b = bytearray({} << 20); b[::4096] = b'\\x01' * len(b[::4096])"
+    out = tmp_path / "cmd.json"
+    code = main(["bench", "command", "--json", str(out), "--baseline",
+                 shlex.join([sys.executable, "-c", touch.format(160)]), "--", sys.executable, "-c", touch.format(16)])
+    assert code == 0
+    rows = {r["side"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["baseline"]["peak_MiB"] >= 150 and rows["command"]["peak_MiB"] < rows["baseline"]["peak_MiB"]
+    assert rows["command"]["peak_vs_baseline"] == pytest.approx(rows["command"]["peak_MiB"] /
+                                                                rows["baseline"]["peak_MiB"])
+    assert "peak_vs_baseline" in capsys.readouterr().out
+    assert main(["bench", "command", "--", sys.executable, "-c", "raise SystemExit(1)"]) == 1
