@@ -167,3 +167,38 @@ def build_tiny_components(cfg: TinyPipelineConfig | None = None) -> dict[str, An
         steps_offset=1,
     )
     return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+
+
+def save_tiny_sd_pipeline(folder: str | Path, cfg: TinyPipelineConfig | None = None) -> Path:
+    """Write a tiny pipeline folder shaped like Stable Diffusion 1.5's: the tiny components with a
+    `PNDMScheduler` (SD's inference scheduler), a tiny `StableDiffusionSafetyChecker`, a `CLIPImageProcessor`
+    feature extractor and `requires_safety_checker: true`. Offline; the weights depend only on `cfg.seed`."""
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    cfg = cfg or TinyPipelineConfig()
+    comps = build_tiny_components(cfg)
+    width = cfg.text_hidden_size
+    clip = CLIPConfig(
+        text_config=dict(hidden_size=width, intermediate_size=2 * width, num_attention_heads=4, num_hidden_layers=1,
+                         vocab_size=514, max_position_embeddings=cfg.max_length, bos_token_id=512,
+                         eos_token_id=513, pad_token_id=513),
+        vision_config=dict(hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
+                           num_hidden_layers=1, image_size=32, patch_size=8),
+        projection_dim=width,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed + 1)
+        safety_checker = StableDiffusionSafetyChecker(clip)
+    pipe = StableDiffusionPipeline(
+        vae=comps["vae"], text_encoder=comps["text_encoder"], tokenizer=comps["tokenizer"], unet=comps["unet"],
+        scheduler=PNDMScheduler.from_config(comps["scheduler"].config, skip_prk_steps=True),
+        safety_checker=safety_checker,
+        feature_extractor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        requires_safety_checker=True,
+    )
+    folder = Path(folder)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

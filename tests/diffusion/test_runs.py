@@ -1,0 +1,142 @@
+"""Runs that must not lose work or mislead: bf16 + validation, EMA validation, what the export keeps, text-encoder
+gradient checkpointing, bad flag values refused before any model is loaded, progress lines in a log file."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lowmem.diffusion.config import FineTuneConfig
+from lowmem.suite.cli import main
+
+pl = pytest.importorskip("lightning.pytorch")
+
+FAST = dict(resolution=32, num_inference_steps=2, num_validation_images=2, report_to="csv", max_train_steps=2,
+            checkpointing_steps=2, validation_prompt="a red circle", validation_steps=100)
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory):
+    """A tiny SD-1.5-shaped pipeline folder: PNDMScheduler, safety checker, feature extractor."""
+    from lowmem.diffusion.tiny import save_tiny_sd_pipeline
+
+    return save_tiny_sd_pipeline(tmp_path_factory.mktemp("sd") / "base")
+
+
+def _fit(cfg, *callbacks):
+    from lowmem.recipes.diffusion import fit_finetune
+
+    return fit_finetune(cfg, list(callbacks), enable_progress_bar=False)
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class CountTextEncoderLayerCalls(pl.Callback):
+    """Counts forward calls inside the first CLIP layer during the first training batch, and its train mode."""
+
+    def __init__(self) -> None:
+        self.calls, self.training, self._handle = 0, None, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 0 and self._handle is None:
+            # a submodule of the layer: transformers checkpoints the layer's forward (its own hooks run once)
+            layer = next(m for n, m in module.text_encoder.named_modules() if n.endswith("encoder.layers.0.mlp"))
+            self.training = module.text_encoder.training
+
+            def count(*_):
+                self.calls += 1
+
+            self._handle = layer.register_forward_pre_hook(count)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self._handle:
+            self._handle.remove()
+            self._handle = False
+
+
+def test_bf16_validation_full_finetune_keeps_base_components(tmp_path, sd_folder):
+    """bf16 + --validation_prompt on a full fine-tune (text encoder too): validation images and the export
+    both written; the export is the base with the trained UNet and text encoder swapped in."""
+    from diffusers import PNDMScheduler
+
+    out = tmp_path / "out"
+    cfg = FineTuneConfig(pretrained_model_name_or_path=str(sd_folder), output_dir=str(out), mixed_precision="bf16",
+                         train_text_encoder=True, gradient_checkpointing=True, use_ema=True, **FAST)
+    counter = CountTextEncoderLayerCalls()
+    _fit(cfg, counter)
+    # CLIP's checkpointing runs (forward + recompute in backward) only because the encoder is in train mode
+    assert counter.training is True and counter.calls == 2
+    assert (out / "validation" / "final.png").is_file()
+    index, base_index = (json.loads((f / "model_index.json").read_text()) for f in (out, sd_folder))
+    assert index == base_index and index["requires_safety_checker"] is True
+    exported, base = _files(out), _files(sd_folder)
+    for name in ("scheduler", "safety_checker", "feature_extractor", "vae", "tokenizer"):
+        keys = [k for k in base if k.startswith(name + "/")]
+        assert keys and all(exported[k] == base[k] for k in keys), name
+    for name in ("unet", "text_encoder"):
+        key = f"{name}/" + ("diffusion_pytorch_model.safetensors" if name == "unet" else "model.safetensors")
+        assert exported[key] != base[key], name
+    scheduler = PNDMScheduler.from_pretrained(out, subfolder="scheduler")
+    assert type(scheduler) is PNDMScheduler
+
+
+def test_ema_validation_draws_from_the_exported_weights(tmp_path, sd_folder):
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from lowmem.diffusion.export import generate_images, image_grid
+
+    out = tmp_path / "out"
+    cfg = FineTuneConfig(pretrained_model_name_or_path=str(sd_folder), output_dir=str(out), use_ema=True,
+                         learning_rate=1e-2, **FAST)
+    _fit(cfg)
+    final = np.asarray(Image.open(out / "validation" / "final.png").convert("RGB"))
+    pipe = StableDiffusionPipeline.from_pretrained(out, safety_checker=None, requires_safety_checker=False)
+
+    def grid(p):
+        images = generate_images(p, "a red circle", 2, seed=cfg.seed, steps=2, resolution=32)
+        return np.asarray(image_grid(images))
+
+    assert np.array_equal(grid(pipe), final)
+    pipe.unet = UNet2DConditionModel.from_pretrained(out / "checkpoint-2", subfolder="unet")  # raw weights
+    assert not np.array_equal(grid(pipe), final)
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    cfg = FineTuneConfig(output_dir=str(tmp_path / "out"), rank=4, log_every_n_steps=1,
+                         **{**FAST, "validation_prompt": None})
+    _fit(cfg)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"step 2/2 loss \d+\.\d{4} images/s \d+\.\d\d lr [0-9.e-]+ ETA 0:00:00", lines[-1])
+    with open(tmp_path / "out" / "logs" / "csv" / "metrics.csv") as f:
+        header = f.readline()
+    assert "lr" in header.strip().split(",") and "train_loss" in header
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--strategy", "fsdp9"], "did you mean fsdp?"),
+    (["--mixed_precision", "fp16"], "needs a CUDA device"),
+    (["--lr_scheduler", "cosin"], "lr_scheduler must be one of"),
+    (["--report_to", "mlflow"], "report_to must be one of"),
+])
+def test_bad_flag_values_one_line_before_any_model(monkeypatch, capsys, tmp_path, flags, expect):
+    if flags[0] == "--mixed_precision" and torch.cuda.is_available():
+        pytest.skip("fp16 runs where CUDA is available")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("lowmem.diffusion.models.load_components", no_model)
+    out = tmp_path / "out"
+    rc = main(["diffusion", "finetune", "--output_dir", str(out), *flags])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("suite diffusion: error:")]
+    assert rc == 2 and len(errors) == 1 and expect in errors[0], err
+    assert "Traceback" not in err and not (out / "sample_data").exists()
