@@ -10,7 +10,6 @@ Everything is validated before any work starts (bad input: one line, exit 2). Th
 from __future__ import annotations
 
 import argparse
-import datetime
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{db}_database_path", default=None, help=f"{db} database for the alignment tools")
     for tool in _TOOLS:
         parser.add_argument(f"--{tool}_binary_path", default=tool, help=f"{tool} executable")
-    parser.add_argument("--max_template_date", default=datetime.date.today().isoformat(),
+    parser.add_argument("--max_template_date", default=None,
                         help="latest template release date, YYYY-MM-DD (default: today)")
     parser.add_argument("--cpus", type=int, default=2, help="threads per alignment tool")
     parser.add_argument("--devices", type=int, default=1, help="DAP ranks that share one target's Evoformer")
@@ -468,6 +467,8 @@ def _build_config(args: argparse.Namespace, targets):
 
     mmcif_dir = args.template_mmcif_dir_flag or args.template_mmcif_dir
     _existing(mmcif_dir, "template_mmcif_dir", "dir")
+    if args.max_template_date is None:  # resolved at run time, so the flag table does not change with the date
+        args.max_template_date = dt.date.today().isoformat()
     try:
         dt.date.fromisoformat(args.max_template_date)
     except ValueError:
