@@ -10,8 +10,9 @@ of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs o
 the resident set just before the first call: every page the op touches counts, allocator caches do not
 hide anything (glibc's mmap threshold is pinned at 64 KiB so freed blocks are returned, not cached). On CUDA
 it is `max_memory_allocated` minus the allocation before the call. Times come from a second fresh subprocess
-with the default allocator: the median of `--repeat` calls, wall clock and process CPU time. Both runs make
-one warm-up call first.
+with the default allocator: the median of `--repeat` samples, wall clock and process CPU time. On CPU a sample
+is one call; on CUDA it is as many back-to-back calls as fill 50 ms, synchronised once (one synchronised call
+of a small op times the launch and sync latency). Both runs make one warm-up call first.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def _worker(spec: dict) -> dict:
     cuda = device.type == "cuda"
     step()  # warm-up: lazy initialisation must count neither as the op's memory nor its time
     if spec["measure"] == "time":
-        wall, cpu = _timings(step, spec["repeat"], torch.cuda.synchronize if cuda else None)
+        wall, cpu = _timings(step, spec["repeat"], torch.cuda.synchronize if cuda else None, 0.05 if cuda else 0.0)
         return {"ms": wall * 1e3, "cpu_ms": None if cuda else cpu * 1e3}
     return {"extra_mib": (_extra_cuda(step) if cuda else _extra_cpu(step)) / 2**20}
 
@@ -189,16 +190,28 @@ def _extra_cpu(step) -> int:
     return hwm_bytes() - before
 
 
-def _timings(step, repeat: int, sync) -> tuple[float, float]:
-    """Median wall and process CPU seconds per call (CPU time is the steadier figure on a shared machine)."""
+def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float, float]:
+    """Median wall and process CPU seconds per call (CPU time is the steadier figure on a shared machine).
+
+    With `min_sample_s` (the GPU), each sample runs the call back to back as many times as fill that long and
+    then synchronises once: a single synchronised call of a small op measures launch and sync latency, not
+    the op."""
+    calls = 1
+    if min_sample_s > 0:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        once = max(time.perf_counter() - t0, 1e-6)
+        calls = max(1, min(1000, int(min_sample_s / once)))
     wall, cpu = [], []
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
-        step()
+        for _ in range(calls):
+            step()
         if sync:
             sync()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        wall.append((time.perf_counter() - t0) / calls)
+        cpu.append((time.process_time() - c0) / calls)
     return statistics.median(wall), statistics.median(cpu)
 
 
