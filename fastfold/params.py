@@ -3,8 +3,9 @@
 `TABLE` lists, module by module, AlphaFold's released parameter name (`params_model_{1..5}[_ptm].npz`,
 keys `alphafold/alphafold_iteration/<module path>//<param>`) beside our module path and how the arrays
 differ in layout. The same table loads (`load_npz`) and writes (`save_npz`) the `.npz` layout, so a round
-trip is exact. Stacked modules (the Evoformer, extra-MSA and template pair blocks) carry a leading block axis
-in AlphaFold's files and one module per block here.
+trip is exact. `from_params(path, preset)` builds a model from a file and `save_params(model, path)` writes
+one; this module imports the model, never the other way round. Stacked modules (the Evoformer, extra-MSA
+and template pair blocks) carry a leading block axis in AlphaFold's files and one module per block here.
 
 Layout transforms (AlphaFold -> ours):
 - `linear`: `weights [in, out]` -> `weight [out, in]`, `bias` as is;
@@ -31,18 +32,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core_parallel.errors import InputError
 from ..core_parallel.fileio import atomic_write
 from .model import config as cfgs
 from .model.alphafold import AlphaFold
 
-__all__ = ["OPENFOLD_RENAMES", "TABLE", "ParamsError", "config_from_arrays", "load_model", "load_npz", "save_npz"]
+__all__ = [
+    "OPENFOLD_RENAMES",
+    "TABLE",
+    "ParamsError",
+    "config_from_arrays",
+    "from_params",
+    "load_model",
+    "load_npz",
+    "save_npz",
+    "save_params",
+]
 
 log = logging.getLogger(__name__)
 PREFIX = "alphafold/alphafold_iteration/"
 
 
-class ParamsError(ValueError):
-    """A parameter file that does not fit the model; the message names the file and every bad key."""
+class ParamsError(InputError):
+    """A parameter file that does not fit the model; the message names the file and every bad key. An
+    `InputError` (so a `ValueError`): the `suite` command line prints it as one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -654,3 +667,17 @@ def load_model(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | Non
     model = AlphaFold(config)
     load_npz(model, arrays, source=str(path))
     return model.eval()
+
+
+def from_params(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | None = None) -> AlphaFold:
+    """Load AlphaFold's released `.npz` parameters or an OpenFold `.pt` checkpoint.
+
+    Sizes come from the file; `preset` (a name such as "model_1_ptm" or a config; by default taken from a file
+    name like `params_model_1_ptm.npz`) supplies the rest: structure-module layers, bin edges, pipeline sizes.
+    Missing, unexpected or mis-shaped keys raise one `ParamsError`. Same as `load_model`."""
+    return load_model(path, preset)
+
+
+def save_params(model: AlphaFold, path: str | os.PathLike) -> None:
+    """Write `model`'s parameters in AlphaFold's `.npz` layout (atomically). Same as `save_npz`."""
+    save_npz(model, path)

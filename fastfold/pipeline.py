@@ -227,9 +227,10 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
 
     from .model import AlphaFold
     from .model import config as model_config
+    from .params import from_params
 
     if spec.param_path is not None:
-        model = AlphaFold.from_params(spec.param_path, preset=spec.model_name)
+        model = from_params(spec.param_path, preset=spec.model_name)
         cfg = model.config
     else:
         cfg = model_config.preset(spec.model_name)  # also validates the name

@@ -1,7 +1,8 @@
 """Parsers for the files an AlphaFold-style search produces: FASTA, A3M, Stockholm (.sto) and HHsearch (.hhr).
 
 Every parser takes the file's text (and a name for messages) and raises `InputError` naming the file,
-the record and the position of the first thing that is wrong.
+the record and the position of the first thing that is wrong (the project's one `InputError`, from
+`core_parallel.errors`: the `suite` command line prints it as one line and exits 2).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+
+from ...core_parallel.errors import InputError
 
 __all__ = [
     "InputError",
@@ -29,10 +32,6 @@ AMINO_ACIDS = set("ACDEFGHIKLMNPQRSTVWY")
 """The 20 standard one-letter codes."""
 AMBIGUOUS = set("XBZUOJ")
 """Letters AlphaFold accepts but does not model as such: X unknown, B/Z/J ambiguous, U/O rare."""
-
-
-class InputError(ValueError):
-    """A user file is malformed. The message names the file, record and position."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """fastfold.model: the AlphaFold2 monomer network, one module per algorithm of the supplement.
 
 from lowmem.fastfold.model import AlphaFold, InferenceOptions, config
-model = AlphaFold(config.tiny())                       # or AlphaFold.from_params("params_model_1.npz")
+model = AlphaFold(config.tiny())                       # or fastfold.params.from_params("params_model_1.npz")
 out = model(batch, InferenceOptions(chunk_size=4))
 """
 

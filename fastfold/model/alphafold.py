@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Mapping
 
 import torch
@@ -56,7 +55,8 @@ class AlphaFold(nn.Module):
     `model(batch, options)` runs one pass per entry of the batch's trailing (recycling) axis and returns
     AlphaFold-named outputs of the last pass. Submodules: `input_embedder`, `recycling_embedder`,
     `template_embedder`, `template_angle_embedder`, `extra_msa_embedder`, `extra_msa_stack`, `evoformer`,
-    `structure_module`, `aux_heads`.
+    `structure_module`, `aux_heads`. Parameter files are read and written by `fastfold.params`
+    (`from_params(path)`, `save_params(model, path)`); this module does not import it.
     """
 
     def __init__(self, config: AlphaFoldConfig):
@@ -73,25 +73,6 @@ class AlphaFold(nn.Module):
         self.evoformer = EvoformerStack(config.evoformer)
         self.structure_module = StructureModule(config.structure_module)
         self.aux_heads = AuxiliaryHeads(config)
-
-    # -- parameters ---------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_params(cls, path: str | os.PathLike, preset: str | AlphaFoldConfig | None = None) -> AlphaFold:
-        """Load AlphaFold's released `.npz` parameters or an OpenFold `.pt` checkpoint (see fastfold.params).
-
-        Sizes come from the file; `preset` (a name such as "model_1_ptm" or a config; by default taken from
-        a file name like `params_model_1_ptm.npz`) supplies the rest: structure-module layers, bin edges,
-        pipeline sizes. Missing, unexpected or mis-shaped keys raise one `fastfold.params.ParamsError`."""
-        from ..params import load_model
-
-        return load_model(path, preset)
-
-    def save_params(self, path: str | os.PathLike) -> None:
-        """Write the parameters in AlphaFold's `.npz` layout (atomically)."""
-        from ..params import save_npz
-
-        save_npz(self, path)
 
     # -- forward ------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Configuration of the AlphaFold2 monomer model: one small dataclass per component.
 
 Sizes follow AlphaFold2 suppl. Table and the released configs (`model_1` .. `model_5`, `_ptm`).
-`AlphaFold.from_params` reads every size from the parameter file; `preset(name)` supplies only what a
+`fastfold.params.from_params` reads every size from the parameter file; `preset(name)` supplies only what a
 file cannot say (structure-module layers, distogram breaks, pipeline sizes, recycles).
 """
 

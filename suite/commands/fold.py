@@ -256,7 +256,7 @@ def _usage(message: str):
 
 
 def _read_targets(args: argparse.Namespace):
-    from ...fastfold.data.parsers import InputError
+    from ...core_parallel.errors import InputError
     from ...fastfold.pipeline import read_targets
 
     if args.fasta_path is None:
@@ -345,7 +345,7 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
     files (refused when empty or holding only unknown files, unless --single_sequence), text files only."""
     from pathlib import Path
 
-    from ...fastfold.data.parsers import InputError
+    from ...core_parallel.errors import InputError
     from ...fastfold.data.targets import alignment_files, check_text_file
 
     _existing(args.use_precomputed_alignments, "--use_precomputed_alignments", "dir")

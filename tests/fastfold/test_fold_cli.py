@@ -137,10 +137,11 @@ def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys
     import torch
 
     from lowmem.fastfold.model import AlphaFold, config
+    from lowmem.fastfold.params import save_params
     from lowmem.fastfold.pipeline import Prediction
 
     torch.manual_seed(3)
-    AlphaFold(config.tiny()).save_params(tmp_path / "params_model_1_ptm.npz")
+    save_params(AlphaFold(config.tiny()), tmp_path / "params_model_1_ptm.npz")
     fasta = _fasta(tmp_path, ">pep\nMKTAYIAK\n")
     argv = ["fold", fasta, "--output_dir", str(tmp_path / "out"), "--no-relax", "--single_sequence"]
     assert main([*argv, "--param_path", str(tmp_path)]) == 0  # a folder of params_<model>.npz

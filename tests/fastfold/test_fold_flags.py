@@ -167,11 +167,12 @@ def param_files(tmp_path_factory):
     import torch
 
     from lowmem.fastfold.model import AlphaFold, config
+    from lowmem.fastfold.params import save_params
 
     tmp = tmp_path_factory.mktemp("params")
     torch.manual_seed(0)
     good = tmp / "params_model_1_ptm.npz"
-    AlphaFold(config.tiny()).save_params(good)
+    save_params(AlphaFold(config.tiny()), good)
     data = good.read_bytes()
     (tmp / "random.npz").write_bytes(bytes(range(256)) * 64)
     (tmp / "truncated.npz").write_bytes(data[: len(data) // 2])

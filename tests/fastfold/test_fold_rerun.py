@@ -38,10 +38,11 @@ def params(tmp_path):
     import torch
 
     from lowmem.fastfold.model import AlphaFold, config
+    from lowmem.fastfold.params import save_params
 
     torch.manual_seed(5)
     path = tmp_path / "params_model_1_ptm.npz"
-    AlphaFold(config.tiny()).save_params(path)
+    save_params(AlphaFold(config.tiny()), path)
     return path
 
 

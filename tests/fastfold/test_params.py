@@ -23,12 +23,12 @@ def tiny_model():
 
 def test_round_trip_is_exact(tmp_path, tiny_model):
     path = tmp_path / "tiny.npz"
-    tiny_model.save_params(path)
-    loaded = AlphaFold.from_params(path, preset=config.tiny())
+    params.save_params(tiny_model, path)
+    loaded = params.from_params(path, preset=config.tiny())
     assert loaded.config == tiny_model.config  # every size read back from the file
     for k, v in tiny_model.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
-    loaded.save_params(tmp_path / "again.npz")
+    params.save_params(loaded, tmp_path / "again.npz")
     with np.load(path) as a, np.load(tmp_path / "again.npz") as b:
         assert sorted(a.files) == sorted(b.files)
         for k in a.files:
@@ -43,8 +43,8 @@ def test_sizes_are_read_from_the_file(tmp_path):
     cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=3, msa_heads=3, pair_heads=1, opm_channels=5)
     cfg.structure_module = dataclasses.replace(cfg.structure_module, ipa_heads=3, ipa_point_v=5, resnet_blocks=1)
     path = tmp_path / "odd_sizes.npz"
-    AlphaFold(cfg).save_params(path)
-    loaded = AlphaFold.from_params(path, preset=config.tiny())
+    params.save_params(AlphaFold(cfg), path)
+    loaded = params.from_params(path, preset=config.tiny())
     assert loaded.config.evoformer == cfg.evoformer
     assert loaded.config.structure_module == dataclasses.replace(cfg.structure_module, num_layers=2)
     assert not loaded.config.template.enabled and not loaded.config.heads.tm
@@ -150,10 +150,10 @@ def test_bad_files_raise_one_error_listing_every_problem(tmp_path, tiny_model):
     assert "bad.npz" in text and f"missing {gone}" in text and "unexpected" in text
     assert "not_a_module" in text and re.search(r"mis-shaped .*half_logits", text)
     with pytest.raises(params.ParamsError, match="no such parameter file"):
-        AlphaFold.from_params(tmp_path / "absent.npz")
+        params.from_params(tmp_path / "absent.npz")
     (tmp_path / "x.bin").write_bytes(b"")
     with pytest.raises(params.ParamsError, match="unknown parameter file type"):
-        AlphaFold.from_params(tmp_path / "x.bin")
+        params.from_params(tmp_path / "x.bin")
 
 
 def test_preset_comes_from_the_file_name(tmp_path):
@@ -161,8 +161,8 @@ def test_preset_comes_from_the_file_name(tmp_path):
     cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=1)
     cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=1)
     path = tmp_path / "params_model_3_ptm.npz"
-    AlphaFold(cfg).save_params(path)
-    loaded = AlphaFold.from_params(path)
+    params.save_params(AlphaFold(cfg), path)
+    loaded = params.from_params(path)
     assert loaded.config.pipeline == config.preset("model_3_ptm").pipeline
     assert loaded.config.structure_module.num_layers == 8 and loaded.config.heads.tm
     with pytest.raises(ValueError, match="unknown model name"):
@@ -190,11 +190,34 @@ def _to_openfold_names(state):
 def test_openfold_checkpoint(tmp_path, tiny_model):
     path = tmp_path / "openfold.pt"
     torch.save({"state_dict": _to_openfold_names(tiny_model.state_dict())}, path)
-    loaded = AlphaFold.from_params(path, preset=config.tiny())
+    loaded = params.from_params(path, preset=config.tiny())
     for k, v in tiny_model.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     bad = _to_openfold_names(tiny_model.state_dict())
     del bad["model.evoformer.linear.bias"]
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(params.ParamsError, match="missing evoformer.linear.bias"):
-        AlphaFold.from_params(tmp_path / "bad.pt", preset=config.tiny())
+        params.from_params(tmp_path / "bad.pt", preset=config.tiny())
+
+
+def test_model_module_does_not_import_params():
+    """Loading and saving live in fastfold.params (which imports the model), not on the model class: importing
+    the model never imports params, so there is no alphafold <-> params cycle."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lowmem.fastfold.model import AlphaFold; "
+        "assert 'lowmem.fastfold.params' not in sys.modules, 'model imported params'; "
+        "assert not hasattr(AlphaFold, 'from_params') and not hasattr(AlphaFold, 'save_params')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_fastfold_errors_are_the_one_input_error():
+    from lowmem.core_parallel.errors import InputError
+    from lowmem.fastfold.data import parsers
+
+    assert issubclass(params.ParamsError, InputError)
+    assert parsers.InputError is InputError
