@@ -18,6 +18,7 @@ returns the three objects' keyword arguments.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -35,8 +36,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AlphaFoldPredictor", "FoldDataModule", "FoldPredictionWriter", "load_recipe"]
 
 _NAME, _SEQUENCE, _SECONDS, _ERROR = "_target_name", "_target_sequence", "_features_seconds", "_error"
+_INFO = "_features_info"
 """Batch keys that are not model features: the target (plain strings: Lightning walks batches and refuses
-frozen dataclasses), the feature-building time, a feature failure."""
+frozen dataclasses), the feature-building time, a feature failure, what the features were made of (JSON)."""
 
 
 def _target_keys(target: pipeline.Target) -> dict[str, str]:
@@ -91,8 +93,9 @@ class AlphaFoldPredictor(pl.LightningModule):
         prediction = pipeline.predict(self.model, features, self.spec)
         timings = {"features": float(batch.get(_SECONDS, 0.0)), f"model_{self.spec.label}": time.perf_counter() - t0}
         remark = "" if self.spec.param_path else _RANDOM_REMARK
+        info = json.loads(batch[_INFO]) if batch.get(_INFO) else None
         return {"name": batch[_NAME], "sequence": batch[_SEQUENCE], "label": self.spec.label,
-                "prediction": prediction, "timings": timings, "remark": remark}
+                "prediction": prediction, "timings": timings, "remark": remark, "features_info": info}
 
 
 class _TargetStream(IterableDataset):
@@ -113,10 +116,11 @@ class _TargetStream(IterableDataset):
                 self.module.failures[target.name] = f"{type(raw).__name__}: {raw}"
                 yield {**_target_keys(target), _ERROR: str(raw)}
                 continue
+            info = raw.pop(pipeline.FEATURE_INFO, None)
             batch = pipeline.features_for_model(raw, self.feature_config, self.module.seed)
             from ..fastfold.data.features import to_torch
 
-            yield {**_target_keys(target), _SECONDS: seconds, **to_torch(batch)}
+            yield {**_target_keys(target), _SECONDS: seconds, _INFO: json.dumps(info), **to_torch(batch)}
 
 
 class FoldDataModule(pl.LightningDataModule):
@@ -209,7 +213,8 @@ class FoldPredictionWriter(BasePredictionWriter):
         folder.mkdir(parents=True, exist_ok=True)
         prediction["prediction"].save(folder / f"{target.name}_{label}_prediction.npz")
         files = pipeline.write_target_outputs(target, {label: prediction["prediction"]}, folder, self.relax_config,
-                                              dict(prediction["timings"]), prediction["remark"])
+                                              dict(prediction["timings"]), prediction["remark"],
+                                              features_info=prediction.get("features_info"))
         logger.info("%s: wrote %d files to %s", target.name, len(files), folder)
 
 
