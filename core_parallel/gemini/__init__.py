@@ -1,20 +1,21 @@
 """Gemini: chunk-based ZeRO-3 with device / CPU / NVMe placement.
 
 ```python
-cfg = GeminiConfig(placement="auto", offload_dir="/nvme/run1", device_memory_budget="20GB")
+cfg = GeminiConfig(placement="auto", offload_tier="nvme", offload_dir="/nvme/run1", device_memory_budget="20GB")
 model, optimizer = setup_gemini(model, optimizer, cfg, group=None)   # or core_parallel.setup(...)
 ```
 """
 
 from __future__ import annotations
 
-from .config import GeminiConfig, parse_bytes
+from .config import OFFLOAD_TIERS, GeminiConfig, parse_bytes
 from .engine import setup_gemini
 from .layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
 from .optimizer import GeminiOptimizer
 from .storage import NvmeTierError
 
 __all__ = [
+    "OFFLOAD_TIERS",
     "ChunkSpec",
     "GeminiConfig",
     "GeminiOptimizer",

@@ -1,34 +1,45 @@
-"""Configuration of Gemini (chunk-based ZeRO-3 with device / CPU / NVMe placement)."""
+"""Configuration of Gemini (chunk-based ZeRO-3 with device / CPU / NVMe placement).
+
+Where data lives is decided by two independent settings: the placement decides *which* chunks leave the
+device (`static`: the two fractions; `auto`: what does not fit the budget), and `offload_tier` decides
+*where* they go (`cpu` memory or `nvme` files in `offload_dir`). `offload_dir` is required with
+`offload_tier="nvme"` and refused with `"cpu"`, so a folder never silently changes the tier.
+"""
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
+from ..errors import InputError
 from ..loss_scaler import LossScalerConfig
 
-__all__ = ["GeminiConfig", "parse_bytes"]
+__all__ = ["OFFLOAD_TIERS", "GeminiConfig", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _PLACEMENTS = ("static", "auto")
 _PRECISIONS = ("fp32", "fp16", "bf16")
+OFFLOAD_TIERS = ("cpu", "nvme")
+"""Values of `GeminiConfig.offload_tier`: where data placed off the device lives."""
 
 
 def parse_bytes(value: int | float | str, field: str = "value") -> int:
-    """Parse `20GB`, `512MiB`, `1.5e9` or an int into bytes; ValueError naming `field` otherwise."""
+    """Parse `20GB`, `512MiB`, `1.5e9` or an int into bytes; an `InputError` naming `field` otherwise."""
     if isinstance(value, bool):
-        raise ValueError(f"{field} must be a size like '20GB' or a number of bytes, got {value!r}")
+        raise InputError(f"{field} must be a size like '20GB' or a number of bytes, got {value!r}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if m is None or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"{field} must be a size like '20GB' or '512MiB', got {value!r}")
+            raise InputError(f"{field} must be a size like '20GB' or '512MiB', got {value!r}")
         number, unit = float(m.group(1)), m.group(2).upper()
     result = int(number * _UNITS[unit])
     if result <= 0:
-        raise ValueError(f"{field} must be > 0 bytes, got {value!r}")
+        raise InputError(f"{field} must be > 0 bytes, got {value!r}")
     return result
 
 
@@ -40,12 +51,16 @@ class GeminiConfig:
     """`static`: the two fractions below decide once; `auto`: trace the first step, keep on the device what
     fits `device_memory_budget`, evict the chunk whose next use is furthest away."""
     offload_param_frac: float = 0.0
-    """static only: fraction of chunks whose fp32 parameter shards live off the device (CPU, or NVMe when
-    `offload_dir` is set)."""
+    """static only: fraction of chunks whose fp32 parameter shards live off the device (in `offload_tier`)."""
     offload_optim_frac: float = 0.0
     """static only: fraction of chunks whose gradient shards and optimizer states live off the device."""
+    offload_tier: Literal["cpu", "nvme"] | None = None
+    """Where data placed off the device lives: "cpu" (CPU memory) or "nvme" (memory-mapped files in
+    `offload_dir`). None resolves to "cpu"; to "nvme" when only `offload_dir` is given (deprecated, with a
+    DeprecationWarning: name the tier). The resolved value is stored."""
     offload_dir: str | None = None
-    """Folder for the NVMe tier (memory-mapped files, one per rank); None keeps off-device data in CPU memory."""
+    """Folder of the NVMe tier (one preallocated file per rank): required with offload_tier="nvme", refused
+    with "cpu"."""
     device_memory_budget: int | str | None = None
     """Bytes of device memory Gemini may use for model data, e.g. '20GB'; None means what the device has."""
     chunk_mb: float | None = None
@@ -68,31 +83,51 @@ class GeminiConfig:
 
     def __post_init__(self) -> None:
         if self.placement not in _PLACEMENTS:
-            raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
+            raise InputError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
         for name in ("offload_param_frac", "offload_optim_frac"):
             frac = getattr(self, name)
             if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1], got {frac!r}")
+                raise InputError(f"{name} must be a number in [0, 1], got {frac!r}")
         if self.placement == "auto" and (self.offload_param_frac or self.offload_optim_frac):
-            raise ValueError("offload_param_frac/offload_optim_frac apply to placement='static' only")
-        if self.offload_dir is not None and not str(self.offload_dir).strip():
-            raise ValueError("offload_dir must be a folder path or None, got an empty string")
+            raise InputError("offload_param_frac/offload_optim_frac apply to placement='static' only")
+        self._check_tier()
         if self.device_memory_budget is not None:
             parse_bytes(self.device_memory_budget, "device_memory_budget")
         if self.chunk_mb is not None and not (isinstance(self.chunk_mb, (int, float)) and self.chunk_mb > 0):
-            raise ValueError(f"chunk_mb must be a positive number of MiB or None, got {self.chunk_mb!r}")
+            raise InputError(f"chunk_mb must be a positive number of MiB or None, got {self.chunk_mb!r}")
         if self.precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
+            raise InputError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+            raise InputError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.keep_gathered is not None and (not isinstance(self.keep_gathered, int) or self.keep_gathered < 0):
-            raise ValueError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
+            raise InputError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
         if not isinstance(self.host_collectives, bool):
-            raise ValueError(f"host_collectives must be True or False, got {self.host_collectives!r}")
+            raise InputError(f"host_collectives must be True or False, got {self.host_collectives!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+            raise InputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not isinstance(self.loss_scaler, LossScalerConfig):
-            raise ValueError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
+            raise InputError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
+
+    def _check_tier(self) -> None:
+        if self.offload_dir is not None and not str(self.offload_dir).strip():
+            raise InputError("offload_dir must be a folder path or None, got an empty string")
+        if self.offload_tier is None:
+            if self.offload_dir is not None:
+                warnings.warn(
+                    "GeminiConfig(offload_dir=...) without offload_tier: taken as offload_tier='nvme'; "
+                    "name the tier (offload_tier='nvme'), a folder alone will stop selecting it",
+                    DeprecationWarning, stacklevel=4,
+                )
+            self.offload_tier = "nvme" if self.offload_dir is not None else "cpu"
+        if self.offload_tier not in OFFLOAD_TIERS:
+            raise InputError(f"offload_tier must be one of {OFFLOAD_TIERS}, got {self.offload_tier!r}")
+        if self.offload_tier == "nvme" and self.offload_dir is None:
+            raise InputError("offload_tier='nvme' needs offload_dir, the folder of the NVMe files")
+        if self.offload_tier == "cpu" and self.offload_dir is not None:
+            raise InputError(
+                f"offload_dir={self.offload_dir!r} applies to offload_tier='nvme' only; offload_tier='cpu' keeps "
+                "off-device data in CPU memory (drop offload_dir, or set offload_tier='nvme')"
+            )
 
     @property
     def budget_bytes(self) -> int | None:

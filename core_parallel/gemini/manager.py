@@ -117,8 +117,8 @@ class ChunkManager(_StateDictIO):
         self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
         self.trace = AccessTrace()
         self.ledger = MemoryLedger()
-        self.off_tier = "nvme" if config.offload_dir else "cpu"
-        self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_dir else None
+        self.off_tier = config.offload_tier
+        self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_tier == "nvme" else None
         self.host = HostHeap(enabled=device.type == "cpu")
         # CPU devices: gathered chunks and gradient buffers live in anonymous mappings whose pages move from a
         # released buffer to the next one filled; two of the largest stay resident for that
