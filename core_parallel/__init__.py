@@ -13,12 +13,17 @@ _LAZY = {
     "Axis": ".topology",
     "Topology": ".topology",
     "default_backend": ".topology",
+    "BACKENDS": ".groups",
+    "world_rank": ".groups",
+    "InputError": ".errors",
+    "CheckpointError": ".checkpoint",
     "setup": ".api",
     "save_checkpoint": ".api",
     "load_checkpoint": ".api",
     "consolidate_checkpoint": ".api",
     "ZeroConfig": ".zero",
     "GeminiConfig": ".gemini",
+    "OFFLOAD_TIERS": ".gemini",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 

@@ -74,7 +74,9 @@ import torch
 import torch.distributed as dist
 
 from . import flat
+from .errors import InputError
 from .fileio import atomic_dir, atomic_write, fsync_file, stale_copies
+from .groups import world_rank
 
 __all__ = [
     "CheckpointError",
@@ -100,8 +102,9 @@ INDEX = "index.json"
 MODEL_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that is damaged, forged or inconsistent; the message names the file and the problem."""
+class CheckpointError(InputError):
+    """A checkpoint folder that is damaged, forged, inconsistent or made for another model; the message names the
+    file and the problem. An `InputError` (so a `ValueError`): the `suite` command line exits 2 on it."""
 
 
 @dataclass(kw_only=True)
@@ -143,12 +146,6 @@ def _group_of(optimizer: Any) -> dist.ProcessGroup | None:
     return getattr(optimizer, "process_group", None) if optimizer is not None else None
 
 
-def _world_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def _src(group: dist.ProcessGroup | None) -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
 
@@ -160,7 +157,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _dtype_from(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in checkpoint index")
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint index")
     return dtype
 
 
@@ -332,7 +329,7 @@ def save_checkpoint(
     """
     path = Path(path)
     group = _group_of(optimizer)
-    world, rank = _world_rank(group)
+    world, rank = world_rank(group)
     state = optimizer.sharded_state() if optimizer is not None else None
     managed = set(state.params) if state else set()
     # Without a sharded optimizer the model's own state_dict() holds everything; a sharded model (Gemini)
@@ -578,12 +575,13 @@ class CheckpointReader:
         return list(self.index["params"])
 
     def check_param(self, name: str, shape: tuple[int, ...]) -> None:
-        """Raise ValueError unless the checkpoint holds parameter `name` with this shape."""
+        """Raise `CheckpointError` unless the checkpoint holds parameter `name` with this shape."""
         meta = self.index["params"].get(name)
         if meta is None:
-            raise ValueError(f"{self.path}: checkpoint has no parameter {name!r}")
+            raise CheckpointError(f"{self.path}: checkpoint has no parameter {name!r}")
         if tuple(meta["shape"]) != tuple(shape):
-            raise ValueError(f"{self.path}: parameter {name!r} has shape {tuple(meta['shape'])}, model has {shape}")
+            raise CheckpointError(
+                f"{self.path}: parameter {name!r} has shape {tuple(meta['shape'])}, model has {shape}")
 
     def tensor_keys(self, name: str) -> list[str]:
         """Saved per-element keys of parameter `name` ("master", optimizer state names)."""
@@ -611,7 +609,7 @@ class CheckpointReader:
             out[hit[0] - start : hit[1] - start] = piece
             covered += hit[1] - hit[0]
         if covered != end - start:
-            raise ValueError(f"{self.path}: shards cover {covered} of {end - start} elements of {key}/{name}")
+            raise CheckpointError(f"{self.path}: shards cover {covered} of {end - start} elements of {key}/{name}")
         return out if out is not None else torch.empty(0)
 
     def full(self, name: str, key: str = "master") -> torch.Tensor:
@@ -638,7 +636,7 @@ class CheckpointReader:
     def state_dict(self, dtype: str = "working") -> dict[str, torch.Tensor]:
         """A plain model state_dict: masters cast to the working dtype (or float32), model tensors, aliases."""
         if dtype not in ("working", "float32"):
-            raise ValueError(f"dtype must be 'working' or 'float32', got {dtype!r}")
+            raise InputError(f"dtype must be 'working' or 'float32', got {dtype!r}")
         sd = self.model_tensors()
         for name, meta in self.index["params"].items():
             target = _dtype_from(meta["dtype"]) if dtype == "working" else torch.float32
@@ -654,10 +652,10 @@ def restore_param_groups(groups: list[dict], saved: list[dict], names: list[list
     if not saved:
         return
     if len(saved) != len(groups):
-        raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}")
+        raise CheckpointError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}")
     for gi, (group, old) in enumerate(zip(groups, saved)):
         if list(old.get("params", [])) != list(names[gi]):
-            raise ValueError(f"param group {gi} holds different parameters than in the checkpoint")
+            raise CheckpointError(f"param group {gi} holds different parameters than in the checkpoint")
         for key, value in old.items():
             if key == "params" or key not in group:
                 continue
@@ -690,12 +688,12 @@ def load_checkpoint(
     expected = set(_tensor_names(model))  # not model.state_dict(): under Gemini that gathers every tensor
     unexpected = sorted(set(tensors) - expected)
     if strict and unexpected:
-        raise ValueError(f"{path}: model has no tensors named {unexpected[:5]}")
+        raise CheckpointError(f"{path}: model has no tensors named {unexpected[:5]}")
     model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
     covered = set(tensors) | set(reader.param_names()) | set(reader.index.get("aliases", {}))
     missing = sorted(expected - covered)
     if strict and missing:
-        raise ValueError(f"{path}: checkpoint lacks model tensors {missing[:5]}")
+        raise CheckpointError(f"{path}: checkpoint lacks model tensors {missing[:5]}")
     optimizer.load_sharded_state(reader)
     return reader.extra
 

@@ -18,7 +18,9 @@ every rank's loss. Gradients of replicated tensors (and of replicated weights) a
 them over the group (`all_reduce_grads`) to get the full gradient. So `gather`'s backward is a
 reduce-scatter and `scatter`'s backward keeps the local gradient slice in place, without communication.
 
-`group=None` means one process: every primitive is then the identity (no process group needed).
+`group=None` means what it means everywhere in `core_parallel` (`groups.world_rank`): the default process
+group when one is initialised, else one process, where every primitive is the identity (no process group
+needed). To run unsplit inside a multi-process job, pass a one-rank group.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .groups import world_rank
 
 __all__ = [
     "Pending",
@@ -49,13 +53,13 @@ Group = Any  # dist.ProcessGroup | None
 
 
 def group_size(group: Group) -> int:
-    """Number of ranks on the mesh axis `group` (1 for None)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Number of ranks on the mesh axis `group` (`world_rank`'s meaning of None)."""
+    return world_rank(group)[0]
 
 
 def group_rank(group: Group) -> int:
-    """This process's index on the mesh axis `group` (0 for None)."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's index on the mesh axis `group` (`world_rank`'s meaning of None)."""
+    return world_rank(group)[1]
 
 
 def _chunk(length: int, world: int) -> int:

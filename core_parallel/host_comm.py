@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .groups import world_rank
+
 __all__ = ["HostCollectives", "PeerLostError", "host_collectives_supported"]
 
 _LINE = 64  # bytes per rank: one cache line each (counter, pid, pid namespace, start time), never shared
@@ -87,7 +89,7 @@ class HostCollectives:
         """Collective over `group`: a segment for `world` slots of `slot_bytes`, or None on every rank when
         some rank cannot map it (another host, another /dev/shm, an unsupported platform). `timeout`: seconds a
         barrier waits for the other ranks (None: the process group's own timeout, as its collectives wait)."""
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        world, rank = world_rank(group)
         if timeout is None:
             timeout = _group_timeout(group)
         slot_bytes = _round_up(max(slot_bytes, 1), _ALIGN)

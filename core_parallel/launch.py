@@ -20,6 +20,8 @@ import traceback
 from collections.abc import Callable, Collection
 from typing import Any
 
+from .groups import GLOO, LAUNCH_BACKENDS, check_backend
+
 __all__ = ["RankError", "free_port", "run_on_ranks"]
 
 
@@ -93,7 +95,7 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
-    backend: str = "gloo",
+    backend: str = GLOO,
     env: dict[str, str] | None = None,
     may_die: Collection[int] = (),
     **kwargs: Any,
@@ -102,7 +104,8 @@ def run_on_ranks(
 
     `fn` must be importable by name (a module-level function). Its return value must be picklable; it is
     copied by value, so returned tensors stay valid after the ranks exit.
-    `backend="none"` skips process-group initialisation (for code that sets up its own).
+    `backend`: one of `groups.BACKENDS`, or "none", which skips process-group initialisation (for code that
+    sets up its own).
     `may_die`: ranks that may exit without a result (a test of a dead rank); the call returns once every
     other rank finished, with None for those that did not return.
     Returns the results in rank order; raises `RankError` for the first rank that failed and
@@ -110,6 +113,7 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_backend(backend, LAUNCH_BACKENDS)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

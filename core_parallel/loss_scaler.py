@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InputError
+
 __all__ = ["DynamicLossScaler", "LossScalerConfig"]
 
 logger = logging.getLogger(__name__)
@@ -38,19 +40,19 @@ class LossScalerConfig:
 
     def __post_init__(self) -> None:
         if not self.initial_scale > 0:
-            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale}")
+            raise InputError(f"initial_scale must be > 0, got {self.initial_scale}")
         if not self.growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor}")
+            raise InputError(f"growth_factor must be > 1, got {self.growth_factor}")
         if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+            raise InputError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
         if self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+            raise InputError(f"growth_interval must be >= 1, got {self.growth_interval}")
         if self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be >= 1, got {self.hysteresis}")
+            raise InputError(f"hysteresis must be >= 1, got {self.hysteresis}")
         if not 0 < self.min_scale <= self.max_scale:
-            raise ValueError(f"min_scale must be in (0, max_scale={self.max_scale}], got {self.min_scale}")
+            raise InputError(f"min_scale must be in (0, max_scale={self.max_scale}], got {self.min_scale}")
         if not self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
+            raise InputError(
                 f"initial_scale must be in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}], "
                 f"got {self.initial_scale}"
             )

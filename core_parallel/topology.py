@@ -19,6 +19,9 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from .errors import InputError
+from .groups import GLOO, NCCL, check_backend, world_rank
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Axis", "Topology", "default_backend"]
@@ -39,8 +42,8 @@ def default_backend(device: str | torch.device | None = None) -> str:
     """NCCL for CUDA devices, gloo otherwise."""
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and dist.is_nccl_available():
-        return "nccl"
-    return "gloo"
+        return NCCL
+    return GLOO
 
 
 def _env_int(name: str, default: int) -> int:
@@ -50,7 +53,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError as exc:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+        raise InputError(f"environment variable {name}={value!r} is not an integer") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +70,8 @@ class Topology:
     """Global rank of this process."""
     dap: int = 1
     """DAP degree: ranks that split one model's activations."""
-    backend: str = "gloo"
-    """torch.distributed backend: gloo (CPU) or nccl (CUDA)."""
+    backend: str = GLOO
+    """torch.distributed backend, one of `groups.BACKENDS`: gloo (CPU), nccl (CUDA) or mpi."""
     timeout_s: float = 600.0
     """Collective timeout in seconds: a dead peer turns into an error after this long, not a hang."""
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
@@ -76,19 +79,18 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+            raise InputError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+            raise InputError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.dap < 1:
-            raise ValueError(f"dap must be >= 1, got {self.dap}")
+            raise InputError(f"dap must be >= 1, got {self.dap}")
         if self.world_size % self.dap != 0:
-            raise ValueError(
+            raise InputError(
                 f"dap={self.dap} does not divide world_size={self.world_size} (world = data x dap)"
             )
-        if self.backend not in ("gloo", "nccl", "mpi"):
-            raise ValueError(f"backend must be gloo, nccl or mpi, got {self.backend!r}")
+        check_backend(self.backend)
         if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise InputError(f"timeout_s must be > 0, got {self.timeout_s}")
 
     @property
     def data(self) -> int:
@@ -127,7 +129,7 @@ class Topology:
         world = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+            backend = NCCL if torch.cuda.is_available() and dist.is_nccl_available() else GLOO
         return cls(world_size=world, rank=rank, dap=dap, backend=backend, timeout_s=timeout_s)
 
     def init(self, init_method: str | None = None) -> Topology:
@@ -143,10 +145,10 @@ class Topology:
                 timeout=datetime.timedelta(seconds=self.timeout_s),
             )
             self._owns_default.append(True)
-        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+        world, rank = world_rank()
+        if (world, rank) != (self.world_size, self.rank):
             raise ValueError(
-                f"topology says rank {self.rank} of {self.world_size}, the process group says "
-                f"rank {dist.get_rank()} of {dist.get_world_size()}"
+                f"topology says rank {self.rank} of {self.world_size}, the process group says rank {rank} of {world}"
             )
         # new_group is collective: every rank creates every group, in the same order.
         for axis in (Axis.DATA, Axis.DAP):

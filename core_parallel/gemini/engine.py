@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..groups import world_rank
 from .config import GeminiConfig
 from .hooks import register_hooks
 from .layout import ParamInfo, chunk_elems_from_mb, plan_chunks
@@ -18,12 +19,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["setup_gemini"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _device_budget(config: GeminiConfig, device: torch.device) -> int:
@@ -68,7 +63,7 @@ def setup_gemini(
     """
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a GeminiConfig, got {type(config).__name__}")
-    rank, world = _rank_world(group)
+    world, rank = world_rank(group)
     params, infos = _param_infos(model, optimizer)
     device = params[0].device
     dtype = _DTYPES[config.precision]

@@ -328,7 +328,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def load_sharded_state(self, reader) -> None:
         """Read this rank's ranges of a checkpoint saved by ZeRO or Gemini on any number of ranks."""
-        from ..checkpoint import restore_param_groups
+        from ..checkpoint import CheckpointError, restore_param_groups
 
         mgr = self.manager
         names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]
@@ -337,7 +337,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for pidx, name in enumerate(mgr.names):
             if name not in saved:
                 if pidx in self.steps:
-                    raise ValueError(f"{reader.path}: checkpoint has no trained parameter {name!r}")
+                    raise CheckpointError(f"{reader.path}: checkpoint has no trained parameter {name!r}")
                 continue  # a frozen parameter ZeRO saved in model.safetensors: loaded with the model file
             reader.check_param(name, tuple(mgr.params[pidx].shape))
             self._load_param(reader, pidx, name)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
 from ..loss_scaler import LossScalerConfig
 
 __all__ = ["PRECISIONS", "ZeroConfig"]
@@ -34,19 +35,19 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
+            raise InputError(f"stage must be 1 or 2, got {self.stage!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+            raise InputError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.offload not in ("none", "cpu"):
-            raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
+            raise InputError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
         if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+            raise InputError(f"overlap must be True or False, got {self.overlap!r}")
         if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+            raise InputError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+            raise InputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if not isinstance(self.loss_scaler, LossScalerConfig):
-            raise ValueError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
+            raise InputError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
 
     @property
     def dtype(self) -> torch.dtype:

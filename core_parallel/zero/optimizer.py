@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .. import flat
+from ..groups import world_rank
 from ..loss_scaler import DynamicLossScaler
 from .config import ZeroConfig
 from .reducer import GradReducer, Slot
@@ -52,20 +53,11 @@ from .reducer import GradReducer, Slot
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointReader, ShardedState
 
-__all__ = ["ZeroOptimizer", "group_info"]
+__all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 _OWN_BUCKET_BYTES = 1 << 20  # parameters this large (or the bucket size, if smaller) may get their own bucket
-
-
-def group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world, rank) of `group`; (1, 0) when no process group is initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _cast_inputs_hook(dtype: torch.dtype) -> Callable:
@@ -103,7 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self.config = config
         self.process_group = group
-        self.world, self.rank = group_info(group)
+        self.world, self.rank = world_rank(group)
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.model = model
         self._slots = self._build_slots(model, optimizer)
