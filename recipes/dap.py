@@ -22,6 +22,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..core_parallel import Axis, Topology
+from ..core_parallel.errors import InputError
+from ..core_parallel.groups import check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,9 @@ class DAPStrategy(DDPStrategy):
 
     def __init__(self, *, collective_timeout_s: float = 1800.0, **kwargs: Any) -> None:
         if collective_timeout_s <= 0:
-            raise ValueError(f"DAPStrategy.collective_timeout_s must be > 0, got {collective_timeout_s}")
+            raise InputError(f"DAPStrategy.collective_timeout_s must be > 0, got {collective_timeout_s}")
+        if kwargs.get("process_group_backend") is not None:
+            check_backend(kwargs["process_group_backend"], what="process_group_backend")
         super().__init__(timeout=timedelta(seconds=collective_timeout_s), **kwargs)
         self._topology: Topology | None = None
 
@@ -75,7 +79,7 @@ class DAPStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            raise ValueError("DAPStrategy supports Trainer.predict, validate and test, not fit")
+            raise InputError("DAPStrategy supports Trainer.predict, validate and test, not fit")
         from ..fastfold.dap import parallelize_dap
 
         assert self.accelerator is not None and self.model is not None

@@ -31,6 +31,8 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 
+from ..core_parallel.errors import InputError
+
 __all__ = ["CORE_PRECISION", "ShardedPrecision"]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class ShardedPrecision(Precision):
     def __init__(self, precision: str = "32-true") -> None:
         precision = str(precision)
         if precision not in CORE_PRECISION:
-            raise ValueError(
+            raise InputError(
                 f"precision={precision!r} is not supported by the sharded strategies; "
                 f"choose one of {', '.join(CORE_PRECISION)}"
             )
@@ -128,7 +130,7 @@ class ShardedPrecision(Precision):
         unwrap_optimizer(optimizer).clip_grad_norm(float(clip_val))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        raise ValueError(
+        raise InputError(
             "gradient_clip_algorithm='value' is not supported by the sharded strategies "
             "(gradients live in shards); use gradient_clip_algorithm='norm'"
         )

@@ -17,6 +17,9 @@ trainer = Trainer(strategy=recipes.GeminiStrategy(placement="auto", device_memor
 | `gemini_nvme` | `GeminiStrategy(offload="nvme")`: those on NVMe, in `$SUITE_OFFLOAD_DIR` or a temporary folder |
 | `gemini_auto` | `GeminiStrategy(placement="auto")`: placement traced in the first step, within a budget |
 
+An app that holds a `core_parallel.ZeroConfig` / `GeminiConfig` builds the strategy from it directly, with no
+name lookup and no environment variable: `strategy_from_config(config, collective_timeout_s=600)`.
+
 Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parallel.setup(model,
 optimizer, config, group)`, the group being the default process group that Lightning's cluster
 environment created. The optimizer wrapper then carries the training step: backward (loss scaling under
@@ -52,6 +55,7 @@ import signal
 import tempfile
 import threading
 import uuid
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -66,17 +70,21 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ..core_parallel.errors import InputError
 from ..core_parallel.fileio import atomic_write, replace_dir
+from ..core_parallel.groups import check_backend, world_rank
 from .precision import ShardedPrecision
 
 __all__ = [
     "LIGHTNING_STATE",
     "OFFLOAD_DIR_ENV",
     "SIGTERM_EXIT_CODE",
+    "GEMINI_OFFLOADS",
     "GeminiStrategy",
     "PeerFailureError",
     "ZeroStrategy",
     "register_strategies",
+    "strategy_from_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +93,8 @@ LIGHTNING_STATE = "lightning_state.pt"
 """File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
 OFFLOAD_DIR_ENV = "SUITE_OFFLOAD_DIR"
 """Environment variable naming the NVMe folder of `gemini_nvme` when no `offload_dir` is given."""
+GEMINI_OFFLOADS = ("none", "cpu", "nvme")
+"""Values of `GeminiStrategy(offload=...)`."""
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 """Exit code after a SIGTERM: what a shell reports for a process the signal ended, so job scripts see a failure."""
 
@@ -116,7 +126,9 @@ class _ShardedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if not collective_timeout_s > 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
+            raise InputError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
+        if process_group_backend is not None:
+            check_backend(process_group_backend, what="process_group_backend")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -338,7 +350,7 @@ class _ShardedStrategy(DDPStrategy):
     def stop_if_terminated(self, trainer: Any, module: Any) -> None:
         """At an optimizer-step boundary, on every rank: if any rank got SIGTERM, save a checkpoint and exit 143."""
         flag = torch.tensor([1 if self._sigterm.is_set() else 0], device=self.root_device)
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        if world_rank(self.process_group)[0] > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         if not flag.item():
             return
@@ -401,14 +413,19 @@ class GeminiStrategy(_ShardedStrategy):
     """Gemini, chunk-based ZeRO-3 (`core_parallel.GeminiConfig`), as a Lightning strategy.
 
     Keyword arguments other than the ones below go to `GeminiConfig` unchanged (`device_memory_budget`,
-    `chunk_mb`, `prefetch`, ...); `precision` comes from `Trainer(precision=...)`.
+    `chunk_mb`, `prefetch`, `offload_tier`, the static fractions, ...); `precision` comes from
+    `Trainer(precision=...)`.
 
     Args:
         placement: "static" or "auto" (traced in the first step, kept within the device budget).
-        offload: shorthand for the static tiers: "none" (all on the device), "cpu" (optimizer state and
-            master weights in CPU memory) or "nvme" (those in `offload_dir`).
-        offload_dir: folder of the NVMe tier; with offload="nvme" and no folder, `$SUITE_OFFLOAD_DIR` or a
-            temporary folder.
+        offload: the off-device tier in one word. "cpu" or "nvme": data placed off the device lives in CPU
+            memory or in NVMe files in `offload_dir`; under static placement all chunks' master weights and
+            optimizer states go there (fractions 1.0 unless given). "none": static placement keeps everything
+            on the device (auto placement spills to CPU memory). None (default): "none", or the tier named by
+            `offload_tier=` (as `strategy_from_config` passes it).
+        offload_dir: folder of the NVMe tier, only with offload="nvme" (or offload_tier="nvme"); there without a
+            folder: `$SUITE_OFFLOAD_DIR` or a temporary folder. Given with offload="none"/"cpu" it is an error;
+            given alone it selects the NVMe tier as before, with a DeprecationWarning.
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
     """
 
@@ -416,24 +433,25 @@ class GeminiStrategy(_ShardedStrategy):
         self,
         *,
         placement: str = "static",
-        offload: str = "none",
+        offload: str | None = None,
         offload_dir: str | os.PathLike | None = None,
         collective_timeout_s: float = 1800.0,
         **kwargs: Any,
     ) -> None:
-        if offload not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
         config, strategy_kwargs = _split_config_kwargs(kwargs, "GeminiConfig")
+        offload_dir = os.fspath(offload_dir) if offload_dir is not None else None
+        self.offload_tier = _gemini_tier(offload, config.pop("offload_tier", None), offload_dir)
         super().__init__(collective_timeout_s=collective_timeout_s, **strategy_kwargs)
-        self.offload = offload
-        self._offload_dir = os.fspath(offload_dir) if offload_dir is not None else None
-        self._config_kwargs = {"placement": placement, **_offload_fields(offload), **config}
+        self.offload = offload if offload is not None else ("nvme" if self.offload_tier == "nvme" else "none")
+        self._offload_dir = offload_dir
+        fractions = _offload_fields(offload) if placement == "static" else {}
+        self._config_kwargs = {"placement": placement, **fractions, **config}
         self.core_config("fp32", check_only=True)
 
     @property
     def offload_dir(self) -> str | None:
-        """The NVMe folder in use (resolved on first use for offload="nvme")."""
-        if self._offload_dir is None and self.offload == "nvme":
+        """The NVMe folder in use (resolved on first use for the NVMe tier without a folder)."""
+        if self._offload_dir is None and self.offload_tier == "nvme":
             env = os.environ.get(OFFLOAD_DIR_ENV)
             self._offload_dir = env or tempfile.mkdtemp(prefix="suite-offload-")
             logger.info("gemini NVMe tier in %s", self._offload_dir)
@@ -443,15 +461,78 @@ class GeminiStrategy(_ShardedStrategy):
         from ..core_parallel import GeminiConfig
 
         offload_dir = self._offload_dir if check_only else self.offload_dir
-        if check_only and offload_dir is None and self.offload == "nvme":
+        if check_only and offload_dir is None and self.offload_tier == "nvme":
             offload_dir = tempfile.gettempdir()
-        return GeminiConfig(precision=precision, offload_dir=offload_dir, **self._config_kwargs)
+        return GeminiConfig(precision=precision, offload_tier=self.offload_tier, offload_dir=offload_dir,
+                            **self._config_kwargs)
 
 
-def _offload_fields(offload: str) -> dict[str, Any]:
-    """GeminiConfig static-placement fields for the `offload` shorthand (nvme: the same fractions, and
-    `offload_dir` set, which sends off-device data to the NVMe tier instead of CPU memory)."""
-    if offload == "none":
+def strategy_from_config(config: Any, **kwargs: Any) -> ZeroStrategy | GeminiStrategy:
+    """The Lightning strategy for a `core_parallel.ZeroConfig` or `GeminiConfig`, built directly from it.
+
+    No registry name and no environment variable: every field of `config` reaches the strategy (the NVMe
+    folder of a Gemini config included), and `strategy.core_config(p)` equals `config` with precision `p`.
+    `kwargs` are the strategy's own arguments (`collective_timeout_s`, `accelerator`,
+    `process_group_backend`, ...). The precision is the Trainer's (`Trainer(precision=...)`): a config whose
+    `precision` is not the default "fp32" is refused rather than silently overridden.
+    """
+    from ..core_parallel import GeminiConfig, ZeroConfig
+
+    if isinstance(config, ZeroConfig):
+        cls: type[_ShardedStrategy] = ZeroStrategy
+    elif isinstance(config, GeminiConfig):
+        cls = GeminiStrategy
+    else:
+        raise TypeError(f"config must be a ZeroConfig or GeminiConfig, got {type(config).__name__}")
+    if config.precision != "fp32":
+        raise InputError(
+            f"{type(config).__name__}.precision={config.precision!r}: the strategy takes its precision from "
+            "Trainer(precision=...); leave the config's precision at 'fp32'"
+        )
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "precision"}
+    clash = sorted(set(fields) & set(kwargs))
+    if clash:
+        raise TypeError(f"strategy_from_config: {clash} come from the config, not from keyword arguments")
+    return cls(**fields, **kwargs)
+
+
+def _gemini_tier(offload: str | None, tier: str | None, offload_dir: str | None) -> str:
+    """The `GeminiConfig.offload_tier` that `offload`, `offload_tier` and `offload_dir` name together; one
+    `InputError` when they disagree."""
+    from ..core_parallel.gemini import OFFLOAD_TIERS
+
+    if offload is not None and offload not in GEMINI_OFFLOADS:
+        raise InputError(f"offload must be one of {', '.join(GEMINI_OFFLOADS)}, got {offload!r}")
+    if tier is not None and tier not in OFFLOAD_TIERS:
+        raise InputError(f"offload_tier must be one of {', '.join(OFFLOAD_TIERS)}, got {tier!r}")
+    if offload in OFFLOAD_TIERS and tier is not None and tier != offload:
+        raise InputError(f"offload={offload!r} and offload_tier={tier!r} name different tiers; give one of them")
+    if offload == "none" and tier == "nvme":
+        raise InputError("offload='none' and offload_tier='nvme' disagree; use offload='nvme'")
+    if offload in OFFLOAD_TIERS:
+        tier = offload
+    elif tier is None:
+        if offload is None and offload_dir is not None:
+            warnings.warn(
+                "GeminiStrategy(offload_dir=...) without offload: taken as the NVMe tier; say offload='nvme' "
+                "(a folder alone will stop selecting it)", DeprecationWarning, stacklevel=3,
+            )
+            tier = "nvme"
+        else:
+            tier = "cpu"
+    if offload_dir is not None and tier != "nvme":
+        named = f"offload={offload!r}" if offload is not None else f"offload_tier={tier!r}"
+        raise InputError(
+            f"offload_dir={offload_dir!r} applies to the NVMe tier only; {named} keeps off-device data in "
+            "CPU memory (drop offload_dir, or use offload='nvme')"
+        )
+    return tier
+
+
+def _offload_fields(offload: str | None) -> dict[str, Any]:
+    """GeminiConfig static-placement fractions for the `offload` shorthand: "cpu" and "nvme" move every chunk's
+    master weights and optimizer states off the device (the tier itself is `offload_tier`)."""
+    if offload in (None, "none"):
         return {}
     return {"offload_param_frac": 1.0, "offload_optim_frac": 1.0}
 
@@ -463,7 +544,7 @@ def _split_config_kwargs(kwargs: dict[str, Any], config_name: str) -> tuple[dict
     config_cls = getattr(core_parallel, config_name)
     fields = {f.name for f in dataclasses.fields(config_cls)}
     if "precision" in kwargs:
-        raise ValueError("set the precision with Trainer(precision=...), not on the strategy")
+        raise InputError("set the precision with Trainer(precision=...), not on the strategy")
     config = {k: v for k, v in kwargs.items() if k in fields}
     rest = {k: v for k, v in kwargs.items() if k not in fields}
     return config, rest
@@ -471,7 +552,7 @@ def _split_config_kwargs(kwargs: dict[str, Any], config_name: str) -> tuple[dict
 
 def _check_clipping(trainer: Any) -> None:
     if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
-        raise ValueError(
+        raise InputError(
             "gradient_clip_algorithm='value' is not supported by the sharded strategies; use 'norm' (the default)"
         )
 

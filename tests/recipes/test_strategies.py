@@ -11,6 +11,7 @@ itself creates the process group.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -482,3 +483,71 @@ def test_peer_failure_is_recognised():
     assert _looks_like_peer_failure(RuntimeError("Timed out waiting 20000ms for recv operation to complete"))
     assert not _looks_like_peer_failure(ValueError("Connection reset by peer"))
     assert not _looks_like_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+# ---- one tier field, strategies built from configs ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(offload="cpu", offload_dir="/x"), r"offload_dir='/x' applies to the NVMe tier only; offload='cpu'"),
+        (dict(offload="none", offload_dir="/x"), r"offload_dir='/x' applies to the NVMe tier only; offload='none'"),
+        (dict(offload_tier="cpu", offload_dir="/x"), r"applies to the NVMe tier only; offload_tier='cpu'"),
+        (dict(offload="cpu", offload_tier="nvme"), r"offload='cpu' and offload_tier='nvme' name different tiers"),
+        (dict(offload="none", offload_tier="nvme"), r"offload='none' and offload_tier='nvme' disagree"),
+        (dict(offload="disk"), r"offload must be one of none, cpu, nvme, got 'disk'"),
+        (dict(process_group_backend="tcp"), r"process_group_backend must be one of gloo, nccl, mpi"),
+    ],
+    ids=["cpu_with_folder", "none_with_folder", "cpu_tier_with_folder", "two_tiers", "none_vs_nvme", "unknown",
+         "backend"],
+)
+def test_gemini_strategy_bad_offload_is_one_clear_input_error(kwargs, message):
+    import warnings
+
+    from lowmem.core_parallel.errors import InputError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError, match=message):
+            recipes_strategies().GeminiStrategy(**kwargs)
+
+
+def test_gemini_strategy_tiers(tmp_path, monkeypatch):
+    strategies = recipes_strategies()
+    monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path / "env"))
+    nvme = strategies.GeminiStrategy(offload="nvme", offload_dir=tmp_path / "own").core_config("fp32")
+    assert (nvme.offload_tier, nvme.offload_dir, nvme.offload_param_frac) == ("nvme", str(tmp_path / "own"), 1.0)
+    cpu = strategies.GeminiStrategy(offload="cpu").core_config("fp32")
+    assert (cpu.offload_tier, cpu.offload_dir, cpu.offload_optim_frac) == ("cpu", None, 1.0)
+    # auto placement: the shorthand names the tier only (the static fractions do not apply)
+    auto = strategies.GeminiStrategy(placement="auto", offload="nvme").core_config("fp32")
+    assert (auto.placement, auto.offload_tier, auto.offload_dir, auto.offload_param_frac) == (
+        "auto", "nvme", str(tmp_path / "env"), 0.0)
+    # a folder alone: the NVMe tier as before (same fractions), with a DeprecationWarning at the caller
+    with pytest.warns(DeprecationWarning, match="offload='nvme'") as record:
+        old = strategies.GeminiStrategy(offload_dir=tmp_path / "old")
+    assert record[0].filename == __file__
+    old_cfg = old.core_config("fp32")
+    assert (old.offload, old_cfg.offload_tier, old_cfg.offload_dir, old_cfg.offload_param_frac) == (
+        "nvme", "nvme", str(tmp_path / "old"), 0.0)
+
+
+def test_strategy_from_config_takes_every_field_and_no_environment(tmp_path, monkeypatch):
+    from lowmem.core_parallel import GeminiConfig, ZeroConfig
+    from lowmem.core_parallel.errors import InputError
+    from lowmem.core_parallel.loss_scaler import LossScalerConfig
+
+    strategies = recipes_strategies()
+    monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path / "env"))
+    gemini = GeminiConfig(placement="static", offload_param_frac=0.5, offload_optim_frac=0.25, offload_tier="nvme",
+                          offload_dir=str(tmp_path / "nvme"), chunk_mb=2.0, prefetch=2, keep_gathered=4,
+                          host_collectives=False, max_grad_norm=1.5, loss_scaler=LossScalerConfig(hysteresis=2))
+    zero = ZeroConfig(stage=1, offload="cpu", bucket_mb=5.0, overlap=False, max_grad_norm=2.0)
+    for config, cls in ((gemini, strategies.GeminiStrategy), (zero, strategies.ZeroStrategy),
+                        (GeminiConfig(placement="auto", device_memory_budget="1GB"), strategies.GeminiStrategy)):
+        strategy = strategies.strategy_from_config(config, collective_timeout_s=60)
+        assert type(strategy) is cls and strategy.collective_timeout_s == 60
+        assert strategy.core_config("bf16") == dataclasses.replace(config, precision="bf16")
+    with pytest.raises(InputError, match="Trainer\\(precision"):
+        strategies.strategy_from_config(ZeroConfig(precision="bf16"))
+    with pytest.raises(TypeError, match="ZeroConfig or GeminiConfig"):
+        strategies.strategy_from_config({"stage": 2})
