@@ -123,10 +123,16 @@ class FineTuneConfig:
     """Keep an EMA of the UNet weights and export it."""
     ema_decay: float = 0.9999
     """EMA decay."""
+    foreach_ema: bool = False
+    """Update the EMA with torch's foreach (multi-tensor) kernels (same values, fewer kernel launches)."""
+    offload_ema: bool = False
+    """Keep the EMA weights in CPU memory (updated there; same values)."""
     snr_gamma: float | None = None
     """Min-SNR weighting gamma (None: plain MSE)."""
     noise_offset: float = 0.0
     """Noise offset scale."""
+    input_perturbation: float = 0.0
+    """Scale of the extra noise added to the model input only (Ning et al. 2023; 0.1 recommended)."""
     prediction_type: str | None = None
     """epsilon or v_prediction; None keeps the scheduler's."""
     gradient_checkpointing: bool = False
@@ -245,7 +251,8 @@ class FineTuneConfig:
         if self.prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
         LossConfig(prediction_type=self.prediction_type or "epsilon", snr_gamma=self.snr_gamma,
-                   noise_offset=self.noise_offset, prior_loss_weight=self.prior_loss_weight)
+                   noise_offset=self.noise_offset, prior_loss_weight=self.prior_loss_weight,
+                   input_perturbation=self.input_perturbation)
         if self.use_ema and self.strategy.startswith("gemini"):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
@@ -283,7 +290,7 @@ class FineTuneConfig:
         """The loss settings; `prediction_type` falls back to the scheduler's."""
         return LossConfig(prediction_type=self.prediction_type or scheduler_prediction_type,
                           snr_gamma=self.snr_gamma, noise_offset=self.noise_offset,
-                          prior_loss_weight=self.prior_loss_weight,
+                          prior_loss_weight=self.prior_loss_weight, input_perturbation=self.input_perturbation,
                           with_prior_preservation=self.with_prior_preservation)
 
     def total_steps(self, dataset_len: int, world_size: int) -> int:

@@ -48,6 +48,8 @@ class LossConfig:
     """Weight of the class-image loss under prior preservation."""
     with_prior_preservation: bool = False
     """The second half of each batch holds class images (DreamBooth prior preservation)."""
+    input_perturbation: float = 0.0
+    """Scale of the extra noise in the UNet's input only, not in the target (Ning et al. 2023); 0 disables."""
 
     def __post_init__(self) -> None:
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -58,18 +60,21 @@ class LossConfig:
             raise ValueError(f"noise_offset must be >= 0, got {self.noise_offset}")
         if self.prior_loss_weight < 0:
             raise ValueError(f"prior_loss_weight must be >= 0, got {self.prior_loss_weight}")
+        if self.input_perturbation < 0:
+            raise ValueError(f"input_perturbation must be >= 0, got {self.input_perturbation}")
 
 
 @dataclass
 class StepNoise:
-    """The random draws of one step: VAE sample noise, diffusion noise and timesteps.
+    """The random draws of one step: VAE sample noise, diffusion noise, timesteps (and input perturbation).
 
-    `latent_eps: [B, C, h, w]`, `noise: [B, C, h, w]`, `timesteps: [B]` (int64).
+    `latent_eps: [B, C, h, w]`, `noise: [B, C, h, w]`, `timesteps: [B]` (int64), `perturbation` like noise or None.
     """
 
     latent_eps: torch.Tensor
     noise: torch.Tensor
     timesteps: torch.Tensor
+    perturbation: torch.Tensor | None = None
 
 
 def step_generator(seed: int, step: int, micro_batch: int = 0, rank: int = 0) -> torch.Generator:
@@ -79,15 +84,18 @@ def step_generator(seed: int, step: int, micro_batch: int = 0, rank: int = 0) ->
 
 
 def draw_step_noise(
-    shape: tuple[int, ...], num_timesteps: int, generator: torch.Generator, noise_offset: float = 0.0
+    shape: tuple[int, ...], num_timesteps: int, generator: torch.Generator, noise_offset: float = 0.0,
+    input_perturbation: float = 0.0,
 ) -> StepNoise:
-    """Draw the noise of one step for latents of `shape` `[B, C, h, w]` (on CPU, float32)."""
+    """Draw the noise of one step for latents of `shape` `[B, C, h, w]` (on CPU, float32); the standard normal
+    `perturbation` only with `input_perturbation` (drawn last, so the other draws do not depend on it)."""
     latent_eps = torch.randn(shape, generator=generator)
     noise = torch.randn(shape, generator=generator)
     if noise_offset:
         noise = noise + noise_offset * torch.randn(shape[0], shape[1], 1, 1, generator=generator)
     timesteps = torch.randint(0, num_timesteps, (shape[0],), generator=generator, dtype=torch.long)
-    return StepNoise(latent_eps=latent_eps, noise=noise, timesteps=timesteps)
+    perturbation = torch.randn(shape, generator=generator) if input_perturbation else None
+    return StepNoise(latent_eps=latent_eps, noise=noise, timesteps=timesteps, perturbation=perturbation)
 
 
 def encode_latents(vae: Any, pixel_values: torch.Tensor, latent_eps: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,13 +139,21 @@ def diffusion_loss(
     noise: torch.Tensor,
     timesteps: torch.Tensor,
     cfg: LossConfig,
+    perturbation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scalar training loss of one batch.
 
     `latents: [B, C, h, w]`, `encoder_hidden_states: [B, L, D]`, `noise` like latents, `timesteps: [B]`.
-    Under prior preservation the second half of the batch holds the class images.
+    Under prior preservation the second half of the batch holds the class images. With
+    `cfg.input_perturbation`, the UNet's input is noised with `noise + input_perturbation * perturbation`
+    while the target keeps `noise` (diffusers' `--input_perturbation`).
     """
-    noisy = scheduler.add_noise(latents, noise, timesteps)
+    noisy_with = noise
+    if cfg.input_perturbation:
+        if perturbation is None:
+            raise ValueError("input_perturbation needs the step's perturbation draw")
+        noisy_with = noise + cfg.input_perturbation * perturbation
+    noisy = scheduler.add_noise(latents, noisy_with, timesteps)
     if cfg.prediction_type == "epsilon":
         target = noise
     else:
@@ -160,12 +176,14 @@ class EMA:
     then `shadow = d * shadow + (1 - d) * param`. The shadow copies are float32 on the parameters' device.
     """
 
-    def __init__(self, params: Any, decay: float = 0.9999) -> None:
+    def __init__(self, params: Any, decay: float = 0.9999, *, foreach: bool = False, offload: bool = False) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
         self.params = [p for p in params]
-        self.shadow = [p.detach().float().clone() for p in self.params]
+        # offload: the shadows live in CPU memory and are updated there (diffusers' --offload_ema)
+        self.shadow = [p.detach().float().to("cpu" if offload else p.device, copy=True) for p in self.params]
         self.decay = decay
+        self.foreach = foreach
         self.optimization_step = 0
 
     def current_decay(self) -> float:
@@ -178,6 +196,10 @@ class EMA:
         """Move the shadows towards the current parameters."""
         d = self.current_decay()
         self.optimization_step += 1
+        if self.foreach and self.shadow:  # one multi-tensor kernel (diffusers' --foreach_ema); same values
+            torch._foreach_lerp_(self.shadow, [p.detach().float().to(s.device) for s, p in zip(self.shadow,
+                                                                                                self.params)], 1.0 - d)
+            return
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach().float().to(s.device), 1.0 - d)
 

@@ -74,7 +74,8 @@ class StableDiffusionFineTune(pl.LightningModule):
             self.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
         set_kernels_attention(self.unet, cfg.attention_backend)
         self._freeze_and_cast()
-        self.ema = EMA(self.unet.parameters(), cfg.ema_decay) if cfg.use_ema and not cfg.lora else None
+        self.ema = (EMA(self.unet.parameters(), cfg.ema_decay, foreach=cfg.foreach_ema, offload=cfg.offload_ema)
+                    if cfg.use_ema and not cfg.lora else None)
         self.strict_loading = False
         self._t_last = None
 
@@ -141,13 +142,15 @@ class StableDiffusionFineTune(pl.LightningModule):
         shape = latent_shape(self.vae, pixels)
         g = step_generator(self.config.seed, self.global_step, batch_idx % self.trainer.accumulate_grad_batches)
         full = draw_step_noise((parts * b * world, *shape[1:]), self.noise_scheduler.config.num_train_timesteps,
-                               g, self.loss_cfg.noise_offset)
+                               g, self.loss_cfg.noise_offset, self.loss_cfg.input_perturbation)
 
         def mine(t: torch.Tensor) -> torch.Tensor:
             t = t.view(parts, b * world, *t.shape[1:])[:, rank * b:(rank + 1) * b]
             return t.reshape(parts * b, *t.shape[2:]).to(pixels.device)
 
         full.latent_eps, full.noise, full.timesteps = mine(full.latent_eps), mine(full.noise), mine(full.timesteps)
+        if full.perturbation is not None:
+            full.perturbation = mine(full.perturbation)
         return full
 
     def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -158,7 +161,7 @@ class StableDiffusionFineTune(pl.LightningModule):
             latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
         hidden = self.text_encoder(ids, return_dict=False)[0]
         return diffusion_loss(self.unet, self.noise_scheduler, latents, hidden, noise.noise, noise.timesteps,
-                              self.loss_cfg)
+                              self.loss_cfg, noise.perturbation)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch, batch_idx)

@@ -1,7 +1,10 @@
-"""`suite diffusion finetune`: Stable Diffusion fine-tuning (full, LoRA, DreamBooth) with diffusers' flag names.
+"""`suite diffusion finetune`: Stable Diffusion fine-tuning (full, LoRA, DreamBooth) with diffusers' flag names;
+`suite diffusion train_text_to_image | train_text_to_image_lora | train_dreambooth`: diffusers' training scripts'
+command lines, flag for flag and default for default (`accelerate launch train_x.py ...` becomes
+`suite diffusion train_x ...`).
 
-Flags override `--config FILE` (a recipe YAML: a shipped name such as `lora`, or a path), which overrides
-the built-in defaults. Heavy imports (torch, diffusers, Lightning) happen inside `run`.
+`finetune`'s flags override `--config FILE` (a recipe YAML: a shipped name such as `lora`, or a path), which
+overrides the built-in defaults. Heavy imports (torch, diffusers, Lightning) happen inside `run`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["FLAGS", "add_arguments", "run"]
+__all__ = ["FLAGS", "LAUNCH_FLAGS", "add_arguments", "run"]
 
 # (flag, type or "bool", default shown in --help, help). The flag name is the FineTuneConfig field name.
 FLAGS: list[tuple[str, object, object, str]] = [
@@ -72,12 +75,75 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("ray_address", str, None, "Ray cluster address ('auto' for local): train with Ray Train"),
     ("num_workers", int, None, "Ray workers (default: devices x num_nodes)"),
     ("dataloader_num_workers", int, 0, "data-loading worker processes"),
-    ("report_to", str, "tensorboard", "tensorboard (plus CSV) or csv"),
+    ("report_to", str, "tensorboard", "tensorboard (plus CSV), csv, wandb (when installed) or all"),
+    # the rest of diffusers' scripts' flags (as in `suite diffusion train_x`)
+    ("revision", str, None, "hub revision of a model in the local Hugging Face cache"),
+    ("variant", str, None, "weight-file variant (fp16 reads *.fp16.safetensors)"),
+    ("cache_dir", str, None, "Hugging Face cache folder for hub ids"),
+    ("tokenizer_name", str, None, "a tokenizer folder (or cached hub id) instead of the pipeline's"),
+    ("tokenizer_max_length", int, None, "token length of captions (default: the tokenizer's)"),
+    ("dataset_name", str, None, "a local imagefolder, or a dataset in the Hugging Face cache (needs datasets)"),
+    ("dataset_config_name", str, None, "configuration of --dataset_name (needs datasets)"),
+    ("max_train_samples", int, None, "train on a seeded random subset of this many samples"),
+    ("image_interpolation_mode", str, "bilinear", "resize filter: nearest, bilinear, bicubic, box, hamming, "
+     "lanczos"),
+    ("lr_num_cycles", int, 1, "hard restarts of cosine_with_restarts"),
+    ("lr_power", float, 1.0, "power of the polynomial schedule"),
+    ("use_8bit_adam", "bool", False, "bitsandbytes' 8-bit AdamW (CUDA, when installed)"),
+    ("allow_tf32", "bool", False, "allow TF32 matmuls and convolutions on CUDA"),
+    ("foreach_ema", "bool", False, "update the EMA with foreach kernels"),
+    ("offload_ema", "bool", False, "keep the EMA in CPU memory"),
+    ("input_perturbation", float, 0.0, "extra noise in the UNet's input only (0.1 recommended)"),
+    ("validation_prompts", "list", None, "several validation prompts (a grid each)"),
+    ("validation_epochs", int, None, "validate every this many epochs instead of --validation_steps"),
+    ("validation_scheduler", str, None, "DPMSolverMultistepScheduler or DDPMScheduler (default: the base's)"),
+    ("sample_batch_size", int, 4, "images per pipeline call when generating class images"),
+    ("prior_generation_precision", str, None, "dtype of class-image generation: no, fp32, fp16, bf16"),
+    ("skip_save_text_encoder", "bool", False, "export the pipeline without its text encoder"),
+    ("tracker_project_name", str, "text2image-fine-tune", "wandb project name"),
+    ("logging_dir", str, "logs", "log folder inside --output_dir"),
+    ("log_every_n_steps", int, 10, "a plain progress line every this many steps when stdout is not a terminal"),
 ]
 
 
+# The launcher's settings a script command adds to the script's own flags (what `accelerate launch` and its
+# config would set): (flag, type, default, help); the flag name is the FineTuneConfig field name.
+LAUNCH_FLAGS: list[tuple[str, type, object, str]] = [
+    ("strategy", str, "auto", "Lightning strategy: auto, ddp, zero1, zero2, zero2_offload, gemini, "
+     "gemini_offload, gemini_nvme, gemini_auto"),
+    ("devices", int, 1, "processes (devices) per node"),
+    ("num_nodes", int, 1, "nodes"),
+    ("offload_dir", str, None, "NVMe offload folder for gemini_nvme (sets SUITE_OFFLOAD_DIR)"),
+    ("attention_backend", str, "auto", "kernels.attention backend: auto, triton, torch"),
+]
+
+
+def _add_script(sub: argparse._SubParsersAction, script: str) -> None:
+    from ...diffusion.scripts import DIFFUSERS_VERSION, SCRIPT_FLAGS, SCRIPTS, flag_help
+
+    p = sub.add_parser(script, help=SCRIPTS[script],
+                       description=f"{SCRIPTS[script]}: the script's flags and defaults as in diffusers "
+                                   f"v{DIFFUSERS_VERSION}; flags that cannot apply here are refused with the "
+                                   "reason (see docs/diffusion.md).")
+    for f in SCRIPT_FLAGS[script]:
+        kw: dict = {"default": f.default, "help": flag_help(f)}
+        if f.required:
+            kw["required"] = True
+        if f.action:
+            kw["action"] = f.action
+        else:
+            kw.update(type=f.type, choices=f.choices, nargs=f.nargs)
+        p.add_argument(f"--{f.name}", **kw)
+    launch = p.add_argument_group("launcher settings (not flags of the diffusers script)")
+    for name, kind, default, text in LAUNCH_FLAGS:
+        launch.add_argument(f"--{name}", type=kind, default=default,
+                            help=f"{text} (default: {default})" if default is not None else text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `finetune` subcommand and its flags."""
+    """Add the `finetune` subcommand and the three script subcommands with their flags."""
+    from ...diffusion.scripts import SCRIPTS
+
     sub = parser.add_subparsers(dest="diffusion_command", metavar="SUBCOMMAND", required=True,
                                 parser_class=type(parser))
     p = sub.add_parser("finetune", help="fine-tune Stable Diffusion (full, LoRA with --rank, DreamBooth)",
@@ -88,8 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{text} (default: {default})" if default not in (None, False) else text
         if kind == "bool":
             p.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+        elif kind == "list":
+            p.add_argument(f"--{name}", type=str, nargs="+", default=argparse.SUPPRESS, help=help_text)
         else:
             p.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=help_text)
+    for script in SCRIPTS:
+        _add_script(sub, script)
 
 
 def resolve_config_path(value: str) -> Path:
@@ -105,10 +175,17 @@ def resolve_config_path(value: str) -> Path:
 
 
 def build_config(args: argparse.Namespace) -> object:
-    """The `FineTuneConfig` of the YAML (if any) overridden by the given flags; bad values raise UsageError."""
+    """The `FineTuneConfig` of the command: for `finetune` the YAML (if any) overridden by the given flags,
+    for a script command its flags (refused ones checked); bad values raise UsageError."""
     from ...diffusion.config import FineTuneConfig, load_yaml_config
     from ..errors import UsageError
 
+    if args.diffusion_command != "finetune":
+        from ...diffusion.scripts import SCRIPT_FLAGS, script_config
+
+        values = {f.name: getattr(args, f.name) for f in SCRIPT_FLAGS[args.diffusion_command]}
+        launch = {name: getattr(args, name) for name, *_ in LAUNCH_FLAGS}
+        return script_config(args.diffusion_command, values, launch)
     values: dict = {}
     if getattr(args, "config", None):
         values.update(load_yaml_config(resolve_config_path(args.config)))
@@ -135,7 +212,7 @@ def _summary(cfg: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `suite diffusion finetune`."""
+    """Run `suite diffusion finetune` or one of the script commands."""
     cfg = build_config(args)
     if cfg.ray_address:
         from ...recipes.diffusion import fit_with_ray

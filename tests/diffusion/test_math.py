@@ -65,6 +65,28 @@ def test_loss_equals_plain_diffusers_step(tiny, prediction_type, snr_gamma, prio
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
 
 
+def test_input_perturbation_equals_diffusers_step(tiny):
+    """train_text_to_image.py --input_perturbation: the UNet's input is noised with noise + p * randn, the
+    target stays the noise."""
+    unet, scheduler = tiny["unet"], tiny["scheduler"]
+    draw = draw_step_noise((3, 4, 16, 16), 1000, step_generator(0, 2), input_perturbation=0.1)
+    plain = draw_step_noise((3, 4, 16, 16), 1000, step_generator(0, 2))
+    # drawn last: the other draws are those of a run without it
+    assert torch.equal(draw.noise, plain.noise) and torch.equal(draw.timesteps, plain.timesteps)
+    assert plain.perturbation is None and draw.perturbation.shape == draw.noise.shape
+    torch.manual_seed(5)
+    latents, hidden = torch.randn(3, 4, 16, 16), torch.randn(3, 77, 32)
+    ours = diffusion_loss(unet, scheduler, latents, hidden, draw.noise, draw.timesteps,
+                          LossConfig(input_perturbation=0.1), draw.perturbation)
+    noisy = scheduler.add_noise(latents, draw.noise + 0.1 * draw.perturbation, draw.timesteps)
+    pred = unet(noisy, draw.timesteps, hidden, return_dict=False)[0]
+    torch.testing.assert_close(ours, F.mse_loss(pred.float(), draw.noise.float()), rtol=1e-6, atol=1e-7)
+    unperturbed = diffusion_loss(unet, scheduler, latents, hidden, draw.noise, draw.timesteps, LossConfig())
+    assert not torch.allclose(ours, unperturbed)
+    with pytest.raises(ValueError, match="perturbation"):
+        diffusion_loss(unet, scheduler, latents, hidden, draw.noise, draw.timesteps, LossConfig(input_perturbation=0.1))
+
+
 def test_loss_gradients_match_reference(tiny):
     unet, scheduler = tiny["unet"], tiny["scheduler"]
     ref_unet = copy.deepcopy(unet)
@@ -124,6 +146,30 @@ def test_ema_matches_diffusers_emamodel():
     again.load_state_dict(state)
     assert again.optimization_step == 6 and again.decay == 0.99
     assert all(torch.equal(a, b) for a, b in zip(again.shadow, ours.shadow))
+
+
+@pytest.mark.parametrize("foreach,offload", [(True, False), (False, True), (True, True)])
+def test_ema_foreach_and_offload_match_diffusers(foreach, offload):
+    """--foreach_ema and --offload_ema change where and how the EMA is updated, not its values."""
+    from diffusers.training_utils import EMAModel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    ours = EMA(model.parameters(), decay=0.9, foreach=foreach, offload=offload)
+    ref = EMAModel(model.parameters(), decay=0.9, foreach=foreach)
+    for _ in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ours.update()
+        ref.step(model.parameters())
+    for s, r in zip(ours.shadow, ref.shadow_params):
+        assert s.device.type == "cpu"
+        torch.testing.assert_close(s.double(), r.double(), rtol=1e-6, atol=1e-7)
+    target = copy.deepcopy(model)
+    ours.copy_to(target.parameters())
+    for p, r in zip(target.parameters(), ref.shadow_params):
+        torch.testing.assert_close(p.double(), r.double(), rtol=1e-6, atol=1e-7)
 
 
 def test_loss_config_validation():

@@ -1,0 +1,375 @@
+"""diffusers' training scripts as commands: `train_text_to_image`, `train_text_to_image_lora`, `train_dreambooth`.
+
+`SCRIPT_FLAGS` holds each script's argparse flags as diffusers v0.40.0 defines them (name, default, type,
+action, choices, nargs, required; copied from `examples/text_to_image/train_text_to_image.py`,
+`examples/text_to_image/train_text_to_image_lora.py` and `examples/dreambooth/train_dreambooth.py`), so
+`suite diffusion train_x` takes exactly the command line `accelerate launch train_x.py` takes, defaults
+included. `HANDLING` says what becomes of each flag here: a `FineTuneConfig` field (the same name, or a
+conversion), accepted with a note, or refused with the reason. `script_config(script, values)` turns the
+parsed values into a `FineTuneConfig`; a refused flag given with another value than the script's default
+raises `InputError` (one line, exit 2) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InputError
+
+__all__ = ["DIFFUSERS_VERSION", "HANDLING", "SCRIPTS", "SCRIPT_FLAGS", "Accept", "Refuse", "ScriptFlag",
+           "field_help", "script_config"]
+
+logger = logging.getLogger(__name__)
+
+DIFFUSERS_VERSION = "0.40.0"
+
+
+@dataclass(frozen=True)
+class ScriptFlag:
+    """One `add_argument` of a diffusers training script (name without the leading dashes)."""
+
+    name: str
+    default: Any
+    type: type | None = None
+    action: str | None = None
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None
+    required: bool = False
+
+
+def _F(name: str, default: Any, type: type | None = None, **kw: Any) -> ScriptFlag:  # noqa: N802
+    return ScriptFlag(name, default, type, **kw)
+
+
+SCRIPT_FLAGS: dict[str, tuple[ScriptFlag, ...]] = {
+    "train_text_to_image": (  # examples/text_to_image/train_text_to_image.py
+        _F('adam_beta1', 0.9, float),
+        _F('adam_beta2', 0.999, float),
+        _F('adam_epsilon', 1e-08, float),
+        _F('adam_weight_decay', 0.01, float),
+        _F('allow_tf32', False, action='store_true'),
+        _F('cache_dir', None, str),
+        _F('caption_column', 'text', str),
+        _F('center_crop', False, action='store_true'),
+        _F('checkpointing_steps', 500, int),
+        _F('checkpoints_total_limit', None, int),
+        _F('dataloader_num_workers', 0, int),
+        _F('dataset_config_name', None, str),
+        _F('dataset_name', None, str),
+        _F('dream_detail_preservation', 1.0, float),
+        _F('dream_training', False, action='store_true'),
+        _F('enable_xformers_memory_efficient_attention', False, action='store_true'),
+        _F('foreach_ema', False, action='store_true'),
+        _F('gradient_accumulation_steps', 1, int),
+        _F('gradient_checkpointing', False, action='store_true'),
+        _F('hub_model_id', None, str),
+        _F('hub_token', None, str),
+        _F('image_column', 'image', str),
+        _F('image_interpolation_mode', 'lanczos', str),
+        _F('input_perturbation', 0, float),
+        _F('learning_rate', 0.0001, float),
+        _F('local_rank', -1, int),
+        _F('logging_dir', 'logs', str),
+        _F('lr_scheduler', 'constant', str),
+        _F('lr_warmup_steps', 500, int),
+        _F('max_grad_norm', 1.0, float),
+        _F('max_train_samples', None, int),
+        _F('max_train_steps', None, int),
+        _F('mixed_precision', None, str, choices=('no', 'fp16', 'bf16')),
+        _F('noise_offset', 0, float),
+        _F('non_ema_revision', None, str),
+        _F('num_train_epochs', 100, int),
+        _F('offload_ema', False, action='store_true'),
+        _F('output_dir', 'sd-model-finetuned', str),
+        _F('prediction_type', None, str),
+        _F('pretrained_model_name_or_path', None, str, required=True),
+        _F('push_to_hub', False, action='store_true'),
+        _F('random_flip', False, action='store_true'),
+        _F('report_to', 'tensorboard', str),
+        _F('resolution', 512, int),
+        _F('resume_from_checkpoint', None, str),
+        _F('revision', None, str),
+        _F('scale_lr', False, action='store_true'),
+        _F('seed', None, int),
+        _F('snr_gamma', None, float),
+        _F('tracker_project_name', 'text2image-fine-tune', str),
+        _F('train_batch_size', 16, int),
+        _F('train_data_dir', None, str),
+        _F('use_8bit_adam', False, action='store_true'),
+        _F('use_ema', False, action='store_true'),
+        _F('validation_epochs', 5, int),
+        _F('validation_prompts', None, str, nargs='+'),
+        _F('variant', None, str),
+    ),
+    "train_text_to_image_lora": (  # examples/text_to_image/train_text_to_image_lora.py
+        _F('adam_beta1', 0.9, float),
+        _F('adam_beta2', 0.999, float),
+        _F('adam_epsilon', 1e-08, float),
+        _F('adam_weight_decay', 0.01, float),
+        _F('allow_tf32', False, action='store_true'),
+        _F('cache_dir', None, str),
+        _F('caption_column', 'text', str),
+        _F('center_crop', False, action='store_true'),
+        _F('checkpointing_steps', 500, int),
+        _F('checkpoints_total_limit', None, int),
+        _F('dataloader_num_workers', 0, int),
+        _F('dataset_config_name', None, str),
+        _F('dataset_name', None, str),
+        _F('enable_xformers_memory_efficient_attention', False, action='store_true'),
+        _F('gradient_accumulation_steps', 1, int),
+        _F('gradient_checkpointing', False, action='store_true'),
+        _F('hub_model_id', None, str),
+        _F('hub_token', None, str),
+        _F('image_column', 'image', str),
+        _F('image_interpolation_mode', 'lanczos', str),
+        _F('learning_rate', 0.0001, float),
+        _F('local_rank', -1, int),
+        _F('logging_dir', 'logs', str),
+        _F('lr_scheduler', 'constant', str),
+        _F('lr_warmup_steps', 500, int),
+        _F('max_grad_norm', 1.0, float),
+        _F('max_train_samples', None, int),
+        _F('max_train_steps', None, int),
+        _F('mixed_precision', None, str, choices=('no', 'fp16', 'bf16')),
+        _F('noise_offset', 0, float),
+        _F('num_train_epochs', 100, int),
+        _F('num_validation_images', 4, int),
+        _F('output_dir', 'sd-model-finetuned-lora', str),
+        _F('prediction_type', None, str),
+        _F('pretrained_model_name_or_path', None, str, required=True),
+        _F('push_to_hub', False, action='store_true'),
+        _F('random_flip', False, action='store_true'),
+        _F('rank', 4, int),
+        _F('report_to', 'tensorboard', str),
+        _F('resolution', 512, int),
+        _F('resume_from_checkpoint', None, str),
+        _F('revision', None, str),
+        _F('scale_lr', False, action='store_true'),
+        _F('seed', None, int),
+        _F('snr_gamma', None, float),
+        _F('train_batch_size', 16, int),
+        _F('train_data_dir', None, str),
+        _F('use_8bit_adam', False, action='store_true'),
+        _F('validation_epochs', 1, int),
+        _F('validation_prompt', None, str),
+        _F('variant', None, str),
+    ),
+    "train_dreambooth": (  # examples/dreambooth/train_dreambooth.py
+        _F('adam_beta1', 0.9, float),
+        _F('adam_beta2', 0.999, float),
+        _F('adam_epsilon', 1e-08, float),
+        _F('adam_weight_decay', 0.01, float),
+        _F('allow_tf32', False, action='store_true'),
+        _F('center_crop', False, action='store_true'),
+        _F('checkpointing_steps', 500, int),
+        _F('checkpoints_total_limit', None, int),
+        _F('class_data_dir', None, str),
+        _F('class_labels_conditioning', None),
+        _F('class_prompt', None, str),
+        _F('dataloader_num_workers', 0, int),
+        _F('enable_xformers_memory_efficient_attention', False, action='store_true'),
+        _F('gradient_accumulation_steps', 1, int),
+        _F('gradient_checkpointing', False, action='store_true'),
+        _F('hub_model_id', None, str),
+        _F('hub_token', None, str),
+        _F('instance_data_dir', None, str, required=True),
+        _F('instance_prompt', None, str, required=True),
+        _F('learning_rate', 5e-06, float),
+        _F('local_rank', -1, int),
+        _F('logging_dir', 'logs', str),
+        _F('lr_num_cycles', 1, int),
+        _F('lr_power', 1.0, float),
+        _F('lr_scheduler', 'constant', str),
+        _F('lr_warmup_steps', 500, int),
+        _F('max_grad_norm', 1.0, float),
+        _F('max_train_steps', None, int),
+        _F('mixed_precision', None, str, choices=('no', 'fp16', 'bf16')),
+        _F('num_class_images', 100, int),
+        _F('num_train_epochs', 1, int),
+        _F('num_validation_images', 4, int),
+        _F('offset_noise', False, action='store_true'),
+        _F('output_dir', 'dreambooth-model', str),
+        _F('pre_compute_text_embeddings', False, action='store_true'),
+        _F('pretrained_model_name_or_path', None, str, required=True),
+        _F('prior_generation_precision', None, str, choices=('no', 'fp32', 'fp16', 'bf16')),
+        _F('prior_loss_weight', 1.0, float),
+        _F('push_to_hub', False, action='store_true'),
+        _F('report_to', 'tensorboard', str),
+        _F('resolution', 512, int),
+        _F('resume_from_checkpoint', None, str),
+        _F('revision', None, str),
+        _F('sample_batch_size', 4, int),
+        _F('scale_lr', False, action='store_true'),
+        _F('seed', None, int),
+        _F('set_grads_to_none', False, action='store_true'),
+        _F('skip_save_text_encoder', False, action='store_true'),
+        _F('snr_gamma', None, float),
+        _F('text_encoder_use_attention_mask', False, action='store_true'),
+        _F('tokenizer_max_length', None, int),
+        _F('tokenizer_name', None, str),
+        _F('train_batch_size', 4, int),
+        _F('train_text_encoder', False, action='store_true'),
+        _F('use_8bit_adam', False, action='store_true'),
+        _F('validation_images', None, nargs='+'),
+        _F('validation_prompt', None, str),
+        _F('validation_scheduler', 'DPMSolverMultistepScheduler', str,
+           choices=('DPMSolverMultistepScheduler', 'DDPMScheduler')),
+        _F('validation_steps', 100, int),
+        _F('variant', None, str),
+        _F('with_prior_preservation', False, action='store_true'),
+    ),
+}
+"""Each script's flags, as diffusers v0.40.0 defines them."""
+
+SCRIPTS: dict[str, str] = {
+    "train_text_to_image": "full fine-tune of the UNet (diffusers' examples/text_to_image/train_text_to_image.py)",
+    "train_text_to_image_lora": "LoRA fine-tune of the UNet (diffusers' "
+                                "examples/text_to_image/train_text_to_image_lora.py)",
+    "train_dreambooth": "DreamBooth (diffusers' examples/dreambooth/train_dreambooth.py)",
+}
+"""The scripts, with one line each."""
+
+# What each script fixes in code rather than by a flag: images per validation prompt and denoising steps of
+# its validation pipeline call (text_to_image: one image per prompt, 20 steps; LoRA: 30; DreamBooth: 25).
+_FIXED: dict[str, dict[str, Any]] = {
+    "train_text_to_image": {"num_validation_images": 1, "num_inference_steps": 20},
+    "train_text_to_image_lora": {"num_inference_steps": 30},
+    "train_dreambooth": {"num_inference_steps": 25},
+}
+
+
+@dataclass(frozen=True)
+class Accept:
+    """The flag is implemented: `to(value)` gives the `FineTuneConfig` fields it sets (None: the field of the
+    same name). `note` is its help text when not the field's own, and is logged when the flag is given."""
+
+    to: Callable[[Any], dict[str, Any]] | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The flag cannot apply here; given with another value than the script's default, the run stops with
+    `--flag: reason` (exit 2) before anything is loaded."""
+
+    reason: str
+
+
+_NO_HUB = "nothing is uploaded here (no network); the result stays in --output_dir"
+_SAME_NAME = (
+    "adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay", "allow_tf32", "cache_dir", "caption_column",
+    "center_crop", "checkpointing_steps", "checkpoints_total_limit", "class_data_dir", "class_prompt",
+    "dataloader_num_workers", "dataset_config_name", "dataset_name", "foreach_ema", "gradient_accumulation_steps",
+    "gradient_checkpointing", "image_column", "image_interpolation_mode", "input_perturbation", "instance_data_dir",
+    "instance_prompt", "learning_rate", "logging_dir", "lr_num_cycles", "lr_power", "lr_scheduler",
+    "lr_warmup_steps", "max_grad_norm", "max_train_samples", "max_train_steps", "noise_offset", "num_class_images",
+    "num_train_epochs", "num_validation_images", "offload_ema", "output_dir", "prediction_type",
+    "pretrained_model_name_or_path", "prior_generation_precision", "prior_loss_weight", "random_flip", "rank",
+    "report_to", "resolution", "resume_from_checkpoint", "revision", "sample_batch_size", "scale_lr",
+    "skip_save_text_encoder", "snr_gamma", "tokenizer_max_length", "tokenizer_name", "tracker_project_name",
+    "train_batch_size", "train_data_dir", "train_text_encoder", "use_8bit_adam", "use_ema", "validation_epochs",
+    "validation_prompt", "validation_prompts", "validation_scheduler", "validation_steps", "variant",
+    "with_prior_preservation",
+)
+
+HANDLING: dict[str, Accept | Refuse] = {
+    **{name: Accept() for name in _SAME_NAME},
+    "seed": Accept(lambda v: {"seed": 0 if v is None else v},
+                   "seed of data order, augmentation, noise and timesteps (default: 0 here, so that a run repeats "
+                   "and resumes exactly; diffusers leaves it unseeded)"),
+    "mixed_precision": Accept(lambda v: {"mixed_precision": v or "no"},
+                              "no, fp16 or bf16 (default: no, as accelerate without a config file)"),
+    "offset_noise": Accept(lambda v: {"noise_offset": 0.1} if v else {},
+                           "DreamBooth's offset noise: the same as --noise_offset 0.1"),
+    "enable_xformers_memory_efficient_attention": Accept(
+        lambda v: {}, "memory-efficient attention is always on here (kernels.attention; see --attention_backend)"),
+    "set_grads_to_none": Accept(lambda v: {}, "gradients are always set to None between steps here"),
+    "pre_compute_text_embeddings": Accept(
+        lambda v: {}, "the frozen text encoder runs in the training step here (same result); refused with "
+                      "--train_text_encoder, as diffusers does"),
+    "push_to_hub": Refuse(_NO_HUB),
+    "hub_token": Refuse(_NO_HUB),
+    "hub_model_id": Refuse(_NO_HUB),
+    "local_rank": Refuse("set by torch.distributed launchers; here --devices and --num_nodes start the processes"),
+    "non_ema_revision": Refuse("the UNet and its EMA both start from --revision here; a separate non-EMA revision "
+                               "is not supported"),
+    "dream_training": Refuse("DREAM training (Zhou et al. 2023) is not implemented here"),
+    "dream_detail_preservation": Refuse("used only by --dream_training, which is not implemented here"),
+    "class_labels_conditioning": Refuse("class-label conditioning is for UNets with a class embedding (DeepFloyd "
+                                        "IF's upscaler); Stable Diffusion's UNet has none"),
+    "validation_images": Refuse("image-conditioned validation is for DeepFloyd IF's upscaler; Stable Diffusion "
+                                "validates from --validation_prompt"),
+    "text_encoder_use_attention_mask": Refuse("the text encoder sees the padded prompt without a mask here, as "
+                                              "Stable Diffusion's pipeline runs it"),
+}
+"""What becomes of every flag of the three scripts."""
+
+
+@functools.cache
+def field_help() -> dict[str, str]:
+    """`FineTuneConfig` field name -> the first sentence of its docstring (the help of a same-name flag)."""
+    from .config import FineTuneConfig
+
+    tree = ast.parse(inspect.getsource(FineTuneConfig))
+    body = tree.body[0].body
+    out = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            out[node.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def flag_help(flag: ScriptFlag) -> str:
+    """The --help text of a script flag here."""
+    how = HANDLING[flag.name]
+    if isinstance(how, Refuse):
+        return f"refused when given: {how.reason}"
+    text = how.note or field_help().get(flag.name, "")
+    if flag.default not in (None, False) and "default:" not in text:
+        text = f"{text} (default: {flag.default})"
+    return text
+
+
+def script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, Any] | None = None) -> Any:
+    """The `FineTuneConfig` of `suite diffusion <script>` from its parsed flag values (every flag of the
+    script, at its default unless given) and the launcher's settings (`strategy`, `devices`, ...).
+
+    Raises `InputError` (one line) for refused flags given with another value than the script's default, for
+    what the script itself refuses, and for bad values.
+    """
+    from .config import FineTuneConfig
+
+    flags = {f.name: f for f in SCRIPT_FLAGS[script]}
+    given = {name: v for name, v in values.items() if name in flags and v != flags[name].default}
+    refused = [f"--{name}: {how.reason}" for name in given if isinstance(how := HANDLING[name], Refuse)]
+    if refused:
+        raise InputError("; ".join(refused))
+    if script != "train_dreambooth" and not values.get("dataset_name") and not values.get("train_data_dir"):
+        raise InputError(f"{script} needs --dataset_name or --train_data_dir")
+    if values.get("pre_compute_text_embeddings") and values.get("train_text_encoder"):
+        raise InputError("--train_text_encoder and --pre_compute_text_embeddings exclude each other")
+    if script == "train_dreambooth" and not values.get("with_prior_preservation"):
+        for name in ("class_data_dir", "class_prompt"):
+            if values.get(name):
+                logger.warning("--%s is not used without --with_prior_preservation", name)
+    fields: dict[str, Any] = dict(_FIXED[script])
+    for name, flag in flags.items():
+        how = HANDLING[name]
+        if isinstance(how, Refuse):
+            continue
+        value = values.get(name, flag.default)
+        fields.update(how.to(value) if how.to else {name: value})
+        if how.note and name in given:
+            logger.info("--%s: %s", name, how.note)
+    fields.update(launch or {})
+    try:
+        return FineTuneConfig(**fields)
+    except ValueError as exc:
+        raise InputError(f"--{exc}") from exc
