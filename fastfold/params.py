@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,9 @@ __all__ = [
     "OPENFOLD_RENAMES",
     "TABLE",
     "ParamsError",
+    "NpzArrays",
     "config_from_arrays",
+    "empty_model",
     "from_params",
     "load_model",
     "load_npz",
@@ -395,35 +398,133 @@ def save_npz(model: AlphaFold, path: str | os.PathLike) -> None:
         np.savez(f, **arrays)
 
 
-def load_npz(model: AlphaFold, arrays: Mapping[str, np.ndarray], source: str = "<arrays>") -> None:
-    """Copy AlphaFold-named arrays into `model`. Missing, unexpected or mis-shaped keys raise one
-    ParamsError listing all of them."""
+def _shape_to_ours(shape: tuple[int, ...], transform: str) -> tuple[int, ...]:
+    """The shape `_to_ours` gives an array of `shape` (without touching any data)."""
+    if transform == "T":
+        return tuple(reversed(shape))
+    if transform == "mha_in":
+        return (int(np.prod(shape[1:], dtype=np.int64)), shape[0]) if shape else shape
+    if transform == "mha_bias":
+        return (int(np.prod(shape, dtype=np.int64)),)
+    if transform in ("mha_out", "opm"):
+        return (shape[-1], int(np.prod(shape[:-1], dtype=np.int64))) if shape else shape
+    return tuple(shape)
+
+
+def _shapes(arrays: Mapping[str, np.ndarray]) -> Mapping[str, tuple[int, ...]]:
+    """Every array's shape, without reading the data of a file-backed mapping (`NpzArrays`)."""
+    shapes = getattr(arrays, "shapes", None)
+    return shapes if shapes is not None else {k: tuple(np.shape(v)) for k, v in arrays.items()}
+
+
+def _check_arrays(model: AlphaFold, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Raise one ParamsError listing every missing, mis-shaped and unexpected array (shapes only)."""
     state = model.state_dict()
     sizes = _stack_sizes(model.config)
-    new, missing, misshaped, used = {}, [], [], set()
+    missing, misshaped, used, covered = [], [], set(), set()
     for leaf in leaves_for(model):
-        if leaf.af not in arrays:
+        keys = _expand(leaf, sizes)
+        covered.update(keys)
+        if leaf.af not in shapes:
             missing.append(leaf.af)
             continue
         used.add(leaf.af)
-        a = np.asarray(arrays[leaf.af])
-        keys = _expand(leaf, sizes)
-        parts = list(a) if leaf.stack and a.ndim > 0 and a.shape[0] == len(keys) else None
-        if leaf.stack and parts is None:
-            misshaped.append(f"{leaf.af}: {a.shape} has no leading axis of {len(keys)} blocks")
+        shape = tuple(shapes[leaf.af])
+        if leaf.stack and not (len(shape) > 0 and shape[0] == len(keys)):
+            misshaped.append(f"{leaf.af}: {shape} has no leading axis of {len(keys)} blocks")
             continue
-        for key, part in zip(keys, parts or [a]):
-            value = _to_ours(part, leaf.transform)
-            if tuple(value.shape) != tuple(state[key].shape):
-                misshaped.append(f"{leaf.af}: {a.shape} does not fit {key} {tuple(state[key].shape)}")
-            else:
-                new[key] = torch.from_numpy(np.ascontiguousarray(value)).to(state[key].dtype)
-    unexpected = sorted(set(arrays) - used)
+        part = shape[1:] if leaf.stack else shape
+        for key in keys:
+            if _shape_to_ours(part, leaf.transform) != tuple(state[key].shape):
+                misshaped.append(f"{leaf.af}: {shape} does not fit {key} {tuple(state[key].shape)}")
+    unexpected = sorted(set(shapes) - used)
     problems = [f"missing {k}" for k in missing] + [f"mis-shaped {m}" for m in misshaped]
     problems += [f"unexpected {k}" for k in unexpected]
     if problems:
         raise ParamsError(f"{source}: {len(problems)} parameter problem(s):\n  " + "\n  ".join(problems))
-    model.load_state_dict(new, strict=True)
+    uncovered = sorted(set(state) - covered)
+    if uncovered:  # a model module the table does not know: a bug here, not in the file
+        raise RuntimeError(f"fastfold.params: no table row for {', '.join(uncovered)}")
+
+
+def load_npz(model: AlphaFold, arrays: Mapping[str, np.ndarray], source: str = "<arrays>") -> None:
+    """Copy AlphaFold-named arrays into `model`. Missing, unexpected or mis-shaped keys raise one
+    ParamsError listing all of them, before any parameter is written.
+
+    The arrays are read one at a time (`arrays` may be an `NpzArrays`, which reads each from the file when
+    asked) and copied straight into the parameters (converted to their dtype), so loading holds the model
+    plus one array, never a second copy of the whole model."""
+    _check_arrays(model, _shapes(arrays), source)
+    state = model.state_dict()  # tensors sharing the parameters' storage
+    sizes = _stack_sizes(model.config)
+    with torch.no_grad():
+        for leaf in leaves_for(model):
+            a = np.asarray(arrays[leaf.af])
+            keys = _expand(leaf, sizes)
+            for key, part in zip(keys, a if leaf.stack else [a]):
+                state[key].copy_(torch.from_numpy(np.ascontiguousarray(_to_ours(part, leaf.transform))))
+            del a
+
+
+class NpzArrays(Mapping):
+    """The arrays of an `.npz` file, read one at a time when asked (`arrays[key]`), never all at once.
+
+    `shapes` (key -> shape) comes from the members' headers, so sizes and problems are known before any data
+    is read. Use as a context manager (closes the file). Unreadable files and members raise ParamsError."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            self._zip = zipfile.ZipFile(self.path)
+            self._members = {n[: -len(".npy")]: n for n in self._zip.namelist() if n.endswith(".npy")}
+            self.shapes = {k: self._header(n)[0] for k, n in self._members.items()}
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise ParamsError(f"{self.path}: not a readable .npz file ({exc})") from None
+
+    def _header(self, member: str) -> tuple[tuple[int, ...], np.dtype]:
+        with self._zip.open(member) as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+        if dtype.hasobject:
+            raise ValueError(f"{member}: object arrays are not parameters")
+        return tuple(shape), dtype
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        try:
+            with self._zip.open(self._members[key]) as f:
+                return np.lib.format.read_array(f, allow_pickle=False)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise ParamsError(f"{self.path}: {key}: unreadable ({exc})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._members)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def __enter__(self) -> NpzArrays:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shape_views(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Stand-ins with each shape that hold no data (a broadcast scalar), for reading sizes from shapes."""
+    zero = np.zeros((), np.float32)
+    return {k: np.broadcast_to(zero, s) for k, s in shapes.items()}
+
+
+def empty_model(config: cfgs.AlphaFoldConfig) -> AlphaFold:
+    """`AlphaFold(config)` built on the meta device and given uninitialised CPU storage: no random
+    initialisation to pay for when every parameter is about to be loaded (the model holds no buffers)."""
+    with torch.device("meta"):
+        model = AlphaFold(config)
+    return model.to_empty(device="cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -601,8 +702,13 @@ def preset_for(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | Non
     return cfgs.preset(preset)
 
 
-def _read_openfold(path: Path) -> dict[str, np.ndarray]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def _read_openfold(path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our names; memory-mapped when the file allows (torch's zip format), so
+    they occupy the page cache, not a second copy of the model."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
         state = state["state_dict"]
     if isinstance(state, Mapping) and "ema" in state and isinstance(state["ema"], Mapping):
@@ -612,18 +718,21 @@ def _read_openfold(path: Path) -> dict[str, np.ndarray]:
     return {_openfold_key(k): v for k, v in state.items() if torch.is_tensor(v)}
 
 
-def _openfold_to_arrays(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldConfig, path: Path) -> dict:
-    """Our-named tensors to AlphaFold arrays, using the preset's head counts for the reshapes."""
-    model = AlphaFold(_config_from_state(ours, base))
-    missing = sorted(set(model.state_dict()) - set(ours))
-    unexpected = sorted(set(ours) - set(model.state_dict()))
-    bad = [k for k in set(ours) & set(model.state_dict()) if tuple(ours[k].shape) != tuple(model.state_dict()[k].shape)]
+def _load_openfold(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldConfig, path: Path) -> AlphaFold:
+    """The model from our-named tensors (head counts from the preset), copied tensor by tensor."""
+    model = empty_model(_config_from_state(ours, base))
+    state = model.state_dict()
+    missing = sorted(set(state) - set(ours))
+    unexpected = sorted(set(ours) - set(state))
+    bad = [k for k in set(ours) & set(state) if tuple(ours[k].shape) != tuple(state[k].shape)]
     problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]
     problems += [f"mis-shaped {k} {tuple(ours[k].shape)}" for k in sorted(bad)]
     if problems:
         raise ParamsError(f"{path}: {len(problems)} parameter problem(s):\n  " + "\n  ".join(problems))
-    model.load_state_dict({k: v.float() for k, v in ours.items()})
-    return model_to_arrays(model)
+    with torch.no_grad():
+        for k, v in ours.items():
+            state[k].copy_(v)
+    return model
 
 
 def _config_from_state(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldConfig) -> cfgs.AlphaFoldConfig:
@@ -648,24 +757,26 @@ def _config_from_state(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldCon
 
 def load_model(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | None = None) -> AlphaFold:
     """AlphaFold from a released `.npz` (every size read from the file) or an OpenFold `.pt` checkpoint
-    (block counts from the file, other sizes from the preset). float32 parameters, eval mode."""
+    (block counts from the file, other sizes from the preset). float32 parameters, eval mode.
+
+    Streaming: the model is built without initialisation, then the file is read array by array (`.npz`
+    members one at a time; a `.pt` memory-mapped) and each is copied into its parameter and dropped, so the
+    peak is the model plus one array, not the file's arrays + a converted copy + the model."""
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: no such parameter file")
     base = preset_for(path, preset)
-    if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    elif path.suffix in (".pt", ".pth", ".ckpt"):
-        arrays = _openfold_to_arrays(_read_openfold(path), base, path)
-    else:
+    if path.suffix in (".pt", ".pth", ".ckpt"):
+        return _load_openfold(_read_openfold(path), base, path).eval()
+    if path.suffix != ".npz":
         raise ParamsError(f"{path}: unknown parameter file type (expected .npz or an OpenFold .pt)")
-    try:
-        config = config_from_arrays(arrays, base)
-    except ParamsError as exc:
-        raise ParamsError(f"{path}: {exc}") from None
-    model = AlphaFold(config)
-    load_npz(model, arrays, source=str(path))
+    with NpzArrays(path) as arrays:
+        try:
+            config = config_from_arrays(_shape_views(arrays.shapes), base)
+        except ParamsError as exc:
+            raise ParamsError(f"{path}: {exc}") from None
+        model = empty_model(config)
+        load_npz(model, arrays, source=str(path))
     return model.eval()
 
 
