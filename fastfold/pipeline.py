@@ -334,11 +334,12 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _write_structure(folder: Path, stem: str, protein: Protein, remark: str) -> list[str]:
+def _write_structure(folder: Path, stem: str, protein: Protein, remark: str, plddt: np.ndarray) -> list[str]:
+    """PDB and ModelCIF; `plddt` [N] goes to the ModelCIF QA metrics (the B-factors may hold 100 - pLDDT)."""
     from .io.protein import to_mmcif, to_pdb
 
     _write_text(folder / f"{stem}.pdb", to_pdb(protein, remark=remark))
-    _write_text(folder / f"{stem}.cif", to_mmcif(protein, name=stem))
+    _write_text(folder / f"{stem}.cif", to_mmcif(protein, name=stem, plddt=plddt, title=remark))
     return [f"{stem}.pdb", f"{stem}.cif"]
 
 
@@ -393,13 +394,14 @@ def write_target_outputs(
     several = len(predictions) > 1
     for label, pred in predictions.items():
         stem = f"{target.name}_{label}"
-        files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark)
+        files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark, pred.plddt)
         files += _write_confidence(folder, stem, pred, mark, plots=several)
     metric = "ptm" if all(p.ptm is not None for p in predictions.values()) else "mean_plddt"
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
     unrelaxed = protein(best)
-    files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip())
+    files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip(),
+                              best.plddt)
     relax_summary = None
     if relax_config is not None:
         from .relax import relax_protein
@@ -415,7 +417,8 @@ def write_target_outputs(
             relax_summary["refused"] = True
         else:
             tag = "relaxed" if result.converged else f"relaxed, NOT CONVERGED ({result.violations_after} violating)"
-            files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} {tag}".strip())
+            files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} {tag}".strip(),
+                                      best.plddt)
     files += _write_confidence(folder, target.name, best, mark)
     ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score(metric) for k in ranked}, "metric": metric}
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))

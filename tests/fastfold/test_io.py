@@ -122,3 +122,105 @@ def test_pae_on_alphafolds_fixed_scale_and_the_random_weights_mark(tmp_path):
     plot_plddt(tmp_path / "plddt_marked.png", np.linspace(20, 95, 12), "t", mark="RANDOM WEIGHTS")
     assert red_pixels(tmp_path / "small.png") == 0 and red_pixels(tmp_path / "marked.png") > 500
     assert red_pixels(tmp_path / "plddt.png") == 0 and red_pixels(tmp_path / "plddt_marked.png") > 500
+
+
+def _modelcif_warnings(text: str) -> tuple[list, set[str]]:
+    """The systems python-modelcif reads from `text`, and what its reader does not know there (unknown
+    categories and keywords)."""
+    import io
+    import warnings
+
+    import modelcif.reader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        systems = modelcif.reader.read(io.StringIO(text), warn_unknown_category=True, warn_unknown_keyword=True)
+    return systems, {str(w.message).split(" encountered")[0] for w in caught}
+
+
+def _modelcif_reference() -> str:
+    """A one-model file written by python-modelcif itself: what it writes but does not read back is fine."""
+    import io
+
+    import modelcif
+    import modelcif.dumper
+    import modelcif.model
+    import modelcif.protocol
+    import modelcif.qa_metric
+
+    entity = modelcif.Entity("MG", description="target")
+    asym = modelcif.AsymUnit(entity, details="chain A", id="A")
+
+    class Local(modelcif.qa_metric.Local, modelcif.qa_metric.PLDDT):
+        """Predicted accuracy according to the CA-only lDDT in [0,100]"""
+
+        name, software = "pLDDT", None
+
+    class Global(modelcif.qa_metric.Global, modelcif.qa_metric.PLDDT):
+        """Predicted accuracy according to the CA-only lDDT in [0,100]"""
+
+        name, software = "pLDDT", None
+
+    class Model(modelcif.model.AbInitioModel):
+        def get_atoms(self):
+            for i in (1, 2):
+                yield modelcif.model.Atom(asym_unit=asym, seq_id=i, atom_id="CA", type_symbol="C", x=3.8 * i, y=0.0,
+                                          z=0.0, het=False, biso=50.0, occupancy=1.0)
+
+    model = Model(assembly=modelcif.Assembly((asym,)), name="Model")
+    model.qa_metrics += [Global(50.0), Local(asym.residue(1), 50.0), Local(asym.residue(2), 50.0)]
+    system = modelcif.System(title="reference", id="REF")
+    software = modelcif.Software(name="x", classification="model building", description="x", location="x",
+                                 type="program", version="1")
+    system.software.append(software)
+    system.model_groups.append(modelcif.model.ModelGroup([model], name="All models"))
+    protocol = modelcif.protocol.Protocol()
+    protocol.steps.append(modelcif.protocol.ModelingStep(input_data=None, output_data=model, name="prediction",
+                                                         software=modelcif.SoftwareGroup([software])))
+    system.protocols.append(protocol)
+    out = io.StringIO()
+    modelcif.dumper.write(out, [system])
+    return out.getvalue()
+
+
+def test_mmcif_is_modelcif_read_back_by_python_modelcif(protein):
+    """Issue 21: valid ModelCIF. python-modelcif reads the file back into one model with its atoms, the entity's
+    sequence, the software and protocol, and pLDDT per residue (every parent of `_ma_qa_metric_local`) and its
+    mean; the file holds nothing python-modelcif would not write itself."""
+    pytest.importorskip("modelcif")
+    plddt = np.linspace(20.0, 95.0, len(SEQUENCE))
+    text = to_mmcif(protein, name="x_model_1", plddt=plddt, title="RANDOM WEIGHTS: it's meaningless")
+    (system,), unknown = _modelcif_warnings(text)
+    _, unknown_to_itself = _modelcif_warnings(_modelcif_reference())
+    assert unknown <= unknown_to_itself, f"categories/keywords python-modelcif neither reads nor writes: " \
+                                         f"{sorted(unknown - unknown_to_itself)}"
+    assert system.id == "x_model_1" and "RANDOM WEIGHTS: it's meaningless" in system.title
+    (entity,) = system.entities
+    assert "".join(c.code_canonical for c in entity.sequence) == SEQUENCE
+    assert [s.name for s in system.software] == ["lowmem-suite fold"]
+    (step,) = system.protocols[0].steps
+    assert step.method_type == "modeling" and [s.name for s in step.software] == ["lowmem-suite fold"]
+    (group,) = system.model_groups
+    (model,) = list(group)
+    atoms = model._atoms
+    assert len(atoms) == int(protein.atom_mask.sum())
+    first = atoms[0]
+    assert (first.seq_id, first.atom_id) == (1, "N")
+    np.testing.assert_allclose([first.x, first.y, first.z], protein.atom_positions[0, 0], atol=1e-3)
+    local = [q for q in model.qa_metrics if hasattr(q, "residue")]
+    glob = [q for q in model.qa_metrics if not hasattr(q, "residue")]
+    assert [q.residue.seq_id for q in local] == list(range(1, len(SEQUENCE) + 1))
+    assert all(q.residue.asym.id == "A" for q in local)
+    np.testing.assert_allclose([q.value for q in local], plddt, atol=0.005)
+    assert len(glob) == 1 and glob[0].value == pytest.approx(plddt.mean(), abs=0.005)
+    assert {type(q).__name__ for q in model.qa_metrics} == {"pLDDT"}
+
+
+def test_modelcif_plddt_is_plddt_when_the_b_factors_are_not(protein):
+    """With --subtract_plddt the B-factors hold 100 - pLDDT; the QA metrics still hold pLDDT."""
+    plddt = np.linspace(20.0, 95.0, len(SEQUENCE))
+    flipped = Protein(protein.atom_positions, protein.atom_mask, protein.aatype, protein.residue_index,
+                      100.0 - protein.b_factors)
+    text = to_mmcif(flipped, name="x", plddt=plddt)
+    rows = text.split("_ma_qa_metric_local.metric_value\n", 1)[1].split("\n#", 1)[0].splitlines()
+    np.testing.assert_allclose([float(r.split()[-1]) for r in rows], plddt, atol=0.005)
