@@ -372,6 +372,7 @@ def write_target_outputs(
     features_info: dict[str, Any] | None = None,
     fingerprint: dict[str, Any] | None = None,
     subtract_plddt: bool = False,
+    msa: np.ndarray | None = None,
 ) -> list[str]:
     """Write every output file of one target (module docstring) and return their names.
 
@@ -380,6 +381,7 @@ def write_target_outputs(
     written under the target's name. `features_info` (what the features were made of) goes to
     `features.json`; `fingerprint` (what made the outputs) to `timings.json`, which is written last;
     `timings` (seconds per stage) gets the relaxation time added. `subtract_plddt`: B-factors are 100 - pLDDT.
+    `msa` (the raw `msa` feature `[S, N]`): its coverage plot, as ColabFold draws it, to `<target>_coverage.png`.
     """
 
     def protein(pred: Prediction) -> Protein:
@@ -432,6 +434,12 @@ def write_target_outputs(
     if features_info is not None:
         _write_text(folder / "features.json", json.dumps(features_info, indent=2))
         files.append("features.json")
+    if msa is not None:
+        from .io.confidence import plot_msa_coverage
+
+        depth = f"{len(msa)} sequence{'s' if len(msa) != 1 else ''}"
+        plot_msa_coverage(folder / f"{target.name}_coverage.png", msa, f"{target.name}: sequence coverage ({depth})")
+        files.append(f"{target.name}_coverage.png")
     record = {"target": target.name, "description": target.description, "length": len(target.sequence),
               "timings": timings, "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
               "inputs": features_info, "fingerprint": fingerprint, "files": files}
@@ -580,10 +588,11 @@ def _remark(cfg: FoldConfig) -> str:
 
 def _outputs_job(target: Target, predictions: dict[str, Prediction], folder: str, relax: Any,
                  timings: dict[str, float], remark: str, info: dict | None = None,
-                 fingerprint: dict | None = None, subtract_plddt: bool = False) -> tuple[list[str], dict[str, float]]:
+                 fingerprint: dict | None = None, subtract_plddt: bool = False,
+                 msa: np.ndarray | None = None) -> tuple[list[str], dict[str, float]]:
     """What one Ray relax/output task runs."""
     files = write_target_outputs(target, predictions, folder, relax, timings, remark, info, fingerprint,
-                                 subtract_plddt)
+                                 subtract_plddt, msa)
     return files, timings
 
 
@@ -755,7 +764,7 @@ def fold_targets(
                 predictions = _predict_all(target, raw, cfg, models, timings, target_fp)
                 emit("model", target)
                 args = (target, predictions, str(folder), cfg.relax, timings, _remark(cfg), info, target_fp,
-                        cfg.subtract_plddt)
+                        cfg.subtract_plddt, raw.get("msa"))
                 if relax_remote is not None:
                     pending[relax_remote.remote(*args)] = target
                 else:

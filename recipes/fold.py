@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
+import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -36,9 +38,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["AlphaFoldPredictor", "FoldDataModule", "FoldPredictionWriter", "load_recipe"]
 
 _NAME, _SEQUENCE, _SECONDS, _ERROR = "_target_name", "_target_sequence", "_features_seconds", "_error"
-_INFO = "_features_info"
+_INFO, _MSA = "_features_info", "_msa"
 """Batch keys that are not model features: the target (plain strings: Lightning walks batches and refuses
-frozen dataclasses), the feature-building time, a feature failure, what the features were made of (JSON)."""
+frozen dataclasses), the feature-building time, a feature failure, what the features were made of (JSON), the
+raw MSA (for the coverage plot)."""
 
 
 def _target_keys(target: pipeline.Target) -> dict[str, str]:
@@ -94,8 +97,9 @@ class AlphaFoldPredictor(pl.LightningModule):
         timings = {"features": float(batch.get(_SECONDS, 0.0)), f"model_{self.spec.label}": time.perf_counter() - t0}
         remark = "" if self.spec.param_path else _RANDOM_REMARK
         info = json.loads(batch[_INFO]) if batch.get(_INFO) else None
+        msa = batch[_MSA].cpu().numpy() if batch.get(_MSA) is not None else None
         return {"name": batch[_NAME], "sequence": batch[_SEQUENCE], "label": self.spec.label,
-                "prediction": prediction, "timings": timings, "remark": remark, "features_info": info}
+                "prediction": prediction, "timings": timings, "remark": remark, "features_info": info, "msa": msa}
 
 
 class _TargetStream(IterableDataset):
@@ -120,7 +124,8 @@ class _TargetStream(IterableDataset):
             batch = pipeline.features_for_model(raw, self.feature_config, self.module.seed)
             from ..fastfold.data.features import to_torch
 
-            yield {**_target_keys(target), _SECONDS: seconds, _INFO: json.dumps(info), **to_torch(batch)}
+            yield {**_target_keys(target), _SECONDS: seconds, _INFO: json.dumps(info),
+                   _MSA: torch.from_numpy(np.asarray(raw["msa"])), **to_torch(batch)}
 
 
 class FoldDataModule(pl.LightningDataModule):
@@ -214,7 +219,8 @@ class FoldPredictionWriter(BasePredictionWriter):
         prediction["prediction"].save(folder / f"{target.name}_{label}_prediction.npz")
         files = pipeline.write_target_outputs(target, {label: prediction["prediction"]}, folder, self.relax_config,
                                               dict(prediction["timings"]), prediction["remark"],
-                                              features_info=prediction.get("features_info"))
+                                              features_info=prediction.get("features_info"),
+                                              msa=prediction.get("msa"))
         logger.info("%s: wrote %d files to %s", target.name, len(files), folder)
 
 

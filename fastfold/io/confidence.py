@@ -1,4 +1,5 @@
-"""Confidence outputs: the JSON of pLDDT / pTM / PAE and the PNG plots of pLDDT and PAE."""
+"""Confidence outputs: the JSON of pLDDT / pTM / PAE, the PNG plots of pLDDT and PAE, and the MSA coverage plot
+ColabFold draws."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import numpy as np
 
 from ...core_parallel.fileio import atomic_write
 
-__all__ = ["MAX_PAE", "confidence_dict", "plot_pae", "plot_plddt", "write_confidence_json"]
+__all__ = ["MAX_PAE", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae", "plot_plddt",
+           "write_confidence_json"]
+
+MSA_GAP = 21
+"""The gap's index in the `msa` feature (AlphaFold's HHblits order mapped to ours)."""
 
 MAX_PAE = 31.75
 """AlphaFold's PAE cap in Angstrom: the centre of the last of its 64 PAE bins (0.5 Angstrom wide, edges to 31)
@@ -80,5 +85,42 @@ def plot_pae(path: str | Path, pae: np.ndarray, title: str, mark: str = "") -> N
     fig.colorbar(im, ax=ax, label="expected position error (Å)")
     ax.set(xlabel="scored residue", ylabel="aligned residue", title=title)
     _mark(fig, mark)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def msa_coverage(msa: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ColabFold's MSA coverage picture (`plot_msa_v2`) for one chain: `msa` `[S, N]` (the `msa` feature, query
+    first, gap = 21).
+
+    Returns (`image` `[S, N]`, `coverage` `[N]`, `identity` `[S]`): each row's sequence identity to the query
+    (identical positions over the query's length, as ColabFold counts it), rows sorted from the most to the
+    least identical; `image` holds a row's identity at its aligned (non-gap) positions and NaN at gaps;
+    `coverage` counts the non-gap rows at each position."""
+    msa = np.asarray(msa)
+    aligned = msa != MSA_GAP
+    identity = (msa == msa[:1]).mean(axis=1)
+    order = np.argsort(-identity, kind="stable")
+    image = np.where(aligned, identity[:, None], np.nan)[order].astype(np.float32)
+    return image, aligned.sum(axis=0), identity[order]
+
+
+def plot_msa_coverage(path: str | Path, msa: np.ndarray, title: str) -> None:
+    """The MSA coverage plot as ColabFold draws it: one line per sequence over the positions it covers,
+    coloured by its identity to the query (rainbow, 0..1), most identical at the bottom, and the number of
+    sequences covering each position in black."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    image, coverage, _ = msa_coverage(msa)
+    rows, n = image.shape
+    fig, ax = plt.subplots(figsize=(8, 5))
+    im = ax.imshow(image, interpolation="nearest", aspect="auto", cmap="rainbow_r", vmin=0, vmax=1, origin="lower",
+                   extent=(0, n, 0, rows))
+    ax.plot(np.arange(n) + 0.5, coverage, color="black")
+    ax.set(xlim=(0, n), ylim=(0, rows), xlabel="positions", ylabel="sequences", title=title)
+    fig.colorbar(im, ax=ax, label="sequence identity to query")
     _save(fig, path)
     plt.close(fig)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from lowmem.fastfold.common import residue_constants as rc
-from lowmem.fastfold.io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
+from lowmem.fastfold.io.confidence import (
+    confidence_dict,
+    msa_coverage,
+    plot_msa_coverage,
+    plot_pae,
+    plot_plddt,
+    write_confidence_json,
+)
 from lowmem.fastfold.io.protein import Protein, from_pdb, to_mmcif, to_pdb
 from lowmem.fastfold.model.testing import random_atom37
 
@@ -224,3 +231,29 @@ def test_modelcif_plddt_is_plddt_when_the_b_factors_are_not(protein):
     text = to_mmcif(flipped, name="x", plddt=plddt)
     rows = text.split("_ma_qa_metric_local.metric_value\n", 1)[1].split("\n#", 1)[0].splitlines()
     np.testing.assert_allclose([float(r.split()[-1]) for r in rows], plddt, atol=0.005)
+
+
+def test_msa_coverage_as_colabfold_counts_it(tmp_path):
+    """Per-position coverage (non-gap rows), each row's identity to the query over the query's length, rows
+    from most to least identical, gaps empty (NaN); the plot is a PNG with the identity colours and the line."""
+    import matplotlib.image as mpimg
+
+    g = 21
+    msa = np.array([
+        [0, 1, 2, 3, 4, 5, 6, 7],  # the query
+        [9, 9, 2, 3, 9, 9, g, g],  # 2 of 8 identical
+        [g, 1, 2, 3, 4, 5, 6, g],  # 6 of 8 identical
+        [g, g, g, g, g, g, g, 7],  # 1 of 8
+    ])
+    image, coverage, identity = msa_coverage(msa)
+    np.testing.assert_array_equal(coverage, [2, 3, 3, 3, 3, 3, 2, 2])
+    np.testing.assert_allclose(identity, [1.0, 6 / 8, 2 / 8, 1 / 8])
+    np.testing.assert_array_equal(np.isnan(image), (msa == g)[[0, 2, 1, 3]])
+    np.testing.assert_allclose(image[1, 1:7], 6 / 8)
+    np.testing.assert_allclose(image[3, 7], 1 / 8)
+    path = tmp_path / "cov.png"
+    plot_msa_coverage(path, msa, "t: sequence coverage (4 sequences)")
+    img = mpimg.imread(path)[..., :3]
+    colourful = (img.max(-1) - img.min(-1)) > 0.3
+    black = img.max(-1) < 0.15
+    assert colourful.sum() > 2000 and black.sum() > 100

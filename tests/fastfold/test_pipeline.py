@@ -54,6 +54,9 @@ def test_precomputed_alignments_templates_two_models(tmp_path):
     assert top.sequence == QUERY.sequence
     assert not (folder / "query_relaxed.pdb").exists() and not (folder / "query_pae.png").exists()
     assert is_complete(QUERY, tmp_path)
+    # the MSA coverage plot as ColabFold draws it, listed with the target's files
+    assert (folder / "query_coverage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "query_coverage.png" in json.loads((folder / "timings.json").read_text())["files"]
 
 
 def test_resume_skip_and_overwrite(tmp_path):
