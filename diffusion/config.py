@@ -172,7 +172,7 @@ class FineTuneConfig:
     strategy: str = "auto"
     """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ..."""
     offload_dir: str | None = None
-    """Folder for NVMe offload (gemini_nvme); sets SUITE_OFFLOAD_DIR."""
+    """Folder of the NVMe tier (gemini_nvme, gemini_auto); passed to the strategy object, local and on Ray."""
     devices: int = 1
     """Processes (devices) per node."""
     num_nodes: int = 1

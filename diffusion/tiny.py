@@ -78,17 +78,28 @@ def byte_vocab() -> dict[str, int]:
 
 def build_tokenizer(max_length: int = 77, folder: str | Path | None = None) -> Any:
     """A CLIPTokenizer over `byte_vocab()`; with `folder`, also write its files there (both layouts)."""
+    import tempfile
+
     from transformers import CLIPTokenizer
 
     vocab = byte_vocab()
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], pad_token=EOS, model_max_length=max_length)
+    # Built from its two files, which every transformers version reads (4.x takes file names, 5.x also dicts).
+    with tempfile.TemporaryDirectory() as tmp:
+        files = Path(tmp)
+        _write_vocab_files(files, vocab)
+        tokenizer = CLIPTokenizer(str(files / "vocab.json"), str(files / "merges.txt"), pad_token=EOS,
+                                  model_max_length=max_length)
     if folder is not None:
         folder = Path(folder)
         tokenizer.save_pretrained(folder)
-        (folder / "vocab.json").write_text(json.dumps(vocab))
-        # The tokenizers BPE loader rejects a merges file ending in a blank line: no trailing newline.
-        (folder / "merges.txt").write_text("#version: 0.2")
+        _write_vocab_files(folder, vocab)
     return tokenizer
+
+
+def _write_vocab_files(folder: Path, vocab: dict[str, int]) -> None:
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    # The tokenizers BPE loader rejects a merges file ending in a blank line: no trailing newline.
+    (folder / "merges.txt").write_text("#version: 0.2")
 
 
 def _unet(cfg: TinyPipelineConfig) -> Any:

@@ -638,6 +638,7 @@ def check_run(cfg: FineTuneConfig) -> None:
         close = difflib.get_close_matches(cfg.strategy, names, n=1)
         hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(names)})"
         raise InputError(f"--strategy {cfg.strategy}: no such strategy{hint}")
+    strategy_arguments(cfg)  # --offload_dir with a strategy that has no NVMe tier: one line, before any loading
     cuda = torch.cuda.is_available()
     if cfg.mixed_precision == "fp16" and not cuda:
         raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
@@ -694,20 +695,47 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
     )
 
 
+def strategy_arguments(cfg: FineTuneConfig) -> dict[str, Any]:
+    """Constructor arguments the run's flags add to its registered strategy: `offload_dir` for the Gemini
+    strategies with an NVMe tier (passed to the strategy object, never through an environment variable)."""
+    if not cfg.offload_dir:
+        return {}
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .strategies import GeminiStrategy
+
+    entry = dict.get(StrategyRegistry, cfg.strategy)  # the entry (the registry's own get() builds a strategy)
+    params = (entry or {}).get("init_params", {})
+    has_nvme = params.get("offload") == "nvme" or params.get("placement") == "auto"
+    if entry is None or not issubclass(entry["strategy"], GeminiStrategy) or not has_nvme:
+        raise InputError(f"--offload_dir {cfg.offload_dir}: only the strategies with an NVMe tier use it "
+                         f"(gemini_nvme, gemini_auto), not --strategy {cfg.strategy}")
+    return {"offload": "nvme", "offload_dir": str(cfg.offload_dir)}
+
+
+def _strategy(cfg: FineTuneConfig) -> Any:
+    """The Trainer's `strategy`: the registered name, or the registered strategy built with the run's arguments."""
+    extra = strategy_arguments(cfg)
+    if not extra:
+        return cfg.strategy
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[cfg.strategy]
+    return entry["strategy"](**{**entry["init_params"], **extra})
+
+
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
                   resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
     from .. import recipes  # noqa: F401 - registers the strategy names
 
-    if cfg.offload_dir:
-        os.environ["SUITE_OFFLOAD_DIR"] = str(cfg.offload_dir)
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # a progress bar only where a terminal shows it; elsewhere PlainProgress writes lines
     bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
     kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
-    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy)
+    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=_strategy(cfg))
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
 
@@ -790,6 +818,7 @@ def _ray_job(cfg: FineTuneConfig, max_steps: int, ckpt: str | None, resumed_step
     data = ImageCaptionData(cfg, module.tokenizer)
     strategy = "ddp" if cfg.strategy == "auto" else cfg.strategy
     return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
+                  strategy_kwargs=strategy_arguments(cfg),
                   trainer_kwargs=trainer_kwargs(cfg, max_steps, None, resumed_step, progress_bar=False))
 
 

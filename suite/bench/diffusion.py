@@ -164,6 +164,7 @@ def _gemini(model, optimizer, opts: dict):
     folder = tempfile.mkdtemp(prefix="bench-gemini-") if offload == "nvme" else None
     frac = 0.0 if offload == "none" else 1.0
     config = core_parallel.GeminiConfig(offload_param_frac=frac, offload_optim_frac=frac, offload_dir=folder,
+                                        offload_tier="nvme" if offload == "nvme" else "cpu",
                                         chunk_mb=opts["chunk_mb"], prefetch=opts.get("prefetch", 1),
                                         keep_gathered=opts.get("keep_gathered"))
     model, optimizer = core_parallel.setup(model, optimizer, config)

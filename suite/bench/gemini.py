@@ -240,7 +240,8 @@ def _ram_budget(args: argparse.Namespace) -> dict:
     rows, best = [], None
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
         for size in (_count(s) for s in args.sizes.split(",")):
-            extra = {"placement": "auto", "offload_dir": folder, "device_memory_budget": budget // 2}
+            extra = {"placement": "auto", "offload_tier": "nvme", "offload_dir": folder,
+                     "device_memory_budget": budget // 2}
             try:
                 r = _spawn("gemini", args.ranks, size, args, extra)
             except Exception as exc:  # noqa: BLE001 - the first failure ends the search

@@ -68,7 +68,7 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("output_dir", str, "sd-model-finetuned", "output folder: pipeline or LoRA weights, checkpoints, logs"),
     ("strategy", str, "auto", "Lightning strategy: auto, ddp, zero1, zero2, zero2_offload, gemini, "
      "gemini_offload, gemini_nvme, gemini_auto"),
-    ("offload_dir", str, None, "NVMe offload folder for gemini_nvme (sets SUITE_OFFLOAD_DIR)"),
+    ("offload_dir", str, None, "NVMe offload folder of gemini_nvme or gemini_auto (given to the strategy)"),
     ("devices", int, 1, "processes (devices) per node"),
     ("num_nodes", int, 1, "nodes"),
     ("attention_backend", str, "auto", "kernels.attention backend: auto, triton, torch"),
@@ -113,7 +113,7 @@ LAUNCH_FLAGS: list[tuple[str, type, object, str]] = [
      "gemini_offload, gemini_nvme, gemini_auto"),
     ("devices", int, 1, "processes (devices) per node"),
     ("num_nodes", int, 1, "nodes"),
-    ("offload_dir", str, None, "NVMe offload folder for gemini_nvme (sets SUITE_OFFLOAD_DIR)"),
+    ("offload_dir", str, None, "NVMe offload folder of gemini_nvme or gemini_auto (given to the strategy)"),
     ("attention_backend", str, "auto", "kernels.attention backend: auto, triton, torch"),
 ]
 
