@@ -245,7 +245,10 @@ def test_cuda_device_without_cuda_is_refused(tmp_path, capsys):
 
 
 def test_ray_address_auto_says_which_cluster_it_joins(tmp_path, monkeypatch, caplog):
+    from lowmem.suite.commands import fold as fold_command
     from lowmem.suite.commands.fold import _check_ray_address
+
+    monkeypatch.setattr(fold_command, "_check_ray_auth", lambda address: None)  # a plain socket, not a GCS
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -260,3 +263,73 @@ def test_ray_address_auto_says_which_cluster_it_joins(tmp_path, monkeypatch, cap
         assert f"joining the Ray cluster at {address} (from {current})" in caplog.text
         monkeypatch.setenv("RAY_ADDRESS", address)
         assert _check_ray_address("auto") == address and "(from RAY_ADDRESS)" in caplog.text
+
+
+_TOKEN_HEAD = r"""
+import sys
+import ray
+ctx = ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[1], configure_logging=False)
+print(ctx.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture
+def token_cluster(tmp_path):
+    """A one-CPU Ray head with token authentication (Ray >= 2.52), in its own process group; its GCS address
+    and token. HOME points into tmp_path, so no ~/.ray/auth_token of this machine is read or written."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    raylet = pytest.importorskip("ray._raylet")
+    if not hasattr(raylet, "AuthenticationMode"):
+        pytest.skip(f"Ray {ray.__version__} has no token authentication")
+    token = "5ee7a1f0" * 4
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit in 107 characters
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen([sys.executable, "-c", _TOKEN_HEAD, temp], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the token-auth Ray head did not start"
+        yield address, token
+    finally:
+        try:
+            head.stdin.close()
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # the group this fixture started
+            head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_address_that_needs_a_token_is_refused_in_one_line(tmp_path, monkeypatch, capsys, token_cluster):
+    """Issue 21: a cluster with token authentication and no (or a wrong) token here: one line, exit 2, before any
+    work; with the cluster's token the address is accepted."""
+    from lowmem.suite.commands.fold import _check_ray_address
+
+    address, token = token_cluster
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">pep\nMKTAYIAK\n")
+    out = tmp_path / "out"
+    assert main(["fold", str(fasta), "--output_dir", str(out), "--no-relax", "--ray_address", address]) == 2
+    err = capsys.readouterr().err
+    assert f"--ray_address {address}: the Ray cluster requires an authentication token" in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1 and "Traceback" not in err
+    assert not out.exists()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 32)
+    with pytest.raises(UsageError, match="requires an authentication token"):
+        _check_ray_address(address)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    assert _check_ray_address(address) == address
