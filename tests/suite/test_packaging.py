@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLD_DISTS = {"openmm", "pdbfixer", "matplotlib", "gemmi", "biopython", "hmmer"}
+FOLD_DISTS = {"openmm", "pdbfixer", "matplotlib", "gemmi", "biopython", "hmmer", "modelcif"}
 
 
 def _name(req: str) -> str:
