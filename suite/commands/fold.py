@@ -242,7 +242,9 @@ def _apply_config(args: argparse.Namespace) -> None:
         dest = "template_mmcif_dir_flag" if key == "template_mmcif_dir" else key
         if dest not in default_values or dest == "config":
             raise _usage(f"--config {path}: key {key!r} is not a suite fold flag")
-        if getattr(args, dest) == default_values[dest]:
+        explicit = getattr(args, "explicit_flags", None)  # set by suite's main; else: a value off its default
+        given = dest in explicit if explicit is not None else getattr(args, dest) != default_values[dest]
+        if not given:
             setattr(args, dest, value)
 
 
