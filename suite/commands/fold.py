@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relax", action=argparse.BooleanOptionalAction, default=True,
                         help="Amber-relax the best model (default: on)")
     parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
+    parser.add_argument("--relax_max_passes", type=int, default=20,
+                        help="relax budget: minimise-and-check passes (AlphaFold's 20); unconverged is reported")
+    parser.add_argument("--relax_max_minutes", type=float, default=None,
+                        help="relax budget per structure: no new pass after this many minutes (default: none)")
     parser.add_argument("--ray_address", default=None, help="Ray cluster for the alignment/feature jobs")
     parser.add_argument("--num_workers", type=int, default=None,
                         help="local Ray CPUs for alignment/feature jobs; 0: no Ray (default: up to 4 when several "
@@ -499,7 +503,6 @@ def _build_config(args: argparse.Namespace, targets):
     import os
 
     from ...fastfold.pipeline import AlignmentConfig, FoldConfig
-    from ...fastfold.relax import RelaxConfig
 
     mmcif_dir = args.template_mmcif_dir_flag or args.template_mmcif_dir
     _existing(mmcif_dir, "template_mmcif_dir", "dir")
@@ -512,6 +515,10 @@ def _build_config(args: argparse.Namespace, targets):
     for flag in ("devices", "cpus"):
         if getattr(args, flag) < 1:
             raise _usage(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.relax_max_passes < 1:
+        raise _usage(f"--relax_max_passes must be >= 1, got {args.relax_max_passes}")
+    if args.relax_max_minutes is not None and not args.relax_max_minutes > 0:
+        raise _usage(f"--relax_max_minutes must be > 0, got {args.relax_max_minutes}")
     if args.num_workers is not None and args.num_workers < 0:
         raise _usage(f"--num_workers must be >= 0, got {args.num_workers}")
     if args.seed < 0:
@@ -534,7 +541,7 @@ def _build_config(args: argparse.Namespace, targets):
         workers = min(4, os.cpu_count() or 1, len(targets)) if len(targets) > 1 else 0
     return FoldConfig(
         output_dir=args.output_dir, models=models, alignment=alignment,
-        relax=RelaxConfig(platform=args.relax_platform) if args.relax else None, overwrite=args.overwrite,
+        relax=_relax_config(args) if args.relax else None, overwrite=args.overwrite,
         seed=args.seed, devices=args.devices, num_workers=workers, ray_address=ray_address,
         num_recycle=args.num_recycle, num_seeds=args.num_seeds, subtract_plddt=args.subtract_plddt,
     )
@@ -615,3 +622,11 @@ def run(args: argparse.Namespace) -> int:
     _summary(results, args.output_dir)
     # exit 1 when a target failed, or its relaxation did not converge or was refused (the table says which)
     return 1 if any(r.status == "failed" or r.relax_problem for r in results) else 0
+
+
+def _relax_config(args: argparse.Namespace):
+    from ...fastfold.relax import RelaxConfig
+
+    minutes = args.relax_max_minutes
+    return RelaxConfig(platform=args.relax_platform, max_outer_iterations=args.relax_max_passes,
+                       max_seconds=None if minutes is None else 60.0 * minutes)

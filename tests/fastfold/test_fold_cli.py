@@ -176,3 +176,24 @@ def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, caps
     assert "failed" in out and "not a Stockholm file" in out
     assert (tmp_path / "out" / "good" / "timings.json").exists()
     assert not (tmp_path / "out" / "bad" / "timings.json").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--relax_max_passes", "0"], "--relax_max_passes must be >= 1, got 0"),
+    (["--relax_max_minutes", "-1"], "--relax_max_minutes must be > 0, got -1.0"),
+])
+def test_relax_budget_flags_are_checked_up_front(tmp_path, capsys, flags, message):
+    assert _exit_code(["fold", _fasta(tmp_path, ">pep\nMK\n"), "--output_dir", str(tmp_path / "o"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_relax_budget_flags_reach_the_relax_config():
+    from lowmem.suite.cli import build_parser
+    from lowmem.suite.commands.fold import _relax_config
+
+    argv = ["fold", "x.fasta", "--relax_max_passes", "3", "--relax_max_minutes", "1.5"]
+    cfg = _relax_config(build_parser(argv).parse_args(argv))
+    assert (cfg.max_outer_iterations, cfg.max_seconds) == (3, 90.0)
+    default = _relax_config(build_parser(["fold", "x.fasta"]).parse_args(["fold", "x.fasta"]))
+    assert (default.max_outer_iterations, default.max_seconds) == (20, None)  # AlphaFold's pass limit, no clock
