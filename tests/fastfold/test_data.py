@@ -155,7 +155,7 @@ def test_templates_from_hits_with_missing_files_and_date_cutoff(caplog):
     assert out["template_aatype"].shape == (3, len(QUERY))  # 4ZEY, 3ZEE, 4I6P; the others have no file
     assert "no 1hf9.cif" in caplog.text
     hit = next(h for h in hits if h.name == "4ZEY_A")
-    k = [i for i in range(3) if out["template_sum_probs"][i, 0] == hit.sum_probs][0]
+    k = [i for i in range(3) if np.isclose(out["template_sum_probs"][i, 0], hit.sum_probs, rtol=1e-6)][0]
     covered = np.nonzero(out["template_all_atom_mask"][k].sum(-1))[0]
     assert set(covered) <= {q for q in hit.indices_query if q >= 0} and len(covered) > 10
     seq = "".join(rc.restypes_with_x[a] if a < 21 else "-" for a in out["template_aatype"][k])
