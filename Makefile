@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-min lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,20 @@ demo: install
 test: install
 	$(BIN)/pytest -q tests
 
+# The same tests on the lowest versions pyproject.toml allows (.ci/lowest-versions.txt), in a venv of their own.
+MIN_VENV := .venv-min
+$(MIN_VENV)/.installed: pyproject.toml .ci/lowest-versions.txt
+	$(PY) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/pip install --quiet --upgrade pip
+	$(MIN_VENV)/bin/pip install --quiet torch==2.13.0
+	$(MIN_VENV)/bin/pip install --quiet -e ".[test]" -c .ci/lowest-versions.txt
+	touch $@
+
+test-min: $(MIN_VENV)/.installed
+	$(MIN_VENV)/bin/pytest -q tests
+
 lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MIN_VENV)
