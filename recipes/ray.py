@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core_parallel.groups import GLOO, NCCL
+
 __all__ = ["FitJob", "RayConfig", "RayFitResult", "add_ray_arguments", "fit_on_ray", "ray_strategy"]
 
 logger = logging.getLogger(__name__)
@@ -244,7 +246,7 @@ def fit_on_ray(build: Callable[[], FitJob], config: RayConfig) -> RayFitResult:
         trainer = TorchTrainer(
             _train_worker,
             train_loop_config={"build": build, "use_gpu": config.use_gpu, "checkpoint_dir": checkpoint_dir},
-            torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo",
+            torch_config=TorchConfig(backend=NCCL if config.use_gpu else GLOO,
                                      timeout_s=int(config.collective_timeout_s)),
             scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                          resources_per_worker={"CPU": config.cpus_per_worker}),

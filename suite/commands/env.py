@@ -7,6 +7,8 @@ import importlib
 import json
 import platform
 
+from ...core_parallel.groups import BACKENDS
+
 __all__ = ["add_arguments", "collect", "run"]
 
 PACKAGES = ("torch", "triton", "diffusers", "transformers", "peft", "lightning", "ray", "openmm", "pdbfixer",
@@ -71,9 +73,7 @@ def collect() -> dict:
         "cuda_devices": _devices(),
         "distributed": {
             "available": dist.is_available(),
-            "gloo": dist.is_available() and dist.is_gloo_available(),
-            "nccl": dist.is_available() and dist.is_nccl_available(),
-            "mpi": dist.is_available() and dist.is_mpi_available(),
+            **{name: dist.is_available() and getattr(dist, f"is_{name}_available")() for name in BACKENDS},
         },
         "kernel_backends": _kernel_backends(),
     }
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for d in info["cuda_devices"]:
         print(f"  cuda:{d['index']} {d['name']}  {d['total_gib']} GiB total, {d['free_gib']} GiB free,"
               f" sm_{d['capability']}")
-    backends = [k for k in ("gloo", "nccl", "mpi") if info["distributed"][k]]
+    backends = [k for k in BACKENDS if info["distributed"][k]]
     print(f"distributed   {', '.join(backends) if backends else 'none'}")
     print("kernel backends (this machine, default device):")
     for op, backend in info["kernel_backends"].items():
