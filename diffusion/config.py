@@ -133,6 +133,10 @@ class FineTuneConfig:
     """Noise offset scale."""
     input_perturbation: float = 0.0
     """Scale of the extra noise added to the model input only (Ning et al. 2023; 0.1 recommended)."""
+    dream_training: bool = False
+    """DREAM training (Zhou et al. 2023; epsilon prediction only)."""
+    dream_detail_preservation: float = 1.0
+    """DREAM's detail-preservation exponent."""
     prediction_type: str | None = None
     """epsilon or v_prediction; None keeps the scheduler's."""
     gradient_checkpointing: bool = False
@@ -252,7 +256,8 @@ class FineTuneConfig:
             raise ValueError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
         LossConfig(prediction_type=self.prediction_type or "epsilon", snr_gamma=self.snr_gamma,
                    noise_offset=self.noise_offset, prior_loss_weight=self.prior_loss_weight,
-                   input_perturbation=self.input_perturbation)
+                   input_perturbation=self.input_perturbation, dream_training=self.dream_training,
+                   dream_detail_preservation=self.dream_detail_preservation)
         if self.use_ema and self.strategy.startswith("gemini"):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
@@ -291,7 +296,8 @@ class FineTuneConfig:
         return LossConfig(prediction_type=self.prediction_type or scheduler_prediction_type,
                           snr_gamma=self.snr_gamma, noise_offset=self.noise_offset,
                           prior_loss_weight=self.prior_loss_weight, input_perturbation=self.input_perturbation,
-                          with_prior_preservation=self.with_prior_preservation)
+                          with_prior_preservation=self.with_prior_preservation, dream_training=self.dream_training,
+                          dream_detail_preservation=self.dream_detail_preservation)
 
     def total_steps(self, dataset_len: int, world_size: int) -> int:
         """Optimizer steps of the run: max_train_steps, else epochs x steps per epoch."""

@@ -265,7 +265,8 @@ _NO_HUB = "nothing is uploaded here (no network); the result stays in --output_d
 _SAME_NAME = (
     "adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay", "allow_tf32", "cache_dir", "caption_column",
     "center_crop", "checkpointing_steps", "checkpoints_total_limit", "class_data_dir", "class_prompt",
-    "dataloader_num_workers", "dataset_config_name", "dataset_name", "foreach_ema", "gradient_accumulation_steps",
+    "dataloader_num_workers", "dataset_config_name", "dataset_name", "dream_detail_preservation", "dream_training",
+    "foreach_ema", "gradient_accumulation_steps",
     "gradient_checkpointing", "image_column", "image_interpolation_mode", "input_perturbation", "instance_data_dir",
     "instance_prompt", "learning_rate", "logging_dir", "lr_num_cycles", "lr_power", "lr_scheduler",
     "lr_warmup_steps", "max_grad_norm", "max_train_samples", "max_train_steps", "noise_offset", "num_class_images",
@@ -299,8 +300,6 @@ HANDLING: dict[str, Accept | Refuse] = {
     "local_rank": Refuse("set by torch.distributed launchers; here --devices and --num_nodes start the processes"),
     "non_ema_revision": Refuse("the UNet and its EMA both start from --revision here; a separate non-EMA revision "
                                "is not supported"),
-    "dream_training": Refuse("DREAM training (Zhou et al. 2023) is not implemented here"),
-    "dream_detail_preservation": Refuse("used only by --dream_training, which is not implemented here"),
     "class_labels_conditioning": Refuse("class-label conditioning is for UNets with a class embedding (DeepFloyd "
                                         "IF's upscaler); Stable Diffusion's UNet has none"),
     "validation_images": Refuse("image-conditioned validation is for DeepFloyd IF's upscaler; Stable Diffusion "

@@ -50,8 +50,18 @@ class LossConfig:
     """The second half of each batch holds class images (DreamBooth prior preservation)."""
     input_perturbation: float = 0.0
     """Scale of the extra noise in the UNet's input only, not in the target (Ning et al. 2023); 0 disables."""
+    dream_training: bool = False
+    """DREAM (Zhou et al. 2023): a no-grad prediction's error, scaled by `sqrt(1 - alpha_bar_t) **
+    dream_detail_preservation`, is added to the noisy input and to the target (epsilon prediction only)."""
+    dream_detail_preservation: float = 1.0
+    """DREAM's detail-preservation exponent."""
 
     def __post_init__(self) -> None:
+        if self.dream_training and self.prediction_type != "epsilon":
+            raise ValueError("dream_training: DREAM is defined for prediction_type epsilon only, got "
+                             f"{self.prediction_type!r}")
+        if self.dream_detail_preservation < 0:
+            raise ValueError(f"dream_detail_preservation must be >= 0, got {self.dream_detail_preservation}")
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {self.prediction_type!r}")
         if self.snr_gamma is not None and self.snr_gamma <= 0:
@@ -158,6 +168,9 @@ def diffusion_loss(
         target = noise
     else:
         target = scheduler.get_velocity(latents, noise, timesteps)
+    if cfg.dream_training:
+        noisy, target = _dream(unet, scheduler, noisy, target, noise, timesteps, encoder_hidden_states,
+                               cfg.dream_detail_preservation)
     pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
     per_sample = _per_sample_mse(pred, target)
     if cfg.snr_gamma is not None:
@@ -167,6 +180,18 @@ def diffusion_loss(
         return per_sample.mean()
     instance, prior = per_sample.chunk(2)
     return instance.mean() + cfg.prior_loss_weight * prior.mean()
+
+
+def _dream(unet: Any, scheduler: Any, noisy: torch.Tensor, target: torch.Tensor, noise: torch.Tensor,
+           timesteps: torch.Tensor, hidden: torch.Tensor, detail: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DREAM's rectified input and target: `delta = (noise - eps_hat) * sqrt(1 - a_t) ** detail` from a
+    prediction without gradient; `noisy + sqrt(1 - a_t) * delta`, `target + delta`."""
+    alpha_bar = scheduler.alphas_cumprod.to(timesteps.device)[timesteps].view(-1, *([1] * (noisy.ndim - 1)))
+    sigma = (1.0 - alpha_bar) ** 0.5
+    with torch.no_grad():
+        eps_hat = unet(noisy, timesteps, hidden, return_dict=False)[0]
+    delta = ((noise - eps_hat) * sigma**detail).detach().to(noisy.dtype)
+    return noisy + (sigma * delta).to(noisy.dtype), target + delta.to(target.dtype)
 
 
 class EMA:

@@ -94,6 +94,8 @@ FLAGS: list[tuple[str, object, object, str]] = [
     ("foreach_ema", "bool", False, "update the EMA with foreach kernels"),
     ("offload_ema", "bool", False, "keep the EMA in CPU memory"),
     ("input_perturbation", float, 0.0, "extra noise in the UNet's input only (0.1 recommended)"),
+    ("dream_training", "bool", False, "DREAM training (Zhou et al. 2023; epsilon prediction only)"),
+    ("dream_detail_preservation", float, 1.0, "DREAM's detail-preservation exponent"),
     ("validation_prompts", "list", None, "several validation prompts (a grid each)"),
     ("validation_epochs", int, None, "validate every this many epochs instead of --validation_steps"),
     ("validation_scheduler", str, None, "DPMSolverMultistepScheduler or DDPMScheduler (default: the base's)"),

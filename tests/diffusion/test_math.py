@@ -177,3 +177,33 @@ def test_loss_config_validation():
         LossConfig(prediction_type="sample")
     with pytest.raises(ValueError, match="snr_gamma"):
         LossConfig(snr_gamma=0.0)
+
+
+@pytest.mark.parametrize("detail", [1.0, 0.5])
+def test_dream_equals_diffusers_compute_dream(tiny, detail):
+    """--dream_training: loss and gradients against diffusers' own `compute_dream_and_update_latents` step.
+    The UNet runs in float64; the MSE is taken in float32, as ours and diffusers' scripts take it."""
+    training_utils = pytest.importorskip("diffusers.training_utils")
+    compute_dream = getattr(training_utils, "compute_dream_and_update_latents", None)
+    if compute_dream is None:
+        pytest.skip("this diffusers has no compute_dream_and_update_latents")
+    unet, scheduler = copy.deepcopy(tiny["unet"]).double(), tiny["scheduler"]
+    ref_unet = copy.deepcopy(unet)
+    gen = torch.Generator().manual_seed(11)
+    latents, hidden = torch.randn(3, 4, 16, 16, generator=gen).double(), torch.randn(3, 77, 32, generator=gen).double()
+    noise = torch.randn(3, 4, 16, 16, generator=gen).double()
+    timesteps = torch.randint(0, 1000, (3,), generator=gen)
+    ours = diffusion_loss(unet, scheduler, latents, hidden, noise, timesteps,
+                          LossConfig(dream_training=True, dream_detail_preservation=detail))
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    noisy, target = compute_dream(ref_unet, scheduler, timesteps, noise, noisy, noise, hidden, detail)
+    ref = F.mse_loss(ref_unet(noisy, timesteps, hidden, return_dict=False)[0].float(), target.float())
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-8)
+    ours.backward()
+    ref.backward()
+    for (name, p), q in zip(unet.named_parameters(), ref_unet.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
+    plain = diffusion_loss(unet, scheduler, latents, hidden, noise, timesteps, LossConfig())
+    assert not torch.allclose(ours, plain)  # DREAM changes the loss
+    with pytest.raises(ValueError, match="epsilon"):
+        LossConfig(dream_training=True, prediction_type="v_prediction")
