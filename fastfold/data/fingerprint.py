@@ -2,15 +2,16 @@
 when every input that shaped it is the same (sequence, models and their parameter files, alignment inputs,
 template settings, relaxation, seeds, precision, recycles).
 
-Files are hashed cheaply: size plus the SHA-256 of their first and last MiB. For a parameter `.npz` (a zip)
-the last MiB holds the central directory with every member's CRC-32, so any changed array shows there; for
-an alignment file of a few MiB the two blocks cover it whole.
+Files are hashed whole (SHA-256), except zip archives (parameter `.npz`, OpenFold `.pt`) over 2 MiB: their
+first and last MiB, since the last holds the central directory with every member's CRC-32, so any changed
+array shows there without reading hundreds of MiB per target.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,17 +22,20 @@ _BLOCK = 1 << 20
 
 
 def file_digest(path: str | os.PathLike) -> str:
-    """`<size>:<sha256 of the first and last MiB>` (the whole file when it is under 2 MiB)."""
+    """`<size>:<sha256>` of the whole file, or of a large zip's first and last MiB (its central directory)."""
     path = Path(path)
     size = path.stat().st_size
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= 2 * _BLOCK:
-            h.update(f.read())
-        else:
+        if size > 2 * _BLOCK and zipfile.is_zipfile(f):
+            f.seek(0)
             h.update(f.read(_BLOCK))
             f.seek(size - _BLOCK)
             h.update(f.read(_BLOCK))
+        else:
+            f.seek(0)
+            for block in iter(lambda: f.read(_BLOCK), b""):
+                h.update(block)
     return f"{size}:{h.hexdigest()[:32]}"
 
 

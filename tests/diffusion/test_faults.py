@@ -88,7 +88,7 @@ def test_a_killed_rank_ends_the_other_within_seconds_naming_a_checkpoint_that_ex
     survivor, log = run["ended"][0], run["logs"][0]
     assert run["codes"][1] == -signal.SIGKILL
     assert survivor is not None and survivor < SURVIVOR_S, (survivor, log[-3000:])
-    assert run["codes"][0] == 2 or run["codes"][0] not in (0, -signal.SIGKILL), log[-3000:]
+    assert run["codes"][0] not in (0, -signal.SIGKILL), log[-3000:]  # stopped by itself, not as a success
     assert "lost contact with rank 1" in log, log[-3000:]
     named = re.search(r"Last complete checkpoint: (\S+); resume with --resume_from_checkpoint latest", log)
     assert named, log[-3000:]
@@ -104,6 +104,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(runs):
     line = [ln for ln in run["logs"][0].splitlines() if "SIGTERM received" in ln]
     assert line and "resume with --resume_from_checkpoint latest" in line[0], run["logs"][0][-3000:]
     saved = re.search(r"stopped after step (\d+)", line[0])
+    assert saved, line[0]
     step = int(saved.group(1))
     assert (run["out"] / f"checkpoint-{step}").is_dir() and str(run["out"] / f"checkpoint-{step}") in line[0]
     assert not (run["out"] / "unet").exists(), "a preempted run must not look finished (no export)"

@@ -126,6 +126,16 @@ def test_step_noise_is_a_function_of_its_arguments():
     assert a.timesteps.dtype == torch.long and a.timesteps.min() >= 0 and a.timesteps.max() < 1000
 
 
+def _perturb_and_update(model, ours, ref, steps: int) -> None:
+    """`steps` random moves of the model's weights, each followed by an update of both EMAs."""
+    for _ in range(steps):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ours.update()
+        ref.step(model.parameters())
+
+
 def test_ema_matches_diffusers_emamodel():
     from diffusers.training_utils import EMAModel
 
@@ -133,12 +143,7 @@ def test_ema_matches_diffusers_emamodel():
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
     ours = EMA(model.parameters(), decay=0.99)
     ref = EMAModel(model.parameters(), decay=0.99)
-    for _ in range(6):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        ours.update()
-        ref.step(model.parameters())
+    _perturb_and_update(model, ours, ref, steps=6)
     for s, r in zip(ours.shadow, ref.shadow_params):
         torch.testing.assert_close(s, r, rtol=1e-6, atol=1e-7)
     state = ours.state_dict()
@@ -157,12 +162,7 @@ def test_ema_foreach_and_offload_match_diffusers(foreach, offload):
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
     ours = EMA(model.parameters(), decay=0.9, foreach=foreach, offload=offload)
     ref = EMAModel(model.parameters(), decay=0.9, foreach=foreach)
-    for _ in range(5):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        ours.update()
-        ref.step(model.parameters())
+    _perturb_and_update(model, ours, ref, steps=5)
     for s, r in zip(ours.shadow, ref.shadow_params):
         assert s.device.type == "cpu"
         torch.testing.assert_close(s.double(), r.double(), rtol=1e-6, atol=1e-7)

@@ -15,7 +15,6 @@ import pytest
 from lowmem.fastfold.io.protein import from_pdb
 from lowmem.fastfold.pipeline import (
     AlignmentConfig,
-    FoldConfig,
     ModelSpec,
     Prediction,
     Target,
@@ -23,14 +22,7 @@ from lowmem.fastfold.pipeline import (
     is_complete,
     target_fingerprint,
 )
-
-ASSETS = Path(__file__).parents[1] / "assets" / "fold"
-
-
-def _config(out: Path, **kw) -> FoldConfig:
-    models = kw.pop("models", [ModelSpec(model_name="model_1_ptm", tiny=True)])
-    alignment = kw.pop("alignment", AlignmentConfig(single_sequence=True))
-    return FoldConfig(output_dir=str(out), models=models, alignment=alignment, **kw)
+from tests.fastfold.test_pipeline import _config
 
 
 @pytest.fixture
@@ -195,3 +187,27 @@ def test_relax_problems_reach_the_table_the_json_and_the_exit_code(tmp_path, mon
         assert not (folder / "pep_relaxed.pdb").exists() and not (folder / "pep_relaxed.cif").exists()
     assert main(argv) == 1  # the skipped rerun still says so
     assert "RELAX FAILED" in capsys.readouterr().out
+
+
+def test_file_digest_sees_a_change_anywhere_in_a_large_alignment(tmp_path):
+    """A byte changed in the middle of a 5 MiB alignment file changes its digest (only zips are sampled)."""
+    import zipfile
+
+    from lowmem.fastfold.data.fingerprint import file_digest
+
+    path = tmp_path / "uniref90_hits.sto"
+    data = bytearray(b"A" * (5 << 20))
+    path.write_bytes(data)
+    before = file_digest(path)
+    data[len(data) // 2] = ord("C")
+    path.write_bytes(data)
+    assert file_digest(path) != before
+    big = tmp_path / "params.npz"  # a zip: sampled, and a changed member still shows in its central directory
+    with zipfile.ZipFile(big, "w") as z:
+        z.writestr("a.npy", bytes(3 << 20))
+        z.writestr("b.npy", bytes(10))
+    first = file_digest(big)
+    with zipfile.ZipFile(big, "w") as z:
+        z.writestr("a.npy", bytes(3 << 20)[:-1] + b"\x01")
+        z.writestr("b.npy", bytes(10))
+    assert file_digest(big) != first
