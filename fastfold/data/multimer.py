@@ -2,11 +2,12 @@
 
 Two input forms (the ones ColabFold and OpenFold users already have):
 - ColabFold's: one record per complex, its chains separated by ':' (`>dimer` / `MKTAYIAK:GSHMLE`). The chains
-  are named `<complex>_A`, `<complex>_B`, ... (their alignment folders under `--use_precomputed_alignments`).
+  are named `<complex>_A`, `<complex>_B`, ... (their alignment folders under `--use_precomputed_alignments`);
+  a record without ':' is a one-chain complex whose chain has the record's name.
 - OpenFold's: one FASTA file per complex, one record per chain; the complex is named after the file, each
   chain after its record (its alignment folder).
-A file of one record is ColabFold's form (a record without ':' is a one-chain complex); a file of several
-records is OpenFold's, and a ':' in it is an error. Every error is one `InputError` line naming the file and
+A file of one record is ColabFold's form; a file of several records is OpenFold's, and a ':' in it is an
+error. Every error is one `InputError` line naming the file and
 the record (exit 2 from `suite`).
 
 Chains with identical sequences are one entity (a homomer part): `entity_id` counts distinct sequences in order
@@ -73,9 +74,10 @@ CHAIN_IDS = string.ascii_uppercase + string.ascii_lowercase + string.digits
 """PDB chain IDs given to the chains in input order (at most 62 chains)."""
 PAIRING_FILE = "uniprot_hits.sto"
 """A chain folder's UniProt hits: the MSA rows paired across chains by species."""
-NOT_UNPAIRED = (PAIRING_FILE, "pdb_hits.sto")
-"""Alignment-like files of a chain folder that are not part of its unpaired MSA (pairing MSA, hmmsearch
-template hits)."""
+HMMSEARCH_HITS = ("pdb_hits.sto", "hmm_output.sto")
+"""hmmsearch template hits against PDB seqres (AlphaFold-Multimer's and OpenFold's names): not read yet."""
+NOT_UNPAIRED = (PAIRING_FILE, *HMMSEARCH_HITS)
+"""Alignment-like files of a chain folder that are not part of its unpaired MSA."""
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -167,6 +169,8 @@ def parse_complex_fasta(text: str, source: str = "<fasta>", file_name: str | Non
     if len(located) == 1:
         name, raw, desc, where = located[0]
         seqs = _split_chains(raw, where)
+        if len(seqs) == 1:  # a one-chain complex: its folder is the record's, as for a monomer
+            return _assemble(name, [(name, seqs[0], desc)], source)
         return _assemble(name, [(f"{name}_{CHAIN_IDS[i]}", s, desc) for i, s in enumerate(seqs)], source)
     named, seen = [], {}
     for k, (name, raw, desc, where) in enumerate(located, start=1):
@@ -260,6 +264,10 @@ def _chain_folder_features(chain: Chain, folder: Path, cfg: AlignmentConfig, mcf
         uniprot = _read_msa(pairing[0], chain.sequence).truncate(mcfg.max_uniprot_hits)
     raw.update(pairing_msa_features(chain.sequence, uniprot))
     hits: list[TemplateHit] = [h for p in hit_files for h in parse_hhr(read_text_file(p), str(p))]
+    hmm = [p.name for p in msa_files if p.name.removesuffix(".gz") in HMMSEARCH_HITS]
+    if hmm and with_templates:
+        logger.warning("%s: %s not used: templates come from .hhr hits only (hmmsearch hits are not read yet)",
+                       folder, ", ".join(hmm))
     raw.update(_templates(chain.sequence, hits, cfg, mcfg, with_templates))
     info.update(alignment_files=[p.name for p in unpaired] if not cfg.single_sequence else [],
                 pairing_file=pairing[0].name if uniprot is not None else None, template_hits=len(hits))

@@ -71,6 +71,11 @@ def test_homomer_parts_share_entity_and_count_sym_ids_in_feature_order():
     assert not cplx.is_homomer and parse_complex_fasta(">h\nMKT:MKT\n").is_homomer
 
 
+def test_one_record_without_separator_is_a_one_chain_complex_named_like_a_monomer():
+    cplx = parse_complex_fasta(">mono\nMKTAY\n", "m.fasta")
+    assert [(c.name, c.chain_id, c.entity_id, c.sym_id) for c in cplx.chains] == [("mono", "A", 1, 1)]
+
+
 def _esc(s: str) -> str:
     return s.replace("(", r"\(").replace(")", r"\)")
 
@@ -284,6 +289,19 @@ def test_a2b_copies_side_by_side_entities_block_diagonal(tmp_path):
     assert feats["asym_id"].tolist() == [1] * 7 + [2] * 7 + [3] * 5
     assert feats["sym_id"].tolist() == [1] * 7 + [2] * 7 + [1] * 5
     assert feats["entity_id"].tolist() == [1] * 14 + [2] * 5
+
+
+def test_pairing_and_hmmsearch_files_stay_out_of_the_unpaired_msa(tmp_path, caplog):
+    root = _copy_chain(tmp_path, "hetero_A", "hetero_A")
+    shutil.copytree(ASSETS / "alignments/hetero_B", root / "hetero_B")
+    # hmmsearch template hits (AlphaFold-Multimer's pdb_hits.sto, OpenFold's hmm_output.sto) have other widths
+    hmm = "# STOCKHOLM 1.0\n\n1abc_A/1-3 MKTAYIAGGG\n//\n"
+    (root / "hetero_A/pdb_hits.sto").write_text(hmm)
+    (root / "hetero_B/hmm_output.sto").write_text(hmm)
+    (cplx,) = read_complexes(ASSETS / "hetero.fasta")
+    feats = complex_raw_features(cplx, AlignmentConfig(precomputed_dir=str(root)), tmp_path, NO_PAD)
+    assert feats["msa"].tolist() == _ids(HETERO_MSA).tolist()
+    assert "pdb_hits.sto not used" in caplog.text and "hmm_output.sto not used" in caplog.text
 
 
 def test_single_sequence_heterodimer_is_the_paired_query_row(tmp_path):
