@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common import residue_constants as rc
-from .features import empty_template_features, make_msa_features, make_sequence_features
+from .features import FeatureConfig, empty_template_features, make_msa_features, make_sequence_features
 from .msa_pairing import MultimerFeatureConfig, pair_and_merge, species_identifier
 from .parsers import (
     InputError,
@@ -63,6 +63,12 @@ __all__ = [
     "MultimerFeatureConfig",
     "chain_raw_features",
     "complex_raw_features",
+    "masked_msa",
+    "msa_profile",
+    "multimer_msa_sizes",
+    "nearest_neighbor_clusters",
+    "process_multimer_features",
+    "sample_msa_rows",
     "pairing_msa_features",
     "parse_complex_fasta",
     "read_complexes",
@@ -340,3 +346,142 @@ def complex_raw_features(cplx: Complex, cfg: AlignmentConfig, work_dir: str | Pa
     info["paired_rows"] = int(feats["num_paired_rows"])
     info["msa_rows"] = int(feats["num_alignments"])
     return feats
+
+
+# ----------------------------------------------------------------------------------------- the processed batch
+
+MULTIMER_MSA_SIZES = {"v1": (252, 1152), "v2": (252, 1152), "v3": (508, 2048), "v3_4_5": (508, 1152)}
+"""(MSA clusters, extra MSA rows) of the released AlphaFold-Multimer models: v1/v2 252 and 1152; v3 508 and 2048,
+except models 4 and 5 of v3 with 1152 extra rows (OpenFold's presets)."""
+
+
+def multimer_msa_sizes(model_name: str) -> tuple[int, int]:
+    """(max_msa_clusters, max_extra_msa) for `model_<k>_multimer[_v2|_v3]`."""
+    m = re.fullmatch(r"model_([1-5])_multimer(?:_(v2|v3))?", model_name)
+    if m is None:
+        raise InputError(f"--model_name: {model_name!r} is not model_<1-5>_multimer[_v2|_v3]")
+    version = m.group(2) or "v1"
+    if version == "v3" and m.group(1) in "45":
+        version = "v3_4_5"
+    return MULTIMER_MSA_SIZES[version]
+
+
+def _gumbel(shape: tuple[int, ...], rng: np.random.Generator, eps: float = 1e-6) -> np.ndarray:
+    return -np.log(-np.log(rng.random(shape, dtype=np.float32) + eps) + eps)
+
+
+def msa_profile(msa: np.ndarray, msa_mask: np.ndarray) -> np.ndarray:
+    """Masked mean of the one-hot MSA over rows, `[N, 22]` (`msa` `[S, N]`, 21 is a gap).
+
+    The denominator's epsilon is AlphaFold's (1e-10); OpenFold's `masked_mean` adds 1e-4 (relative 1e-4 / rows)."""
+    onehot = np.eye(22, dtype=np.float32)[np.minimum(msa, 21)] * msa_mask[..., None]
+    return onehot.sum(0) / (msa_mask.sum(0)[:, None] + 1e-10)
+
+
+def sample_msa_rows(msa_mask: np.ndarray, cluster_bias_mask: np.ndarray, max_seq: int, max_extra: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """AlphaFold-Multimer's MSA sampling: a random order (Gumbel argsort) in which the rows of `cluster_bias_mask`
+    (each chain's query, or the paired queries) come first and fully masked rows last; the first `max_seq` rows
+    are the cluster centres, the next `max_extra` the extra MSA. Returns both index arrays."""
+    big = 1e6
+    logits = (np.clip(msa_mask.sum(-1), 0.0, 1.0) - 1.0) * big + cluster_bias_mask * big
+    order = np.argsort(-(logits + _gumbel(logits.shape, rng)), kind="stable")
+    return order[:max_seq], order[max_seq:][:max_extra]
+
+
+def masked_msa(msa: np.ndarray, msa_mask: np.ndarray, profile: np.ndarray, replace_fraction: float,
+               rng: np.random.Generator, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """AlphaFold-Multimer's BERT corruption of the sampled rows `[S, N]`: each unmasked position is chosen with
+    probability `replace_fraction` and replaced by a draw from 0.1 uniform amino acid + 0.1 profile + 0.1 same +
+    0.7 mask token (22). Returns the corrupted MSA and the chosen positions (float)."""
+    uniform = np.array([0.05] * 20 + [0.0, 0.0], np.float32)
+    probs = 0.1 * uniform + 0.1 * profile[None] + 0.1 * np.eye(22, dtype=np.float32)[np.minimum(msa, 21)]
+    probs = np.concatenate([probs, np.full(probs.shape[:-1] + (1,), 0.7, np.float32)], axis=-1)
+    chosen = (rng.random(msa.shape) < replace_fraction) * msa_mask
+    draw = np.argmax(np.log(probs + eps) + _gumbel(probs.shape, rng), axis=-1)
+    corrupted = np.where(chosen > 0, draw, msa) * (msa_mask > 0)
+    return corrupted.astype(np.int64), chosen.astype(np.float32)
+
+
+def nearest_neighbor_clusters(msa: np.ndarray, msa_mask: np.ndarray, deletion: np.ndarray, extra: np.ndarray,
+                              extra_mask: np.ndarray, extra_deletion: np.ndarray,
+                              gap_agreement_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """AlphaFold-Multimer's soft assignment of extra rows `[E, N]` to cluster centres `[S, N]` (softmax over the
+    centres of 1000 x agreement: matching non-gap residues, gaps weighted `gap_agreement_weight`, mask tokens 0).
+    Returns `cluster_profile` `[S, N, 23]` and `cluster_deletion_mean` `[S, N]`.
+
+    As AlphaFold-Multimer (and OpenFold) do, each assignment is multiplied by the number of residues unmasked in
+    both rows, so an assigned extra row weighs about N times the centre itself in the profile."""
+    weights = np.array([1.0] * 21 + [gap_agreement_weight, 0.0], np.float32)
+    centres = np.eye(23, dtype=np.float32)[msa] * msa_mask[..., None]
+    others = np.eye(23, dtype=np.float32)[extra] * extra_mask[..., None]
+    agreement = (centres * weights).reshape(len(msa), -1) @ others.reshape(len(extra), -1).T  # [S, E]
+    logits = 1e3 * agreement
+    assign = np.exp(logits - logits.max(0, keepdims=True))
+    assign = assign / assign.sum(0, keepdims=True)
+    assign = assign * (msa_mask @ extra_mask.T)
+    count = assign.sum(-1) + 1.0
+    profile = (np.einsum("se,enc->snc", assign, others) + centres) / count[:, None, None]
+    dels = (assign @ (extra_mask * extra_deletion) + deletion) / count[:, None]
+    return profile.astype(np.float32), dels.astype(np.float32)
+
+
+def _deletion_value(d: np.ndarray) -> np.ndarray:
+    return (np.arctan(d / 3.0) * (2.0 / np.pi)).astype(np.float32)
+
+
+def _multimer_pass(raw: dict[str, np.ndarray], profile: np.ndarray, cfg: FeatureConfig,
+                   rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One recycling pass: sample centres and extra rows, corrupt the centres, cluster, build `msa_feat`."""
+    sel, extra_idx = sample_msa_rows(raw["msa_mask"], raw["cluster_bias_mask"], cfg.max_msa_clusters,
+                                     cfg.max_extra_msa, rng)
+    msa, mask, dels = raw["msa"][sel], raw["msa_mask"][sel], raw["deletion_matrix"][sel]
+    corrupted, chosen = masked_msa(msa, mask, profile, cfg.masked_msa_replace_fraction, rng)
+    extra, extra_mask, extra_dels = raw["msa"][extra_idx], raw["msa_mask"][extra_idx], raw["deletion_matrix"][extra_idx]
+    if len(extra) == 0:  # one fully masked row keeps the extra-MSA stack's shapes non-empty
+        n = msa.shape[1]
+        extra, extra_mask, extra_dels = np.full((1, n), 21), np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
+    cluster_profile, cluster_dels = nearest_neighbor_clusters(corrupted, mask, dels, extra, extra_mask, extra_dels)
+    msa_feat = np.concatenate([np.eye(23, dtype=np.float32)[corrupted], np.clip(dels, 0.0, 1.0)[..., None],
+                               _deletion_value(dels)[..., None], cluster_profile,
+                               _deletion_value(cluster_dels)[..., None]], axis=-1)
+    return {
+        "msa_feat": msa_feat, "msa_mask": mask.astype(np.float32), "true_msa": msa.astype(np.int64),
+        "bert_mask": (raw["bert_mask"][sel] * chosen).astype(np.float32),
+        "extra_msa": extra.astype(np.int64), "extra_msa_mask": extra_mask.astype(np.float32),
+        "extra_deletion_matrix": extra_dels.astype(np.float32),
+        "extra_has_deletion": np.clip(extra_dels, 0.0, 1.0).astype(np.float32),
+        "extra_deletion_value": _deletion_value(extra_dels),
+    }
+
+
+def process_multimer_features(raw: dict[str, np.ndarray], config: FeatureConfig,
+                              seed: int = 0) -> dict[str, np.ndarray]:
+    """The multimer model's batch from `complex_raw_features`, `config.num_recycle + 1` passes on a trailing axis
+    R (AlphaFold-Multimer's input processing, suppl. 7.3, as OpenFold's predict mode: every pass samples its own
+    MSA). Use `multimer_msa_sizes` for `max_msa_clusters` / `max_extra_msa`.
+
+    Per pass: `msa_feat` `[S, N, 49, R]`, `msa_mask`, `bert_mask` `[S, N, R]`, `true_msa` `[S, N, R]` (int),
+    `extra_msa` `[E, N, R]` (int), `extra_msa_mask`, `extra_deletion_matrix`, `extra_has_deletion`,
+    `extra_deletion_value` `[E, N, R]`. Fixed: `aatype`, `residue_index`, `asym_id`, `entity_id`, `sym_id`,
+    `entity_mask` `[N, R]` (int), `seq_mask` `[N, R]`, `target_feat` `[N, 21, R]` (one-hot aatype),
+    `template_*` (T = `config.max_templates`) with `template_mask` `[T, R]`, and the atom14/atom37 index maps.
+    Deterministic for a given `seed`."""
+    rng = np.random.default_rng(seed)
+    aatype = raw["aatype"]
+    t = min(config.max_templates, len(raw["template_aatype"]))
+    fixed = {k: raw[k] for k in ("aatype", "residue_index", "asym_id", "entity_id", "sym_id", "entity_mask",
+                                 "seq_mask")}
+    fixed["target_feat"] = np.eye(21, dtype=np.float32)[aatype]
+    for k in ("template_aatype", "template_all_atom_positions", "template_all_atom_mask", "template_mask"):
+        fixed[k] = raw[k][:t]
+    fixed.update(atom14_atom_exists=rc.restype_atom14_mask[aatype],
+                 residx_atom14_to_atom37=rc.restype_atom14_to_atom37[aatype],
+                 residx_atom37_to_atom14=rc.restype_atom37_to_atom14[aatype],
+                 atom37_atom_exists=rc.restype_atom37_mask[aatype])
+    profile = msa_profile(raw["msa"], raw["msa_mask"])
+    passes = [_multimer_pass(raw, profile, config, rng) for _ in range(config.num_recycle + 1)]
+    batch = {k: np.stack([v] * len(passes), axis=-1) for k, v in fixed.items()}
+    for key in passes[0]:
+        batch[key] = np.stack([p[key] for p in passes], axis=-1)
+    return batch

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lowmem.fastfold.common import residue_constants as rc
+from lowmem.fastfold.data.features import FeatureConfig
 from lowmem.fastfold.data.msa_pairing import (
     MSA_GAP,
     MultimerFeatureConfig,
@@ -22,8 +23,11 @@ from lowmem.fastfold.data.msa_pairing import (
 )
 from lowmem.fastfold.data.multimer import (
     complex_raw_features,
+    multimer_msa_sizes,
+    nearest_neighbor_clusters,
     pairing_msa_features,
     parse_complex_fasta,
+    process_multimer_features,
     read_complexes,
 )
 from lowmem.fastfold.data.parsers import InputError, Msa, parse_hhr, parse_stockholm
@@ -387,3 +391,70 @@ def test_features_equal_openfold_data_pipeline_multimer(case, tmp_path):
     for key in ref.files:
         assert ours[key].shape == ref[key].shape, key
         np.testing.assert_array_equal(ours[key], ref[key].astype(ours[key].dtype), err_msg=key)
+
+
+# ------------------------------------------------------------------------------------------------ processed batch
+
+
+def test_nearest_neighbor_clusters_by_hand():
+    """Centres AR and ND; an extra row agreeing equally with both is split half-half, and (as in AlphaFold-Multimer)
+    each assignment is scaled by the residues unmasked in both rows (2 here)."""
+    msa, mask, dels = _ids(["AR", "ND"]), np.ones((2, 2), np.float32), np.zeros((2, 2), np.float32)
+    extra_dels = np.array([[2.0, 0.0]], np.float32)
+    one = np.ones((1, 2), np.float32)
+    profile, del_mean = nearest_neighbor_clusters(msa, mask, dels, _ids(["AD"]), one, extra_dels)
+    a, r, n, d = (rc.restype_order[c] for c in "ARND")
+    assert profile[0, 0, a] == pytest.approx(1.0) and profile[0, 1, r] == pytest.approx(0.5)
+    assert profile[0, 1, d] == pytest.approx(0.5) and profile[1, 0, n] == pytest.approx(0.5)
+    np.testing.assert_allclose(del_mean, [[1.0, 0.0], [1.0, 0.0]], rtol=1e-6)
+    # an extra row equal to centre 0: all to centre 0, weight 2, count 3
+    profile, del_mean = nearest_neighbor_clusters(msa, mask, dels, _ids(["AR"]), one, extra_dels)
+    assert profile[0, 0, a] == pytest.approx(1.0) and profile[1, 1, d] == pytest.approx(1.0)
+    np.testing.assert_allclose(del_mean, [[4.0 / 3.0, 0.0], [0.0, 0.0]], rtol=1e-6)
+    # gaps never count as agreement (weight 0), a masked extra row is assigned nowhere
+    profile, _ = nearest_neighbor_clusters(msa, mask, dels, _ids(["AR"]), np.zeros((1, 2), np.float32), extra_dels)
+    np.testing.assert_allclose(profile, np.eye(23, dtype=np.float32)[msa])
+
+
+def test_processed_batch_shapes_query_rows_kept_and_deterministic(tmp_path):
+    raw, _ = _hetero_features(tmp_path, config=MultimerFeatureConfig())  # 8 real rows, padded to 512
+    cfg = FeatureConfig(max_msa_clusters=4, max_extra_msa=6, num_recycle=2)
+    batch = process_multimer_features(raw, cfg, seed=3)
+    n, r = 12, 3
+    assert batch["msa_feat"].shape == (4, n, 49, r) and batch["extra_msa"].shape == (6, n, r)
+    assert batch["target_feat"].shape == (n, 21, r) and batch["asym_id"].shape == (n, r)
+    assert batch["template_aatype"].shape == (4, n, r)
+    # the paired query row is always the first centre; every centre and extra row here is a real row
+    np.testing.assert_array_equal(batch["true_msa"][0], np.repeat(raw["msa"][:1].T, r, axis=1))
+    assert batch["msa_mask"].min() == 1 and batch["extra_msa_mask"][:4].min() == 1
+    # 4 centres + 6 extra > 8 real rows: the last 2 extra rows are padding, fully masked
+    assert batch["extra_msa_mask"][4:].sum() == 0
+    sampled = {tuple(row) for p in range(r) for row in batch["true_msa"][..., p]}
+    assert sampled <= {tuple(row) for row in raw["msa"][:8]}
+    # corrupted only where chosen and allowed by the raw bert_mask; passes differ; the seed fixes everything
+    assert batch["bert_mask"].max() == 1 and not np.array_equal(batch["true_msa"][..., 0], batch["true_msa"][..., 1])
+    again = process_multimer_features(raw, cfg, seed=3)
+    for key in batch:
+        np.testing.assert_array_equal(batch[key], again[key], err_msg=key)
+
+
+def test_processed_batch_without_corruption_is_the_sampled_msa(tmp_path):
+    root = _copy_chain(tmp_path, "hetero_A", "homo_A")
+    cplx = parse_complex_fasta(">homo\nMKTAYIA:MKTAYIA\n")
+    raw = complex_raw_features(cplx, AlignmentConfig(precomputed_dir=str(root)), tmp_path, NO_PAD)
+    cfg = FeatureConfig(max_msa_clusters=2, max_extra_msa=4, num_recycle=0, masked_msa_replace_fraction=0.0)
+    batch = process_multimer_features(raw, cfg, seed=0)
+    true = batch["true_msa"][..., 0]
+    np.testing.assert_array_equal(batch["msa_feat"][..., :23, 0], np.eye(23)[true])
+    assert batch["bert_mask"].sum() == 0
+    assert true[0].tolist() == raw["msa"][0].tolist()  # the query: the one row of cluster_bias_mask
+    np.testing.assert_allclose(batch["extra_deletion_value"][..., 0],
+                               np.arctan(batch["extra_deletion_matrix"][..., 0] / 3.0) * 2 / np.pi, rtol=1e-6)
+
+
+def test_multimer_msa_sizes_of_the_released_models():
+    assert multimer_msa_sizes("model_1_multimer_v3") == (508, 2048)
+    assert multimer_msa_sizes("model_5_multimer_v3") == (508, 1152)
+    assert multimer_msa_sizes("model_2_multimer") == (252, 1152)
+    with pytest.raises(InputError, match="model_1_ptm"):
+        multimer_msa_sizes("model_1_ptm")
