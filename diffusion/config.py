@@ -1,24 +1,32 @@
-"""`FineTuneConfig`: every setting of one fine-tuning run, named as diffusers' training scripts name its flag.
+"""`FineTuneConfig`: every setting of one fine-tuning run, composed of sections, each setting named as diffusers'
+training scripts name its flag.
 
-A recipe YAML (`recipes/configs/diffusion_*.yaml`) is a flat mapping of these field names; `--config FILE`
-reads one and command-line flags override it. The component configs (`DataConfig`, `LossConfig`) are
-derived from it, so each component sees only its own settings.
+The sections are the owners' dataclasses where one exists (`data`: `DataConfig`, `loss`: `LossConfig`) and small
+sections here for the rest (model, dataset, optimizer, train, ema, validation, output, launch, ray). Every leaf
+field is one setting with a flat name (`core_parallel.config`): `suite diffusion finetune`'s flags are generated
+from them, and a recipe YAML (`recipes/configs/diffusion_*.yaml`) sets them as flat keys (`learning_rate: 1e-4`)
+or nested by section (`optimizer: {learning_rate: 1e-4}`); flags given on the command line override the file.
+
+`FineTuneConfig(learning_rate=1e-4, rank=4)` takes the flat names too, and `cfg.learning_rate` reads one
+(read-only; `dataclasses.replace(cfg, output_dir=...)` makes a changed copy).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core_parallel.config import assemble, read_yaml, section, settings
 from .data import DataConfig
-from .errors import InputError
 from .training import LossConfig
 
 __all__ = ["INTERPOLATION_MODES", "LR_SCHEDULERS", "MIXED_PRECISION", "REPORT_TO", "VALIDATION_SCHEDULERS",
-           "FineTuneConfig", "load_yaml_config"]
+           "DatasetSection", "EmaSection", "FineTuneConfig", "LaunchSection", "ModelSection", "OptimizerSection",
+           "OutputSection", "RaySection", "TrainSection", "ValidationSection", "load_yaml_config"]
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 MIXED_PRECISION = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
@@ -28,9 +36,21 @@ VALIDATION_SCHEDULERS = ("DPMSolverMultistepScheduler", "DDPMScheduler")
 INTERPOLATION_MODES = ("nearest", "nearest_exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
 
 
+def _at_least(obj: Any, bound: int | float, names: tuple[str, ...], optional: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if (value is not None or not optional) and value < bound:
+            raise ValueError(f"{name} must be >= {bound}, got {value}")
+
+
+def _one_of(name: str, value: Any, choices: Any, optional: bool = False) -> None:
+    if (value is not None or not optional) and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(kw_only=True)
-class FineTuneConfig:
-    """One Stable Diffusion fine-tuning run (full, LoRA or DreamBooth)."""
+class ModelSection:
+    """The pipeline to fine-tune, what is trained and how it runs."""
 
     pretrained_model_name_or_path: str | None = None
     """A diffusers pipeline folder, a hub id present in the local Hugging Face cache, or a single
@@ -45,20 +65,35 @@ class FineTuneConfig:
     """A tokenizer folder (or cached hub id) to use instead of the pipeline's."""
     tokenizer_max_length: int | None = None
     """Token length of captions (default: the tokenizer's model_max_length)."""
+    rank: int | None = None
+    """LoRA rank; when given, LoRA adapters are trained instead of the whole UNet."""
+    train_text_encoder: bool = False
+    """Also train the text encoder (its LoRA adapter under --rank)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass."""
+    attention_backend: str = "auto"
+    """kernels.attention backend: auto, triton or torch."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("rank",), optional=True)
+        if self.tokenizer_max_length is not None and self.tokenizer_max_length < 2:
+            raise ValueError(f"tokenizer_max_length must be >= 2, got {self.tokenizer_max_length}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+
+
+@dataclass(kw_only=True)
+class DatasetSection:
+    """Where the training images come from (an imagefolder, a dataset, DreamBooth's instance and class images)."""
+
     dataset_name: str | None = None
     """A local dataset folder (imagefolder) or a dataset in the Hugging Face cache (needs `datasets`)."""
     dataset_config_name: str | None = None
     """Configuration of `dataset_name` (needs `datasets`)."""
     max_train_samples: int | None = None
     """Train on this many samples (a seeded random subset)."""
-    image_interpolation_mode: str = "bilinear"
-    """Resampling filter of the resize: nearest, bilinear, bicubic, box, hamming or lanczos."""
     train_data_dir: str | None = None
     """An imagefolder (metadata.jsonl or .txt captions); None (and no instance data) for the built-in set."""
-    image_column: str = "image"
-    """metadata.jsonl key of the image path when it is not `file_name`."""
-    caption_column: str = "text"
-    """metadata.jsonl key of the caption."""
     instance_data_dir: str | None = None
     """DreamBooth: folder of instance images."""
     instance_prompt: str | None = None
@@ -67,28 +102,34 @@ class FineTuneConfig:
     """DreamBooth: folder of class images (generated up to num_class_images when short)."""
     class_prompt: str | None = None
     """DreamBooth: the prompt of every class image."""
-    with_prior_preservation: bool = False
-    """DreamBooth: add the prior-preservation loss on class images."""
-    prior_loss_weight: float = 1.0
-    """Weight of the prior-preservation loss."""
     num_class_images: int = 100
     """DreamBooth: class images wanted; missing ones are generated before training."""
-    resolution: int = 32
-    """Training image side in pixels (a multiple of 8)."""
-    center_crop: bool = False
-    """Centre crop instead of a random crop."""
-    random_flip: bool = False
-    """Random horizontal flips."""
-    skip_bad_images: bool = False
-    """Skip unreadable images with a warning and a count instead of stopping."""
-    train_batch_size: int = 1
-    """Images per device per micro-batch."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
-    max_train_steps: int | None = None
-    """Optimizer steps; overrides num_train_epochs."""
-    num_train_epochs: int = 1
-    """Passes over the data when max_train_steps is not given."""
+    sample_batch_size: int = 4
+    """Images per pipeline call when generating class images."""
+    prior_generation_precision: str | None = None
+    """dtype of class-image generation: no/fp32, fp16 or bf16 (default: the training dtype)."""
+    dataloader_num_workers: int = 0
+    """Data-loading worker processes."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("sample_batch_size",))
+        _at_least(self, 1, ("max_train_samples",), optional=True)
+        _at_least(self, 0, ("num_class_images", "dataloader_num_workers"))
+        if self.prior_generation_precision not in (None, "no", "fp32", "fp16", "bf16"):
+            raise ValueError(f"prior_generation_precision must be no, fp32, fp16 or bf16, "
+                             f"got {self.prior_generation_precision!r}")
+        if self.dataset_name and (self.train_data_dir or self.instance_data_dir):
+            raise ValueError("dataset_name excludes train_data_dir and instance_data_dir")
+        if self.instance_data_dir and not self.instance_prompt:
+            raise ValueError("instance_prompt is required with instance_data_dir")
+        if self.instance_data_dir and self.train_data_dir:
+            raise ValueError("train_data_dir and instance_data_dir exclude each other")
+
+
+@dataclass(kw_only=True)
+class OptimizerSection:
+    """AdamW and the learning-rate schedule."""
+
     learning_rate: float = 1e-4
     """Peak learning rate."""
     scale_lr: bool = False
@@ -103,8 +144,6 @@ class FineTuneConfig:
     """Power of the polynomial schedule."""
     use_8bit_adam: bool = False
     """bitsandbytes' 8-bit AdamW (CUDA only)."""
-    allow_tf32: bool = False
-    """Allow TF32 matmuls and convolutions on Ampere and later GPUs."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
@@ -115,10 +154,44 @@ class FineTuneConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
-    rank: int | None = None
-    """LoRA rank; when given, LoRA adapters are trained instead of the whole UNet."""
-    train_text_encoder: bool = False
-    """Also train the text encoder (its LoRA adapter under --rank)."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        _at_least(self, 1, ("lr_num_cycles",))
+        _at_least(self, 0, ("lr_warmup_steps", "max_grad_norm"))
+        _one_of("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """Batches, length, precision and seed of the training loop."""
+
+    train_batch_size: int = 1
+    """Images per device per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    max_train_steps: int | None = None
+    """Optimizer steps; overrides num_train_epochs."""
+    num_train_epochs: int = 1
+    """Passes over the data when max_train_steps is not given."""
+    mixed_precision: str = "no"
+    """no, fp16 or bf16: autocast for training, frozen models in that dtype."""
+    allow_tf32: bool = False
+    """Allow TF32 matmuls and convolutions on Ampere and later GPUs."""
+    seed: int = 0
+    """Seed of data order, augmentation, noise and timesteps."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"))
+        _at_least(self, 1, ("max_train_steps",), optional=True)
+        _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+
+
+@dataclass(kw_only=True)
+class EmaSection:
+    """The exponential moving average of the UNet weights."""
+
     use_ema: bool = False
     """Keep an EMA of the UNet weights and export it."""
     ema_decay: float = 0.9999
@@ -127,28 +200,16 @@ class FineTuneConfig:
     """Update the EMA with torch's foreach (multi-tensor) kernels (same values, fewer kernel launches)."""
     offload_ema: bool = False
     """Keep the EMA weights in CPU memory (updated there; same values)."""
-    snr_gamma: float | None = None
-    """Min-SNR weighting gamma (None: plain MSE)."""
-    noise_offset: float = 0.0
-    """Noise offset scale."""
-    input_perturbation: float = 0.0
-    """Scale of the extra noise added to the model input only (Ning et al. 2023; 0.1 recommended)."""
-    dream_training: bool = False
-    """DREAM training (Zhou et al. 2023; epsilon prediction only)."""
-    dream_detail_preservation: float = 1.0
-    """DREAM's detail-preservation exponent."""
-    prediction_type: str | None = None
-    """epsilon or v_prediction; None keeps the scheduler's."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass."""
-    mixed_precision: str = "no"
-    """no, fp16 or bf16: autocast for training, frozen models in that dtype."""
-    checkpointing_steps: int = 500
-    """Write checkpoint-N/ every this many steps."""
-    checkpoints_total_limit: int | None = None
-    """Keep at most this many checkpoints (oldest removed)."""
-    resume_from_checkpoint: str | None = None
-    """A checkpoint-N folder, or `latest` (the newest in output_dir)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema_decay <= 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1], got {self.ema_decay}")
+
+
+@dataclass(kw_only=True)
+class ValidationSection:
+    """The validation images (and the denoising steps of class images)."""
+
     validation_prompt: str | None = None
     """Prompt of the validation images (none without it)."""
     validation_prompts: list[str] | None = None
@@ -157,38 +218,35 @@ class FineTuneConfig:
     """Validate every this many epochs instead of every validation_steps."""
     validation_scheduler: str | None = None
     """Scheduler of the validation images: DPMSolverMultistepScheduler or DDPMScheduler (default: the base's)."""
-    sample_batch_size: int = 4
-    """Images per pipeline call when generating class images."""
-    prior_generation_precision: str | None = None
-    """dtype of class-image generation: no/fp32, fp16 or bf16 (default: the training dtype)."""
-    skip_save_text_encoder: bool = False
-    """Export the pipeline without its text encoder."""
     num_validation_images: int = 4
     """Images per validation grid."""
     validation_steps: int = 100
     """Validate every this many steps (and at the end)."""
     num_inference_steps: int = 25
     """Denoising steps for validation and class images."""
-    seed: int = 0
-    """Seed of data order, augmentation, noise and timesteps."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("num_validation_images", "validation_steps", "num_inference_steps"))
+        _at_least(self, 1, ("validation_epochs",), optional=True)
+        _one_of("validation_scheduler", self.validation_scheduler, VALIDATION_SCHEDULERS, optional=True)
+        if isinstance(self.validation_prompts, str):
+            self.validation_prompts = [self.validation_prompts]
+
+
+@dataclass(kw_only=True)
+class OutputSection:
+    """What the run writes where: the result, checkpoints and logs."""
+
     output_dir: str = "sd-model-finetuned"
     """Where the pipeline (or LoRA weights), checkpoints, validation images and logs go."""
-    strategy: str = "auto"
-    """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ..."""
-    offload_dir: str | None = None
-    """Folder of the NVMe tier (gemini_nvme, gemini_auto); passed to the strategy object, local and on Ray."""
-    devices: int = 1
-    """Processes (devices) per node."""
-    num_nodes: int = 1
-    """Nodes."""
-    attention_backend: str = "auto"
-    """kernels.attention backend: auto, triton or torch."""
-    ray_address: str | None = None
-    """Ray cluster address (`auto` for a local one); trains with Ray Train when given."""
-    num_workers: int | None = None
-    """Ray workers (default: devices x num_nodes)."""
-    dataloader_num_workers: int = 0
-    """Data-loading worker processes."""
+    skip_save_text_encoder: bool = False
+    """Export the pipeline without its text encoder."""
+    checkpointing_steps: int = 500
+    """Write checkpoint-N/ every this many steps."""
+    checkpoints_total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest removed)."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint-N folder, or `latest` (the newest in output_dir)."""
     report_to: str = "tensorboard"
     """tensorboard (with CSV), csv, wandb (with CSV; when installed) or all."""
     tracker_project_name: str = "text2image-fine-tune"
@@ -197,76 +255,89 @@ class FineTuneConfig:
     """Log folder inside output_dir."""
     log_every_n_steps: int = 10
     """A plain progress line (step, loss, images/s, ETA) every this many steps when stdout is not a terminal."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("checkpointing_steps", "log_every_n_steps"))
+        _at_least(self, 1, ("checkpoints_total_limit",), optional=True)
+        _one_of("report_to", self.report_to, REPORT_TO)
+
+
+@dataclass(kw_only=True)
+class LaunchSection:
+    """Processes, nodes and the Lightning strategy (what `accelerate launch` and its config set for diffusers)."""
+
+    strategy: str = "auto"
+    """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ..."""
+    offload_dir: str | None = None
+    """Folder of the NVMe tier (gemini_nvme, gemini_auto); passed to the strategy object, local and on Ray."""
+    devices: int = 1
+    """Processes (devices) per node."""
+    num_nodes: int = 1
+    """Nodes."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("devices", "num_nodes"))
+
+
+@dataclass(kw_only=True)
+class RaySection:
+    """Training on a Ray cluster (Ray Train workers)."""
+
+    ray_address: str | None = None
+    """Ray cluster address (`auto` for a local one); trains with Ray Train when given."""
+    num_workers: int | None = None
+    """Ray workers (default: devices x num_nodes)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, ("num_workers",), optional=True)
+
+
+@dataclass(kw_only=True, init=False)
+class FineTuneConfig:
+    """One Stable Diffusion fine-tuning run (full, LoRA or DreamBooth), composed of sections.
+
+    Takes sections (`FineTuneConfig(optimizer=OptimizerSection(...))`) and/or flat settings
+    (`FineTuneConfig(learning_rate=1e-4)`); a flat setting overrides the section given beside it. Every flat
+    setting is also a read-only attribute (`cfg.learning_rate` is `cfg.optimizer.learning_rate`).
+    """
+
+    model: ModelSection = section(ModelSection)
+    """The pipeline, what is trained and the attention backend."""
+    dataset: DatasetSection = section(DatasetSection)
+    """Where the training images come from."""
+    data: DataConfig = section(DataConfig, rename={"interpolation": "image_interpolation_mode"},
+                               hide=("max_length",))
+    """How images become training tensors (`data_config()` adds the caption length from tokenizer_max_length)."""
+    loss: LossConfig = section(LossConfig, default=functools.partial(LossConfig, prediction_type=None))
+    """The loss (`loss_config()` fills a prediction_type of None with the scheduler's)."""
+    optimizer: OptimizerSection = section(OptimizerSection)
+    """AdamW and the learning-rate schedule."""
+    train: TrainSection = section(TrainSection)
+    """Batches, length, precision and seed."""
+    ema: EmaSection = section(EmaSection)
+    """The EMA of the UNet."""
+    validation: ValidationSection = section(ValidationSection)
+    """Validation images."""
+    output: OutputSection = section(OutputSection)
+    """Result, checkpoints and logs."""
+    launch: LaunchSection = section(LaunchSection)
+    """Processes, nodes and strategy."""
+    ray: RaySection = section(RaySection)
+    """Ray Train."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings for user code; unused here."""
 
+    def __init__(self, **values: Any) -> None:
+        given = assemble(type(self), values)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, given[f.name] if f.name in given else f.default_factory())
+        self.__post_init__()
+
     def __post_init__(self) -> None:
-        self._check_ranges()
-        self._check_choices()
-        self._check_dreambooth()
-
-    def _check_ranges(self) -> None:
-        if self.resolution < 8 or self.resolution % 8:
-            raise ValueError(f"resolution must be a positive multiple of 8, got {self.resolution}")
-        positive = ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "checkpointing_steps",
-                    "validation_steps", "num_inference_steps", "devices", "num_nodes", "num_validation_images",
-                    "lr_num_cycles", "sample_batch_size", "log_every_n_steps")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_train_steps", "rank", "checkpoints_total_limit", "num_workers", "max_train_samples",
-                     "validation_epochs"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        for name in ("lr_warmup_steps", "max_grad_norm", "num_class_images", "dataloader_num_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.tokenizer_max_length is not None and self.tokenizer_max_length < 2:
-            raise ValueError(f"tokenizer_max_length must be >= 2, got {self.tokenizer_max_length}")
-        if not 0.0 <= self.ema_decay <= 1.0:
-            raise ValueError(f"ema_decay must be in [0, 1], got {self.ema_decay}")
-
-    def _check_choices(self) -> None:
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise ValueError(f"lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
-                             f"got {self.mixed_precision!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
-        if self.report_to not in REPORT_TO:
-            raise ValueError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
-        if self.image_interpolation_mode not in INTERPOLATION_MODES:
-            raise ValueError(f"image_interpolation_mode must be one of {', '.join(INTERPOLATION_MODES)}, "
-                             f"got {self.image_interpolation_mode!r}")
-        if self.validation_scheduler not in (None, *VALIDATION_SCHEDULERS):
-            raise ValueError(f"validation_scheduler must be one of {', '.join(VALIDATION_SCHEDULERS)}, "
-                             f"got {self.validation_scheduler!r}")
-        if self.prior_generation_precision not in (None, "no", "fp32", "fp16", "bf16"):
-            raise ValueError(f"prior_generation_precision must be no, fp32, fp16 or bf16, "
-                             f"got {self.prior_generation_precision!r}")
-        if isinstance(self.validation_prompts, str):
-            self.validation_prompts = [self.validation_prompts]
-        if self.dataset_name and (self.train_data_dir or self.instance_data_dir):
-            raise ValueError("dataset_name excludes train_data_dir and instance_data_dir")
-        if self.prediction_type not in (None, "epsilon", "v_prediction"):
-            raise ValueError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
-        LossConfig(prediction_type=self.prediction_type or "epsilon", snr_gamma=self.snr_gamma,
-                   noise_offset=self.noise_offset, prior_loss_weight=self.prior_loss_weight,
-                   input_perturbation=self.input_perturbation, dream_training=self.dream_training,
-                   dream_detail_preservation=self.dream_detail_preservation)
+        # the checks that need two sections; each section checks its own fields
         if self.use_ema and self.strategy.startswith("gemini"):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
-
-    def _check_dreambooth(self) -> None:
-        if self.instance_data_dir and not self.instance_prompt:
-            raise ValueError("instance_prompt is required with instance_data_dir")
-        if self.instance_data_dir and self.train_data_dir:
-            raise ValueError("train_data_dir and instance_data_dir exclude each other")
         if self.with_prior_preservation:
             if not self.instance_data_dir:
                 raise ValueError("with_prior_preservation needs instance_data_dir (DreamBooth)")
@@ -285,19 +356,12 @@ class FineTuneConfig:
         return self.rank is not None
 
     def data_config(self) -> DataConfig:
-        """The data component's settings."""
-        return DataConfig(resolution=self.resolution, center_crop=self.center_crop, random_flip=self.random_flip,
-                          image_column=self.image_column, caption_column=self.caption_column,
-                          skip_bad_images=self.skip_bad_images, interpolation=self.image_interpolation_mode,
-                          max_length=self.tokenizer_max_length or 77)
+        """The data component's settings (captions padded to tokenizer_max_length, else 77)."""
+        return dataclasses.replace(self.data, max_length=self.tokenizer_max_length or 77)
 
     def loss_config(self, scheduler_prediction_type: str = "epsilon") -> LossConfig:
         """The loss settings; `prediction_type` falls back to the scheduler's."""
-        return LossConfig(prediction_type=self.prediction_type or scheduler_prediction_type,
-                          snr_gamma=self.snr_gamma, noise_offset=self.noise_offset,
-                          prior_loss_weight=self.prior_loss_weight, input_perturbation=self.input_perturbation,
-                          with_prior_preservation=self.with_prior_preservation, dream_training=self.dream_training,
-                          dream_detail_preservation=self.dream_detail_preservation)
+        return dataclasses.replace(self.loss, prediction_type=self.prediction_type or scheduler_prediction_type)
 
     def total_steps(self, dataset_len: int, world_size: int) -> int:
         """Optimizer steps of the run: max_train_steps, else epochs x steps per epoch."""
@@ -308,29 +372,27 @@ class FineTuneConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        """Names a recipe YAML may set."""
-        return [f.name for f in dataclasses.fields(cls)]
+        """The flat setting names (flags, and keys a recipe YAML may set)."""
+        return list(settings(cls))
+
+
+def _flat_property(path: tuple[str, ...], doc: str) -> property:
+    def get(self: FineTuneConfig) -> Any:
+        value = self
+        for name in path:
+            value = getattr(value, name)
+        return value
+
+    return property(get, doc=doc)
+
+
+for _s in settings(FineTuneConfig).values():
+    if len(_s.path) > 1:
+        setattr(FineTuneConfig, _s.name, _flat_property(_s.path, _s.help))
+del _s
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
-    """The flat mapping in a recipe YAML, with unknown keys reported as `InputError`."""
-    import yaml
-
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the config ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise InputError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a mapping of setting names, got {type(data).__name__}")
-    known = set(FineTuneConfig.field_names())
-    for key in data:
-        if key not in known:
-            raise InputError(f"{path}: unknown setting '{key}'")
-    return data
+    """The settings in a recipe YAML as flat name -> value (flat keys, or nested by section); an unknown key or a
+    value of the wrong type is one `InputError` naming the key and the file."""
+    return read_yaml(path, FineTuneConfig)

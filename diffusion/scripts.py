@@ -12,9 +12,7 @@ raises `InputError` (one line, exit 2) before anything is loaded.
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -312,17 +310,11 @@ HANDLING: dict[str, Accept | Refuse] = {
 
 @functools.cache
 def field_help() -> dict[str, str]:
-    """`FineTuneConfig` field name -> the first sentence of its docstring (the help of a same-name flag)."""
+    """`FineTuneConfig` setting name -> its docstring (the help of a same-name flag)."""
+    from ..core_parallel.config import settings
     from .config import FineTuneConfig
 
-    tree = ast.parse(inspect.getsource(FineTuneConfig))
-    body = tree.body[0].body
-    out = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            out[node.target.id] = " ".join(nxt.value.value.split())
-    return out
+    return {name: s.help for name, s in settings(FineTuneConfig).items()}
 
 
 def flag_help(flag: ScriptFlag) -> str:

@@ -38,8 +38,9 @@ __all__ = [
 class LossConfig:
     """The loss of one training step."""
 
-    prediction_type: str = "epsilon"
-    """What the UNet predicts: `epsilon` (the noise) or `v_prediction` (the velocity)."""
+    prediction_type: str | None = "epsilon"
+    """What the UNet predicts: `epsilon` (the noise) or `v_prediction` (the velocity); None in a run's settings
+    means the scheduler's, filled in before training (`FineTuneConfig.loss_config`)."""
     snr_gamma: float | None = None
     """Min-SNR gamma (5.0 is the paper's choice); None for the plain MSE."""
     noise_offset: float = 0.0
@@ -57,12 +58,12 @@ class LossConfig:
     """DREAM's detail-preservation exponent."""
 
     def __post_init__(self) -> None:
-        if self.dream_training and self.prediction_type != "epsilon":
+        if self.dream_training and self.prediction_type not in (None, "epsilon"):
             raise ValueError("dream_training: DREAM is defined for prediction_type epsilon only, got "
                              f"{self.prediction_type!r}")
         if self.dream_detail_preservation < 0:
             raise ValueError(f"dream_detail_preservation must be >= 0, got {self.dream_detail_preservation}")
-        if self.prediction_type not in ("epsilon", "v_prediction"):
+        if self.prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {self.prediction_type!r}")
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise ValueError(f"snr_gamma must be > 0, got {self.snr_gamma}")

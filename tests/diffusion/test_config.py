@@ -1,0 +1,113 @@
+"""`FineTuneConfig` composed of sections: every setting has exactly one generated flag, flat and nested recipe
+YAMLs load, and `suite diffusion finetune` merges flag > file > default with one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+
+import pytest
+
+from lowmem.core_parallel.config import settings
+from lowmem.diffusion.config import FineTuneConfig, OptimizerSection, load_yaml_config
+from lowmem.diffusion.data import DataConfig
+from lowmem.diffusion.training import LossConfig
+from lowmem.suite.cli import _explicit_flags, build_parser, main
+
+
+def _finetune_parser() -> argparse.ArgumentParser:
+    parser = build_parser(["diffusion"])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["diffusion"]
+    return next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices["finetune"]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    argv = ["diffusion", "finetune", *argv]
+    args = build_parser(argv).parse_args(argv)
+    args.explicit_flags = _explicit_flags(argv)
+    return args
+
+
+def test_every_setting_has_one_generated_flag_with_its_docstring():
+    from lowmem.suite.commands import diffusion as command
+
+    table = settings(FineTuneConfig)
+    flags = {a.option_strings[0]: a for a in _finetune_parser()._actions if a.option_strings}
+    assert set(flags) == {"-h", "--config"} | {f"--{name}" for name, s in table.items() if s.flaggable}
+    assert [name for name, s in table.items() if not s.flaggable] == ["extra"]  # free-form, YAML only
+    for name, s in table.items():
+        assert s.help, f"{s.key} has no docstring"
+        if s.flaggable:
+            assert flags[f"--{name}"].help.startswith(s.help.rstrip(".").replace("%", "%%")), name
+    assert not hasattr(command, "FLAGS") and not hasattr(command, "LAUNCH_FLAGS")  # no hand-written flag table
+    assert len(table) == 83 and FineTuneConfig.field_names() == list(table)
+
+
+def test_sections_are_the_owners_dataclasses_and_flat_names_read_through():
+    cfg = FineTuneConfig(learning_rate=3e-4, image_interpolation_mode="bicubic", prediction_type="v_prediction",
+                         tokenizer_max_length=20, rank=4)
+    assert isinstance(cfg.data, DataConfig) and isinstance(cfg.loss, LossConfig)
+    assert cfg.optimizer.learning_rate == cfg.learning_rate == 3e-4 and cfg.data.interpolation == "bicubic"
+    assert cfg.data_config().max_length == 20 and cfg.data_config().interpolation == "bicubic"
+    assert FineTuneConfig().prediction_type is None  # the run's default (the scheduler's), not LossConfig's
+    assert FineTuneConfig().loss_config("v_prediction").prediction_type == "v_prediction"
+    assert cfg.loss_config("epsilon").prediction_type == "v_prediction"
+    with pytest.raises(AttributeError):
+        cfg.learning_rate = 1.0  # read-only: the section owns the value
+    same = FineTuneConfig(optimizer=OptimizerSection(learning_rate=3e-4), data=DataConfig(interpolation="bicubic"),
+                          loss=LossConfig(prediction_type="v_prediction"), tokenizer_max_length=20, rank=4)
+    assert same == cfg
+    moved = dataclasses.replace(cfg, output_dir="elsewhere")  # what the Ray path does with paths
+    assert moved.output_dir == "elsewhere" and moved.learning_rate == 3e-4 and moved.rank == 4
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    with pytest.raises(TypeError, match="learning_rat'"):
+        FineTuneConfig(learning_rat=1.0)
+
+
+def test_nested_recipe_equals_the_flat_one(tmp_path):
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text("rank: 4\nlearning_rate: 1e-3\nimage_interpolation_mode: bicubic\nvalidation_prompts: a cat\n")
+    nested.write_text("model: {rank: 4}\noptimizer: {learning_rate: 1.0e-3}\ndata: {interpolation: bicubic}\n"
+                      "validation: {validation_prompts: [a cat]}\n")
+    assert load_yaml_config(flat) == load_yaml_config(nested)
+    cfg = FineTuneConfig(**load_yaml_config(nested))
+    assert (cfg.rank, cfg.learning_rate, cfg.image_interpolation_mode, cfg.prompts) == (4, 1e-3, "bicubic", ["a cat"])
+
+
+def test_explicit_flag_beats_the_file_which_beats_the_default(tmp_path):
+    from lowmem.suite.commands.diffusion import build_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("seed: 3\nlearning_rate: 1.0e-3\noptimizer:\n  adam_beta1: 0.8\n")
+    cfg = build_config(_args("--config", str(recipe), "--seed", "0"))  # explicit, equal to the default: wins
+    assert (cfg.seed, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2) == (0, 1e-3, 0.8, 0.999)
+    cfg = build_config(_args("--config", str(recipe), "--learning_rate", "1e-4"))
+    assert (cfg.seed, cfg.learning_rate) == (3, 1e-4)
+    assert build_config(_args("--rank", "2")) == FineTuneConfig(rank=2)  # no file: flags over defaults
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("learning_rat: 1.0e-3\n", "unknown setting 'learning_rat' (did you mean 'learning_rate'?)"),
+    ("optimizer:\n  adam_beta3: 0.5\n", "unknown setting 'optimizer.adam_beta3'"),
+    ("resolution: big\n", "resolution: expected an integer, got 'big'"),
+    ("use_ema: yes please\n", "use_ema: expected true or false, got 'yes please'"),
+    ("resolution: 30\n", "resolution must be a positive multiple of 8, got 30"),
+    ("data:\n  interpolation: cubic\n", "image_interpolation_mode must be one of"),
+])
+def test_bad_recipe_is_one_line_naming_the_key_and_the_file_exit_2(tmp_path, capsys, text, expect):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+    rc = main(["diffusion", "finetune", "--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"suite diffusion: error: {recipe}: ") and expect in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_flag_value_names_the_flag(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("resolution: 64\n")
+    rc = main(["diffusion", "finetune", "--config", str(recipe), "--resolution", "30"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["suite diffusion: error: --resolution must be a positive multiple of 8, got 30"]
