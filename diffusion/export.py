@@ -61,7 +61,8 @@ def save_over_base(base: str | Path, trained: dict[str, Any], folder: str | Path
 
     Every component the trainer did not train (scheduler, tokenizer, VAE, safety checker, feature extractor,
     ...) is copied file for file, and `model_index.json` is the base's (so `requires_safety_checker` and the
-    scheduler class stay); `drop` names components exported as absent (`[null, null]` in the index).
+    scheduler class stay); `drop` names components exported as absent (`[null, null]` in the index). A value of
+    `trained` is a module (written with `save_pretrained`) or a folder already written (moved in as it is).
     """
     import json
 
@@ -78,7 +79,10 @@ def save_over_base(base: str | Path, trained: dict[str, Any], folder: str | Path
             elif value[0] is not None and (base / name).is_dir():
                 shutil.copytree(base / name, tmp / name)
         for name, module in trained.items():
-            module.save_pretrained(tmp / name, safe_serialization=True)
+            if isinstance(module, (str, os.PathLike)):
+                shutil.move(os.fspath(module), tmp / name)
+            else:
+                module.save_pretrained(tmp / name, safe_serialization=True)
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         entries = sorted(p.name for p in tmp.iterdir() if p.name != "model_index.json")
         move_into(tmp, folder, [*entries, "model_index.json"])

@@ -60,17 +60,44 @@ def _scheduler_class(folder: Path) -> Any:
     return cls if cls is not None and hasattr(cls, "from_pretrained") else diffusers.DDPMScheduler
 
 
-def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None) -> dict[str, Any]:
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+def _unet(folder: Path, variant: str | None, stream: bool) -> Any:
+    """The UNet: hollow (streamed into Gemini's shards later) when `stream` and the folder allows it, else whole."""
+    from diffusers import UNet2DConditionModel
+
+    if stream:
+        from .streaming import load_unet_hollow
+
+        unet = load_unet_hollow(folder, variant)
+        if unet is not None:
+            return unet
+    return UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant)
+
+
+def _text_encoder(folder: Path, variant: str | None, dtype: Any) -> Any:
+    from transformers import CLIPTextModel
+
+    if dtype is None:
+        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant)
+    try:  # transformers 5 names it dtype; 4.x torch_dtype
+        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant, dtype=dtype)
+    except TypeError:
+        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant, torch_dtype=dtype)
+
+
+def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None,
+                 vae_dtype: Any = None, text_encoder_dtype: Any = None, stream_unet: bool = False) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, DDPMScheduler
+    from transformers import CLIPTokenizer
 
     check_pipeline_folder(folder)
     tokenizer_source = (lambda: CLIPTokenizer.from_pretrained(resolve_pretrained(tokenizer_name))) if tokenizer_name \
         else (lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"))
+    # frozen encoders are read straight into the training dtype: no fp32 copy first
+    vae_kw = {} if vae_dtype is None else {"torch_dtype": vae_dtype}
     loaders = {
-        "unet": lambda: UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant),
-        "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant),
-        "text_encoder": lambda: CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant),
+        "unet": lambda: _unet(folder, variant, stream_unet),
+        "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant, **vae_kw),
+        "text_encoder": lambda: _text_encoder(folder, variant, text_encoder_dtype),
         "tokenizer": tokenizer_source,
         "scheduler": lambda: DDPMScheduler.from_pretrained(folder, subfolder="scheduler"),
         "inference_scheduler": lambda: _scheduler_class(folder).from_pretrained(folder, subfolder="scheduler"),
@@ -128,10 +155,16 @@ def resolve_pretrained(name: str, *, revision: str | None = None, cache_dir: str
 
 def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revision: str | None = None,
                     variant: str | None = None, cache_dir: str | None = None,
-                    tokenizer_name: str | None = None) -> dict[str, Any]:
+                    tokenizer_name: str | None = None, vae_dtype: Any = None, text_encoder_dtype: Any = None,
+                    stream_unet: bool = False) -> dict[str, Any]:
     """The components of `pretrained` (pipeline folder, cached hub id or `.safetensors`/`.ckpt` file), or the
     tiny ones: `unet`, `vae`, `text_encoder`, `tokenizer`, `scheduler` (a `DDPMScheduler` with the pipeline's
     scheduler config, for training), `inference_scheduler` (the base's own), and `source` or `extras`.
+
+    From a pipeline folder: `vae_dtype` / `text_encoder_dtype` load those components directly in that dtype
+    (None: the file's values as fp32, diffusers' default); `stream_unet` builds the UNet with hollow parameters
+    that Gemini's setup fills tensor by tensor from the folder's safetensors (`diffusion.streaming`), where the
+    folder allows it.
     """
     if pretrained is None:
         from .tiny import TinyPipelineConfig, build_tiny_components
@@ -145,7 +178,7 @@ def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revisi
         return comps
     path = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     if path.is_dir():
-        return _from_folder(path, variant, tokenizer_name)
+        return _from_folder(path, variant, tokenizer_name, vae_dtype, text_encoder_dtype, stream_unet)
     if path.suffix not in (".safetensors", ".ckpt"):
         raise InputError(f"{path}: expected a diffusers pipeline folder or a .safetensors/.ckpt file")
     return _from_single_file(path)

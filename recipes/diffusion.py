@@ -61,7 +61,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         self.config = cfg = config or FineTuneConfig()
         comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution,
                                                revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
-                                               tokenizer_name=cfg.tokenizer_name)
+                                               tokenizer_name=cfg.tokenizer_name, **self._load_options())
         self.unet, self.vae, self.text_encoder = comps["unet"], comps["vae"], comps["text_encoder"]
         self.tokenizer, self.noise_scheduler = comps["tokenizer"], comps["scheduler"]
         # What the export keeps as the base ships it: the inference scheduler, the base folder (its untrained
@@ -83,6 +83,27 @@ class StableDiffusionFineTune(pl.LightningModule):
     def weight_dtype(self) -> torch.dtype:
         """The dtype of the frozen models."""
         return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.mixed_precision]
+
+    def _load_options(self) -> dict[str, Any]:
+        """How the components load: the frozen ones directly in the training dtype, and the UNet streamed into
+        Gemini's shards when Gemini trains all of it (no LoRA, no EMA, which need its values before setup)."""
+        cfg, dtype = self.config, self.weight_dtype
+        half = None if dtype == torch.float32 else dtype
+        trains_text_encoder = cfg.train_text_encoder and not cfg.lora
+        return {"vae_dtype": half, "text_encoder_dtype": None if trains_text_encoder else half,
+                "stream_unet": not cfg.lora and not cfg.use_ema and _is_gemini(cfg.strategy)}
+
+    def setup(self, stage: str) -> None:
+        if not isinstance(self.trainer.strategy, _gemini_strategy_class()):
+            self.fill_hollow()
+
+    def fill_hollow(self) -> None:
+        """Give a streamed UNet's parameters their values in ordinary memory (no Gemini setup follows)."""
+        from ..core_parallel.gemini.lazy import fill_hollow
+
+        if fill_hollow(self.unet):
+            logger.info("the UNet was built for streaming into Gemini; loaded whole instead (strategy %s)",
+                        type(self.trainer.strategy).__name__ if self._trainer is not None else None)
 
     def _freeze_and_cast(self) -> None:
         from ..diffusion.lora import add_lora
@@ -235,7 +256,10 @@ class StableDiffusionFineTune(pl.LightningModule):
         import copy
 
         from ..diffusion.models import make_pipeline
+        from ..diffusion.streaming import gemini_of
 
+        if gemini_of(self.unet) is None:
+            self.fill_hollow()  # used before training: no Gemini will fill it
         unet = self.unet
         if use_ema and self.ema is not None:
             unet = copy.deepcopy(self.unet)
@@ -398,30 +422,65 @@ def _sub(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def materialize(module: StableDiffusionFineTune) -> dict[str, Any]:
-    """`unet`, `vae`, `text_encoder` holding the full current weights on rank 0; call on every rank.
-
-    `module.state_dict()` is taken on every rank: under a sharding strategy (Gemini) it gathers the weights
-    (a collective), and the module's own parameters hold no data between forward passes (their chunks are
-    released), so fresh modules are loaded from it. Otherwise the module's own submodules are returned.
-    """
-    parts = {"unet": module.unet, "vae": module.vae, "text_encoder": module.text_encoder}
-    # Called at optimizer-step boundaries only, so clearing gradients loses nothing; it also ends Gemini's
-    # checkpoint mode (in which state_dict() returns placeholders) right after trainer.save_checkpoint.
+def _settle(module: StableDiffusionFineTune) -> None:
+    """Before gathering weights: called at optimizer-step boundaries only, so clearing gradients loses nothing; it
+    also ends Gemini's checkpoint mode (in which state_dict() returns placeholders) after trainer.save_checkpoint."""
     for optimizer in module.trainer.optimizers if module._trainer is not None else ():
         optimizer.zero_grad()
-    state = module.state_dict()
-    if module.global_rank != 0 or not any(getattr(m, "gemini_manager", None) is not None for m in module.modules()):
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    return any(getattr(m, "gemini_manager", None) is not None for m in module.modules())
+
+
+def materialize(module: StableDiffusionFineTune, names: tuple[str, ...] = ("unet", "vae", "text_encoder")
+                ) -> dict[str, Any]:
+    """The components `names` holding the full current weights on rank 0; call on every rank.
+
+    Under a sharding strategy (Gemini) each component's `state_dict()` gathers its weights (a collective), and
+    its own parameters hold no data between forward passes (their chunks are released), so fresh modules are
+    loaded from it, one component at a time; `state` holds the gathered values. Otherwise the module's own
+    submodules are returned.
+    """
+    _settle(module)
+    parts = {name: getattr(module, name) for name in names}
+    if not _sharded(module):
         return parts
-    state = {k: v.detach().cpu() for k, v in state.items()}
-    out = {}
+    out: dict[str, Any] = {"state": {}}
     for name, part in parts.items():
+        state = part.state_dict()  # collective
+        if module.global_rank != 0:
+            continue
+        state = {k: v.detach().cpu() for k, v in state.items()}
         config = part.config
         fresh = type(part).from_config(config) if hasattr(type(part), "from_config") else type(part)(config)
-        fresh.load_state_dict(_sub(state, f"{name}."), strict=False)
+        fresh.load_state_dict(state, strict=False)
         out[name] = fresh
-    out["state"] = state
-    return out
+        out["state"].update({f"{name}.{k}": v for k, v in state.items()})
+    return out if module.global_rank == 0 else parts
+
+
+def _fp32(m: torch.nn.Module) -> torch.nn.Module:
+    """`m`, or an fp32 copy when it is not fp32 (the run's own modules keep their dtype)."""
+    import copy
+
+    return m if all(p.dtype == torch.float32 for p in m.parameters()) else copy.deepcopy(m).to(torch.float32)
+
+
+def write_component(module: StableDiffusionFineTune, name: str, folder: Path | None) -> None:
+    """Write component `name` (`unet` or `text_encoder`) as `save_pretrained(folder)` writes it, fp32; call on
+    every rank (rank 0 passes the folder, the others None). A UNet in Gemini's chunks is streamed one gathered
+    chunk at a time (`diffusion.streaming`); anything else is gathered whole first."""
+    from ..diffusion.streaming import gemini_of, save_unet_streaming
+
+    part = getattr(module, name)
+    if name == "unet" and gemini_of(part) is not None and not any(True for _ in part.buffers()):
+        _settle(module)
+        save_unet_streaming(part, folder if module.global_rank == 0 else None)
+        return
+    fresh = materialize(module, (name,)).get(name)
+    if module.global_rank == 0 and folder is not None:
+        _fp32(fresh).save_pretrained(folder, safe_serialization=True)
 
 
 def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict[str, dict]:
@@ -434,18 +493,22 @@ def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict
     return lora_state_dicts(module.unet, te, unet_state=_sub(state, "unet."), text_state=_sub(state, "text_encoder."))
 
 
-def _write_weights(module: StableDiffusionFineTune, folder: Path, parts: dict[str, Any]) -> None:
-    """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); rank 0."""
+def _write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
+    """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); call on every
+    rank, rank 0 writes into `folder` (None on the others)."""
     from ..diffusion.lora import save_lora_weights
 
     cfg = module.config
+    rank0 = module.global_rank == 0
     if cfg.lora:
-        save_lora_weights(folder, _lora_layers(module, parts))
+        parts = materialize(module)
+        if rank0:
+            save_lora_weights(folder, _lora_layers(module, parts))
         return
-    parts["unet"].save_pretrained(folder / "unet", safe_serialization=True)
+    write_component(module, "unet", folder / "unet" if rank0 else None)
     if cfg.train_text_encoder:
-        parts["text_encoder"].save_pretrained(folder / "text_encoder", safe_serialization=True)
-    if module.ema is not None:
+        write_component(module, "text_encoder", folder / "text_encoder" if rank0 else None)
+    if module.ema is not None and rank0:
         module.pipeline(use_ema=True).unet.save_pretrained(folder / "unet_ema", safe_serialization=True)
 
 
@@ -470,9 +533,8 @@ class CheckpointEvery(pl.Callback):
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("checkpoint-start")
         trainer.save_checkpoint(tmp / CKPT_FILE, weights_only=False)
-        parts = materialize(module)
+        _write_weights(module, tmp if trainer.is_global_zero else None)
         if trainer.is_global_zero:
-            _write_weights(module, tmp, parts)
             from ..diffusion.export import move_into
 
             staging = self.output_dir / f".checkpoint-{step}.stage"
@@ -695,6 +757,22 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
     )
 
 
+def _gemini_strategy_class() -> type:
+    from .strategies import GeminiStrategy
+
+    return GeminiStrategy
+
+
+def _is_gemini(strategy: str) -> bool:
+    """Whether the registered strategy `strategy` is a Gemini one (its chunks can be filled from a file)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .. import recipes  # noqa: F401 - registers the strategy names
+
+    entry = dict.get(StrategyRegistry, strategy)
+    return entry is not None and issubclass(entry["strategy"], _gemini_strategy_class())
+
+
 def strategy_arguments(cfg: FineTuneConfig) -> dict[str, Any]:
     """Constructor arguments the run's flags add to its registered strategy: `offload_dir` for the Gemini
     strategies with an NVMe tier (passed to the strategy object, never through an environment variable)."""
@@ -743,37 +821,47 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
     """Write the final result into output_dir: LoRA weights, or the whole pipeline (EMA weights under use_ema).
 
-    Call on every rank (gathering sharded weights is collective); rank 0 writes.
+    Call on every rank (gathering sharded weights is collective); rank 0 writes. Over a base pipeline folder the
+    trained components are written first (a UNet in Gemini's chunks streamed chunk by chunk, never whole) into a
+    staging folder beside the output, then moved in with the base's other components.
     """
-    import copy
-
     from ..diffusion.export import save_over_base, save_pipeline
     from ..diffusion.lora import save_lora_weights
     from ..diffusion.models import make_pipeline
 
     cfg, out = module.config, Path(module.config.output_dir)
-    parts = materialize(module)
-    if not trainer.is_global_zero:
-        return out
+    rank0 = trainer.is_global_zero
     if cfg.lora:
+        parts = materialize(module)
+        if not rank0:
+            return out
         path = save_lora_weights(out, _lora_layers(module, parts))
         logger.info("exported %s", path)
         return path
-
-    def fp32(m: torch.nn.Module) -> torch.nn.Module:
-        # a copy when the live module is not fp32, so the run's own modules keep their dtype
-        return m if all(p.dtype == torch.float32 for p in m.parameters()) else copy.deepcopy(m).to(torch.float32)
-
-    trained = {"unet": fp32(parts["unet"])}
-    if cfg.train_text_encoder and not cfg.skip_save_text_encoder:
-        trained["text_encoder"] = fp32(parts["text_encoder"])
     drop = ["text_encoder"] if cfg.skip_save_text_encoder else []
+    names = ["unet"] + (["text_encoder"] if cfg.train_text_encoder and not cfg.skip_save_text_encoder else [])
     if module.base_source is not None and cfg.tokenizer_name is None:
         # every component the trainer did not train is the base's, file for file
-        path = save_over_base(module.base_source, trained, out, drop=drop)
+        import tempfile
+
+        out.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(dir=out, prefix=".trained-", suffix=".tmp")) if rank0 else None
+        try:
+            for name in names:
+                write_component(module, name, stage / name if rank0 else None)
+            if not rank0:
+                return out
+            path = save_over_base(module.base_source, {name: stage / name for name in names}, out, drop=drop)
+        finally:
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
     else:
-        comps = {"vae": fp32(parts["vae"]), "text_encoder": fp32(parts["text_encoder"]), **trained,
-                 "tokenizer": module.tokenizer, "extras": module.base_extras}
+        parts = materialize(module)
+        if not rank0:
+            return out
+        comps = {"vae": _fp32(parts["vae"]), "text_encoder": _fp32(parts["text_encoder"]),
+                 **{name: _fp32(parts[name]) for name in names}, "tokenizer": module.tokenizer,
+                 "extras": module.base_extras}
         pipe = make_pipeline(comps, scheduler=module.inference_scheduler, keep_extras=True)
         if drop:
             pipe.register_modules(text_encoder=None)

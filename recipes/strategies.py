@@ -457,6 +457,20 @@ class GeminiStrategy(_ShardedStrategy):
             logger.info("gemini NVMe tier in %s", self._offload_dir)
         return self._offload_dir
 
+    def model_to_device(self) -> None:
+        """As DDP moves the model, except that hollow parameters (`core_parallel.gemini.lazy`: a pretrained model
+        streamed into the chunks at setup) get no memory on the device, only its placement."""
+        from ..core_parallel.gemini.lazy import is_hollow
+
+        assert self.model is not None
+        device = self.root_device
+        for p in self.model.parameters():
+            if is_hollow(p) and p.device != device:
+                empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                empty.untyped_storage().resize_(0)
+                p.data = empty
+        super().model_to_device()
+
     def core_config(self, precision: str, check_only: bool = False) -> Any:
         from ..core_parallel import GeminiConfig
 

@@ -17,6 +17,7 @@ from ..host_comm import HostCollectives
 from .chunk import Chunk, Reduction
 from .config import GeminiConfig
 from .layout import ChunkSpec, Slot
+from .lazy import clear_source, is_hollow, take_value
 from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from .state import ChunkState
 from .storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
@@ -51,6 +52,19 @@ class _StateDictIO:
         p = self.params[pidx]
         flat = self._io_cache[s.chunk][s.offset : s.offset + s.numel]
         return flat.view(p.shape).to(self.param_dtypes[pidx], copy=True)
+
+    def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
+        """(pidx, full fp32 master value viewed in the parameter's shape) of parameters `pidxs`, one chunk
+        gathered at a time in chunk order (a collective: every rank iterates to the end with the same `pidxs`).
+        A value is valid until the next item; only one gathered chunk is alive at a time."""
+        self.pass_open = False
+        wanted = set(pidxs)
+        for ci in sorted({self.slot_of[p].chunk for p in wanted}):
+            full = self.chunks[ci].gather_fp32(self.chunks[ci].master)
+            for s in self.chunks[ci].spec.slots:
+                if s.param in wanted:
+                    yield s.param, full[s.offset : s.offset + s.numel].view(self.params[s.param].shape)
+            del full
 
     def begin_checkpoint(self) -> None:
         """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication.
@@ -191,9 +205,14 @@ class ChunkManager(_StateDictIO):
         for c in self.chunks:
             local = torch.zeros(c.shard_numel, dtype=torch.float32)
             for s in c.spec.slots:
-                flat = self.params[s.param].detach().reshape(-1)
+                p = self.params[s.param]
                 lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
-                if lo < hi:
+                if lo >= hi:
+                    continue
+                if is_hollow(p):  # read from its source, only this rank's part; dropped once copied
+                    local[lo - c.lo : hi - c.lo] = take_value(p, lo - s.offset, hi - s.offset).float()
+                else:
+                    flat = p.detach().reshape(-1)
                     local[lo - c.lo : hi - c.lo] = flat[lo - s.offset : hi - s.offset].float().cpu()
             c.master.allocate(fill=local)
             self.ledger.add(c.master.tier, "params", c.master.nbytes)
@@ -201,6 +220,8 @@ class ChunkManager(_StateDictIO):
                 buf.allocate()
                 self.ledger.add(buf.tier, "optim", buf.nbytes)
             c.bind(self.params)
+            for s in c.spec.slots:
+                clear_source(self.params[s.param])
             self._storage_keys[c.index] = c.full.untyped_storage()._cdata
 
     def is_trainable(self, pidx: int) -> bool:

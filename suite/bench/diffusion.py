@@ -468,3 +468,97 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows,
                            "step_time_ratios": ratios})
     return 0
+
+
+# ---- the whole-command comparison (`suite bench command`) -------------------------------------------------------
+# `python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels 160,320,640,640 ...]` writes a pipeline
+# folder of random weights of the benchmark's shapes; `python -m lowmem.suite.bench.diffusion plain_loop BASE OUT`
+# is the plain diffusers loop a user runs, as a whole process (what `suite diffusion finetune` is compared with):
+#
+#   suite bench command --baseline "python -m lowmem.suite.bench.diffusion plain_loop BASE OUT1" -- \
+#       suite diffusion finetune --pretrained_model_name_or_path BASE --strategy gemini_nvme ...
+
+
+def write_pipeline(folder: str, opts: dict) -> None:
+    """A diffusers pipeline folder (UNet of `opts`' shapes, the `--encoders` VAE and text encoder with the tiny
+    byte-level tokenizer, SD's PNDM scheduler), random weights from seed 0, safetensors."""
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    from ...diffusion.tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    unet = _unet(opts)
+    vae, text = _encoders({**opts, "encoders": "small" if opts["encoders"] == "none" else opts["encoders"]})
+    scheduler = PNDMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                              beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=build_tokenizer(77), unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolution: int = 256) -> None:
+    """`train_text_to_image.py --mixed_precision bf16 --gradient_checkpointing` reduced to its loop: the fp32 UNet
+    and bf16 frozen VAE and text encoder loaded with `from_pretrained`, diffusers' default (SDPA) attention, fused
+    AdamW, bf16 autocast, `steps` steps on random images, then the pipeline saved with the trained UNet as the
+    script saves it."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from .common import fast_optimizer
+
+    torch.manual_seed(0)
+    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
+    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
+    text = CLIPTextModel.from_pretrained(base, subfolder="text_encoder")
+    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
+    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
+    for m in (vae, text):  # as the script does: loaded in fp32, then cast
+        m.requires_grad_(False).to(torch.bfloat16)
+    unet.enable_gradient_checkpointing()
+    unet.train()
+    optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
+    ids = tokenizer(["a photo"] * batch, padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids
+    for _ in range(steps):
+        pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                latents = vae.encode(pixels.to(torch.bfloat16)).latent_dist.sample() * vae.config.scaling_factor
+                states = text(ids, return_dict=False)[0]
+            noise = torch.randn_like(latents)
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
+            pred = unet(scheduler.add_noise(latents, noise, t), t, states).sample
+            loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
+    pipe.save_pretrained(out)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lowmem.suite.bench.diffusion")
+    sub = parser.add_subparsers(dest="what", required=True)
+    w = sub.add_parser("write_pipeline", help="a pipeline folder of the benchmark's shapes, random weights")
+    w.add_argument("folder")
+    add_arguments(w)
+    p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
+    p.add_argument("base")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--resolution", type=int, default=256)
+    args = parser.parse_args(argv)
+    if args.what == "write_pipeline":
+        write_pipeline(args.folder, vars(args))
+    else:
+        plain_loop(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
