@@ -1,29 +1,32 @@
 """Dynamic axial parallelism for the AlphaFold model, applied from outside: `parallelize_dap(model, group)`.
 
 The plan (FastFold's, on explicit groups and any sizes). Weights are replicated; only activations are split
-across the ranks of the DAP mesh axis `group`:
+across the ranks of the DAP mesh axis `group`. The model's stacks have one forward each, written against a
+`Layout` (`fastfold.model.options`); `parallelize_dap` installs `DAPLayout(group)` on the Evoformer, extra-MSA
+and template pair stacks, which turns the layout's moves into `core_parallel.dap` collectives:
 
-- Each Evoformer, extra-MSA and template pair stack scatters its inputs on entry and gathers its outputs on
-  exit, so the embedders, the template pointwise attention, the structure module and the heads run
-  unchanged on whole tensors.
+- Each stack splits its inputs by rows on entry and gathers its outputs on exit, so the embedders, the template
+  pointwise attention, the structure module and the heads run unchanged on whole tensors.
 - Inside a stack the MSA representation m `[*, S, N, C_m]` is split by rows (S, tensor dim -3) for the row
   attention and by columns (N, dim -2) for the column attention, the transition and the outer product
   mean; the pair representation z `[*, N, N, C_z]` is split by rows for the outgoing triangle
   multiplication and the starting-node attention, by columns for the incoming multiplication and the
   ending-node attention. `core_parallel.dap.all_to_all` moves the split between the two dims.
 - What an operation needs whole is gathered: the pair bias of the MSA row attention and of the triangle
-  attentions (a forward hook on their bias projection, `[*, N, N, H]`), one gated projection of each
-  triangle multiplication, and the right projection of the outer product mean.
+  attentions, one gated projection of each triangle multiplication, and the right projection of the outer
+  product mean.
 - m's move back from columns to rows is launched before the pair stack and waited for after it, so it
   overlaps the pair stack.
 
 Uneven sizes (any N_res, any MSA depth, fewer rows than ranks) are handled by the primitives' internal
 padding. Chunking works unchanged inside each rank (`InferenceOptions.chunk_size`).
+
+`DAPRuntime` runs a whole fold on one DAP group: `suite fold --devices N` launches it once per run, the
+Lightning `DAPStrategy` wraps the group it set up; both load, broadcast and predict through it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -33,304 +36,69 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core_parallel import dap as comm
-from .model.evoformer import (
-    EvoformerStack,
-    ExtraMSAStack,
-    MSARowAttentionWithPairBias,
-    OuterProductMean,
-    TemplatePairStack,
-    TriangleAttention,
-    TriangleMultiplication,
-)
-from .model.options import InferenceOptions
-from .model.primitives import mask_keep
+from ..core_parallel.launch import RankError
+from .model.evoformer import EvoformerStack, ExtraMSAStack, TemplatePairStack
+from .model.options import SINGLE_PROCESS, Layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["broadcast_batch", "parallelize_dap"]
+__all__ = ["DAPLayout", "DAPRuntime", "broadcast_batch", "broadcast_module", "parallelize_dap"]
 
-ROWS, COLS = -3, -2
-"""Tensor dims of m `[*, S, N, C]` and z `[*, N, N, C]` along which an activation is split."""
-
-_PAIR_STACK_ORDER = ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end", "pair_transition")
-_TEMPLATE_BLOCK_ORDER = ("tri_att_start", "tri_att_end", "tri_mul_out", "tri_mul_in", "pair_transition")
+_STACKS = (EvoformerStack, ExtraMSAStack, TemplatePairStack)
 
 
-class _Pair:
-    """A pair activation `[*, N, N, C]` split over `group` by rows (dim -3) or columns (dim -2), with the
-    pair mask `[*, N, N]` split both ways."""
+class DAPLayout(Layout):
+    """A stack's activations split across the ranks of the DAP mesh axis `group` (see `Layout`)."""
 
-    def __init__(self, z: torch.Tensor, pair_mask: torch.Tensor, group: Any) -> None:
-        self.group, self.n = group, z.shape[-2]
-        self.split = ROWS
-        self.value = comm.scatter(z, ROWS, group)
-        self.masks = {ROWS: comm.scatter(pair_mask, -2, group), COLS: comm.scatter(pair_mask, -1, group)}
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.world = comm.group_size(group)
 
-    def along(self, dim: int) -> torch.Tensor:
-        """The local shard split along `dim` (one all-to-all when it is split along the other dim)."""
-        if self.split != dim:
-            value, self.value = self.value, None  # hand the shard over, so the exchange can free it early
-            self.value = comm.all_to_all(value, self.split, dim, self.group, from_size=self.n)
-            self.split = dim
-        return self.value
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return comm.scatter(x, dim, self.group)
 
-    def update(self, dim: int | None, fn) -> None:
-        """value = fn(shard, mask), the residual included, with the shard split along `dim` (None: as it is)."""
-        shard = self.along(self.split if dim is None else dim)
-        self.value = fn(shard, self.masks[self.split])
+    def gather(self, x: torch.Tensor, dim: int, full_size: int) -> torch.Tensor:
+        return comm.gather(x, dim, self.group, full_size=full_size)
 
-    def gather(self) -> torch.Tensor:
-        return comm.gather(self.along(ROWS), ROWS, self.group, full_size=self.n)
+    def move(self, x: torch.Tensor, from_dim: int, to_dim: int, from_size: int) -> torch.Tensor:
+        pending = comm.all_to_all_async(x, from_dim, to_dim, self.group, from_size=from_size)
+        del x  # the caller's reference may be the last one: free the input while the exchange runs
+        return pending.wait()
 
-
-def _row_blocks(total: int, chunk: int | None) -> list[tuple[int, int]]:
-    step = total if chunk is None else max(1, chunk)
-    return [(r, min(r + step, total)) for r in range(0, total, max(step, 1))]
-
-
-def _residual_rows(x: torch.Tensor, fn, chunk: int | None, options: InferenceOptions) -> torch.Tensor:
-    """`x + update`, where `fn(r0, r1)` is the update of rows [r0, r1) of dim -3 and reads only those rows of x.
-
-    Chunked, the update is added block by block and never held whole: into x itself with in-place
-    residuals, else into a copy of x (the same sums as `x + update`, one activation less alive).
-    """
-    rows = x.shape[-3]
-    if chunk is None or rows == 0:
-        return options.add_(x, fn(0, rows))
-    out = x if options.residual == "in_place" else x.clone()
-    for r0, r1 in _row_blocks(rows, chunk):
-        out[..., r0:r1, :, :] += fn(r0, r1)
-    return out
-
-
-def _module_residual(mod: nn.Module, x: torch.Tensor, *args: Any, options: InferenceOptions) -> torch.Tensor:
-    """`x + mod(x, *args, options)` for a module that works on a local shard unchanged (column attention,
-    transitions), through the module's own `residual_` (fused with chunking) where it has one."""
-    fused = getattr(mod, "residual_", None)
-    if fused is not None:
-        return fused(x, *args, options)
-    return options.add_(x, mod(x, *args, options))
-
-
-def _attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int):
-    """Rows per chunk of a row-wise attention: its projections (about 8 x L x C) and one block of scores."""
-    return options.rows_per_chunk(rows, (8 * length * c + heads * length * min(length, 256)) * itemsize)
-
-
-def _whole_bias(layer_norm: nn.Module, linear: nn.Module, z_rows: torch.Tensor, chunk: int | None, group: Any):
-    """The pair bias `[*, 1, H, N, N]` of every row, from this rank's rows `z_rows: [*, N_r, N, C]` (any strides):
-    `linear(layer_norm(z))` on the local rows (by row blocks when chunking), then gathered."""
-    if chunk is None:
-        local = linear(layer_norm(z_rows))
-    else:
-        local = z_rows.new_empty(*z_rows.shape[:-1], linear.out_features)
-        for r0, r1 in _row_blocks(z_rows.shape[-3], chunk):
-            local[..., r0:r1, :, :] = linear(layer_norm(z_rows[..., r0:r1, :, :]))
-    return comm.gather(local, ROWS, group, full_size=z_rows.shape[-2]).movedim(-1, -3).unsqueeze(-4)
-
-
-def _msa_row_attention(
-    mod: MSARowAttentionWithPairBias, m: torch.Tensor, z_rows: torch.Tensor, msa_mask: torch.Tensor,
-    options: InferenceOptions, group: Any,
-) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 7 on m split by rows `[*, S_r, N, C_m]` (msa_mask `[*, S_r, N]`), with the bias
-    from z split by rows `[*, N_r, N, C_z]`. Returns the new m."""
-    chunk = _attention_chunk(options, m.shape[-3], mod.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
-    bias = _whole_bias(mod.layer_norm_z, mod.linear_z, z_rows, chunk, group)
-
-    def update(r0: int, r1: int) -> torch.Tensor:
-        x = mod.layer_norm_m(m[..., r0:r1, :, :])
-        return mod.mha(x, x, mask=mask_keep(msa_mask[..., r0:r1, :])[..., :, None, None, :], bias=bias)
-
-    return _residual_rows(m, update, chunk, options)
-
-
-def _triangle_attention(
-    mod: TriangleAttention, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, group: Any
-) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 13 (starting node) on z split by rows `[*, N_r, N, C]`, Alg. 14 (ending node) on
-    z split by columns `[*, N, N_r, C]`; pair_mask in the same layout. Returns the new z."""
-    ending = mod.node == "ending"
-    zt = z.transpose(-2, -3) if ending else z  # the attention's rows are local: [*, N_r, N, C]
-    mt = pair_mask.transpose(-1, -2) if ending else pair_mask
-    chunk = _attention_chunk(options, zt.shape[-3], mod.mha.heads, zt.shape[-2], zt.shape[-1], z.element_size())
-    if chunk is None:  # one LayerNorm for the bias and the attention
-        x = mod.layer_norm(zt)
-        bias = comm.gather(mod.linear(x), ROWS, group, full_size=zt.shape[-2]).movedim(-1, -3).unsqueeze(-4)
-        new = options.add_(zt, mod.mha(x, x, mask=mask_keep(mt)[..., :, None, None, :], bias=bias))
-    else:
-        bias = _whole_bias(mod.layer_norm, mod.linear, zt, chunk, group)
-
-        def update(r0: int, r1: int) -> torch.Tensor:
-            x = mod.layer_norm(zt[..., r0:r1, :, :])
-            return mod.mha(x, x, mask=mask_keep(mt[..., r0:r1, :])[..., :, None, None, :], bias=bias)
-
-        new = _residual_rows(zt, update, chunk, options)
-    return new.transpose(-2, -3) if ending else new
-
-
-def _gated(mod: TriangleMultiplication, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
-    """mask * linear_p(x) * sigmoid(linear_g(x)) for the projection `which` ("a" or "b")."""
-    proj, gate = getattr(mod, f"linear_{which}_p"), getattr(mod, f"linear_{which}_g")
-    return mask * proj(x) * torch.sigmoid(gate(x))
-
-
-def _triangle_multiplication(
-    mod: TriangleMultiplication, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, group: Any
-) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 11 (outgoing) on z split by rows `[*, N_r, N, C]`, Alg. 12 (incoming) on z split
-    by columns `[*, N, N_r, C]`; pair_mask in the same layout. Returns the new z.
-
-    Both work on the layout whose rows are local: z for outgoing, z^T for incoming, where
-    `out^T[j, i] = sum_k b^T[j, k] a^T[i, k]`. The projection every local row needs (b outgoing, a incoming) is
-    gathered from all ranks; the other one is computed block by block when chunking.
-    """
-    outgoing = mod.direction == "outgoing"
-    zz = z if outgoing else z.transpose(-2, -3)  # [*, R, N, C]
-    mm = (pair_mask if outgoing else pair_mask.transpose(-1, -2)).to(z.dtype)[..., None]
-    row_proj, all_proj = ("a", "b") if outgoing else ("b", "a")
-    c_h, n = mod.linear_a_p.out_features, zz.shape[-2]
-    chunk = options.rows_per_chunk(zz.shape[-3], n * (4 * c_h + 5 * zz.shape[-1]) * z.element_size())
-    x_all = mod.layer_norm_in(zz) if chunk is None else None
-    if chunk is None:
-        local = _gated(mod, x_all, mm, all_proj)
-    else:
-        local = zz.new_empty(*zz.shape[:-1], c_h)
-        for r0, r1 in _row_blocks(zz.shape[-3], chunk):
-            x = mod.layer_norm_in(zz[..., r0:r1, :, :])
-            local[..., r0:r1, :, :] = _gated(mod, x, mm[..., r0:r1, :, :], all_proj)
-    shared = comm.gather(local, ROWS, group, full_size=n).movedim(-1, -3)  # [*, c, J, K]
-    del local
-
-    def update(r0: int, r1: int) -> torch.Tensor:
-        x = x_all if x_all is not None else mod.layer_norm_in(zz[..., r0:r1, :, :])
-        rows = _gated(mod, x, mm[..., r0:r1, :, :], row_proj).movedim(-1, -3)  # [*, c, R, K]
-        p = torch.matmul(rows, shared.transpose(-1, -2)).movedim(-3, -1)  # [*, R, J, c]
-        del rows
-        return mod.linear_z(mod.layer_norm_out(p)) * torch.sigmoid(mod.linear_g(x))
-
-    new = _residual_rows(zz, update, chunk, options)
-    return new if outgoing else new.transpose(-2, -3)
-
-
-def _outer_product_mean(
-    mod: OuterProductMean, z: torch.Tensor, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions,
-    group: Any,
-) -> torch.Tensor:
-    """AlphaFold2 suppl. Alg. 10 for the local residues, added to their pair rows z `[*, N_r, N, C_z]`.
-    m: `[*, S, N_r, C_m]` split by columns; msa_mask: `[*, S, N]` whole. Returns the new z rows."""
-    n = msa_mask.shape[-1]
-    full_mask = msa_mask.to(m.dtype)
-    local_mask = comm.scatter(full_mask, -1, group)
-    ln = mod.layer_norm(m)
-    a = (mod.linear_1(ln) * local_mask[..., None]).movedim(-3, -2)  # [*, N_r, S, c]
-    b = mod.linear_2(ln) * local_mask[..., None]
-    del ln
-    b = comm.gather(b, COLS, group, full_size=n).movedim(-3, -2)  # [*, N, S, c]
-    norm = torch.einsum("...si,...sj->...ij", local_mask, full_mask)[..., None]  # [*, N_r, N, 1]
-    c = a.shape[-1]
-    chunk = options.rows_per_chunk(a.shape[-3], n * (2 * c * c + 2 * z.shape[-1]) * m.element_size())
-
-    def update(r0: int, r1: int) -> torch.Tensor:
-        outer = torch.einsum("...isc,...jse->...ijce", a[..., r0:r1, :, :], b)
-        return mod.linear_out(outer.flatten(-2)) / (mod.eps + norm[..., r0:r1, :, :])
-
-    return _residual_rows(z, update, chunk, options)
-
-
-def _pair_ops(owner: nn.Module, order: tuple[str, ...], z: _Pair, options: InferenceOptions, group: Any) -> None:
-    """Run the pair updates of `owner` (a PairStack or TemplatePairBlock) in `order` on the split z."""
-    for name in order:
-        mod = getattr(owner, name)
-        if isinstance(mod, TriangleMultiplication):
-            dim = ROWS if mod.direction == "outgoing" else COLS
-            z.update(dim, functools.partial(_triangle_multiplication, mod, options=options, group=group))
-        elif isinstance(mod, TriangleAttention):
-            dim = ROWS if mod.node == "starting" else COLS
-            z.update(dim, functools.partial(_triangle_attention, mod, options=options, group=group))
-        else:  # the pair transition: pointwise, either split
-            z.update(None, lambda shard, _mask, mod=mod: _module_residual(mod, shard, options=options))
-
-
-def _evoformer_block(
-    block: nn.Module, m: torch.Tensor, z: _Pair, msa_mask: torch.Tensor, options: InferenceOptions, group: Any
-) -> torch.Tensor:
-    """One Evoformer / extra-MSA block (Alg. 6) on m split by rows `[*, S_r, N, C_m]` and z. Returns m by rows."""
-    s, n = msa_mask.shape[-2], msa_mask.shape[-1]
-    rows_mask, cols_mask = comm.scatter(msa_mask, -2, group), comm.scatter(msa_mask, -1, group)
-    m = _msa_row_attention(block.msa_att_row, m, z.along(ROWS), rows_mask, options, group)
-    m = comm.all_to_all(m, ROWS, COLS, group, from_size=s)  # [*, S, N_r, C_m]
-    m = _module_residual(block.msa_att_col, m, cols_mask, options=options)
-    m = _module_residual(block.msa_transition, m, options=options)
-    z.value = _outer_product_mean(block.outer_product_mean, z.along(ROWS), m, msa_mask, options, group)
-    m_back = comm.all_to_all_async(m, COLS, ROWS, group, from_size=n)  # overlaps the pair stack
-    del m
-    _pair_ops(block.pair_stack, _PAIR_STACK_ORDER, z, options, group)
-    return m_back.wait()
-
-
-def _msa_stack(stack: nn.Module, m, z, msa_mask, pair_mask, options, group) -> tuple[torch.Tensor, _Pair]:
-    """Run every block of an Evoformer or extra-MSA stack on split activations; returns (m by rows, z)."""
-    msa_mask = msa_mask.to(m.dtype)
-    zp = _Pair(z, pair_mask, group)
-    m = comm.scatter(m, ROWS, group)
-    for block in stack.blocks:
-        m = _evoformer_block(block, m, zp, msa_mask, options, group)
-    return m, zp
-
-
-def _evoformer_forward(stack: EvoformerStack, group: Any, m, z, msa_mask, pair_mask, options):
-    """`EvoformerStack.forward` under DAP: same arguments and results (m, z, s), whole tensors."""
-    s = m.shape[-3]
-    m, zp = _msa_stack(stack, m, z, msa_mask, pair_mask, options, group)
-    m = comm.gather(m, ROWS, group, full_size=s)
-    return m, zp.gather(), stack.linear(m[..., 0, :, :])
-
-
-def _extra_msa_forward(stack: ExtraMSAStack, group: Any, a, z, msa_mask, pair_mask, options):
-    """`ExtraMSAStack.forward` under DAP: returns the whole z (the extra MSA itself is dropped split)."""
-    return _msa_stack(stack, a, z, msa_mask, pair_mask, options, group)[1].gather()
-
-
-def _template_forward(stack: TemplatePairStack, group: Any, t, pair_mask, options):
-    """`TemplatePairStack.forward` under DAP. t: `[*, T, N, N, C_t]`; pair_mask `[*, 1, N, N]`."""
-    tp = _Pair(t, pair_mask, group)
-    for block in stack.blocks:
-        _pair_ops(block, _TEMPLATE_BLOCK_ORDER, tp, options, group)
-    tp.value = stack.layer_norm(tp.along(ROWS))
-    return tp.gather()
-
-
-_STACK_FORWARDS = (
-    (EvoformerStack, _evoformer_forward),
-    (ExtraMSAStack, _extra_msa_forward),
-    (TemplatePairStack, _template_forward),
-)
+    def move_async(self, x: torch.Tensor, from_dim: int, to_dim: int, from_size: int) -> comm.Pending:
+        return comm.all_to_all_async(x, from_dim, to_dim, self.group, from_size=from_size)
 
 
 def parallelize_dap(model: nn.Module, group: Any) -> nn.Module:
     """Split the Evoformer, extra-MSA and template pair stacks of `model` across the ranks of `group`.
 
-    Changes `model` in place (weights and state_dict untouched) and returns it. Every rank of `group` must
-    call the model with the same batch (see `broadcast_batch`); each returns the same whole outputs as the
-    unsplit model. `group=None` (one process, no process group) leaves the model as it is; a one-rank
-    group runs the plan with every communication a no-op.
+    Changes `model` in place (installs `DAPLayout(group)` on each stack; weights, state_dict and every
+    forward untouched) and returns it. Every rank of `group` must call the model with the same batch (see
+    `broadcast_batch`); each returns the same whole outputs as the unsplit model. `group=None` (one process,
+    no process group) leaves the model as it is; a one-rank group runs the plan with every communication a
+    no-op.
     """
     if group is None:
         return model
-    if getattr(model, "_dap_group", None) is not None:
-        raise ValueError("parallelize_dap: this model is already split across a DAP group")
-    stacks = 0
-    for module in model.modules():
-        for cls, forward in _STACK_FORWARDS:
-            if type(module) is cls:
-                module.forward = functools.partial(forward, module, group)
-                stacks += 1
-    if stacks == 0:
+    stacks = [m for m in model.modules() if type(m) in _STACKS]
+    if not stacks:
         raise ValueError("parallelize_dap: the model has no Evoformer, extra-MSA or template pair stack")
-    model._dap_group = group
-    logger.info("DAP: %d stacks split across %d ranks", stacks, comm.group_size(group))
+    if any(s.layout is not SINGLE_PROCESS for s in stacks):
+        raise ValueError("parallelize_dap: this model is already split across a DAP group")
+    layout = DAPLayout(group)
+    for stack in stacks:
+        stack.layout = layout
+    logger.info("DAP: %d stacks split across %d ranks", len(stacks), layout.world)
     return model
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, group: Any, src: int = 0) -> None:
+    """Rank `src`'s parameters and buffers on every rank of `group` (DAP needs identical weights)."""
+    if comm.group_size(group) == 1:
+        return
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, group=group, group_src=src)
 
 
 def broadcast_batch(
@@ -367,3 +135,260 @@ def broadcast_batch(
         dist.broadcast(t, group=group, group_src=src)
         out[key] = t
     return out
+
+
+class DAPRuntime:
+    """One DAP group for a whole run, and the model its ranks hold (one at a time).
+
+    Rank 0 drives: it reads the inputs, broadcasts each batch (`broadcast`) and writes the outputs; every
+    rank holds the same weights (`prepare`: rank 0's weights broadcast, then `parallelize_dap`). Two ways in:
+
+    - `DAPRuntime.launch(devices)` (`suite fold --devices N`): this process becomes rank 0 and spawns the
+      N - 1 other ranks once for the whole run (NCCL on CUDA, one GPU per rank; gloo on CPU). `call(fn, ...)`
+      then runs `fn(runtime, *args, source)` on every rank, `source` (a batch) on rank 0 only. A rank that
+      fails stops the runtime: its error is raised on rank 0 as `RankError` and every later call fails at
+      once; a hang is bounded by the collective timeout.
+    - `DAPRuntime(group, device)` (`recipes.DAPStrategy`): the ranks already exist and run the same code.
+    """
+
+    def __init__(self, group: Any, device: torch.device | str, *, followers: list | None = None,
+                 topology: Any = None) -> None:
+        self.group, self.device = group, torch.device(device)
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.model: nn.Module | None = None
+        """The model this rank holds (see `hold`)."""
+        self.key: Any = None
+        """What `model` was built from."""
+        self.extra: Any = None
+        """What the builder returned beside the model (e.g. its feature sizes)."""
+        self._followers = followers or []
+        self._topology = topology
+        self._broken = ""
+
+    # --- what every rank does (both kinds of runtime)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """`model` with rank 0's weights, split across the group (in place)."""
+        broadcast_module(model, self.group)
+        return parallelize_dap(model, self.group)
+
+    def broadcast(self, batch: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Rank 0's batch (others pass None) on every rank, on this rank's device."""
+        return broadcast_batch(batch if self.rank == 0 else None, self.group, src=0, device=self.device)
+
+    def hold(self, key: Any, build) -> tuple[nn.Module, Any]:
+        """The model built by `build()` -> (model, extra), prepared; kept until another `key` is asked for, so
+        one model at a time is alive (the previous one is dropped before the next is built)."""
+        if self.model is None or self.key != key:
+            self.model = self.key = self.extra = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            model, extra = build()
+            self.model, self.key, self.extra = self.prepare(model), key, extra
+        return self.model, self.extra
+
+    # --- driving a launched runtime from rank 0
+
+    @classmethod
+    def launch(cls, devices: int, *, device_type: str = "cpu", timeout_s: float = 1800.0):
+        """Context manager: a runtime of `devices` ranks, this process rank 0 (see the class docstring)."""
+        return _Launched(cls, devices, device_type, timeout_s)
+
+    def call(self, fn, *args: Any, source: Any = None) -> Any:
+        """`fn(runtime, *args, source)` on every rank (`fn` importable by name, `args` picklable; `source` on
+        rank 0 only, None elsewhere); returns rank 0's result."""
+        if self._broken:
+            raise RuntimeError(f"the DAP runtime has stopped: {self._broken}")
+        try:
+            for r, (proc, conn) in enumerate(self._followers, 1):
+                if not proc.is_alive():
+                    raise RankError(r, "ProcessDied", f"exit code {proc.exitcode}", "(no traceback)")
+                conn.send((fn, args))
+            result = fn(self, *args, source)
+            for r, (proc, conn) in enumerate(self._followers, 1):
+                _wait_ack(r, proc, conn, self._topology.timeout_s)
+            return result
+        except BaseException as exc:
+            if not self._followers:
+                raise
+            err = exc if isinstance(exc, RankError) else _first_report(self._followers, wait_s=3.0)
+            self._stop(f"{type(err or exc).__name__}: {err or exc}".splitlines()[0])
+            if err is not None and err is not exc:
+                raise err from exc
+            raise
+
+    def _stop(self, why: str) -> None:
+        """Kill the other ranks and drop the group (after a failure)."""
+        self._broken = why
+        for proc, conn in self._followers:
+            conn.close()
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10.0)
+        self._destroy()
+
+    def _destroy(self) -> None:
+        self.model = None
+        if self._topology is not None:
+            try:
+                self._topology.destroy()
+            except Exception:  # noqa: BLE001 - the group may be broken after a peer died
+                logger.debug("DAP runtime: destroying the process group failed", exc_info=True)
+            self._topology = None
+
+    def close(self) -> None:
+        """Stop the other ranks (they finish their loop) and destroy the group."""
+        if self._broken:
+            return
+        self._broken = "closed"
+        for _proc, conn in self._followers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc, conn in self._followers:
+            proc.join(timeout=30.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10.0)
+            conn.close()
+        self._destroy()
+
+
+class _Launched:
+    """`DAPRuntime.launch`'s context manager: spawn, init, yield the runtime, close."""
+
+    def __init__(self, cls, devices: int, device_type: str, timeout_s: float) -> None:
+        if devices < 1:
+            raise ValueError(f"DAPRuntime.launch: devices must be >= 1, got {devices}")
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"DAPRuntime.launch: device_type must be cpu or cuda, got {device_type!r}")
+        if device_type == "cuda" and torch.cuda.device_count() < devices:
+            raise ValueError(f"DAPRuntime.launch: {devices} ranks need {devices} CUDA devices, this machine has "
+                             f"{torch.cuda.device_count()}")
+        self.cls, self.devices, self.device_type, self.timeout_s = cls, devices, device_type, timeout_s
+        self.runtime: DAPRuntime | None = None
+        self._threads = torch.get_num_threads()
+
+    def __enter__(self) -> DAPRuntime:
+        import multiprocessing as mp
+        import os
+
+        from ..core_parallel import Axis, Topology
+        from ..core_parallel.launch import free_port
+
+        ctx = mp.get_context("spawn")
+        port, world = free_port(), self.devices
+        backend = "nccl" if self.device_type == "cuda" else "gloo"
+        threads = max(1, (os.cpu_count() or 1) // world) if self.device_type == "cpu" else self._threads
+        followers = []
+        try:
+            for r in range(1, world):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_follow, args=(r, world, port, backend, self.timeout_s, threads, theirs),
+                                   daemon=True, name=f"dap-rank-{r}")
+                proc.start()
+                theirs.close()
+                followers.append((proc, mine))
+            for r, (proc, conn) in enumerate(followers, 1):
+                _wait_ack(r, proc, conn, 120.0)  # started: imports done, joining the group
+            torch.set_num_threads(threads)
+            device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            topology = Topology(world_size=world, rank=0, dap=world, backend=backend, timeout_s=self.timeout_s)
+            topology.init(f"tcp://127.0.0.1:{port}")
+            group = topology.group(Axis.DAP) if world > 1 else None
+        except BaseException:
+            for proc, conn in followers:
+                proc.kill()
+                proc.join(timeout=10.0)
+                conn.close()
+            torch.set_num_threads(self._threads)
+            raise
+        self.runtime = self.cls(group, device, followers=followers, topology=topology)
+        logger.info("DAP runtime: %d ranks (%s)", world, backend)
+        return self.runtime
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.runtime is not None:
+                self.runtime.close()
+        finally:
+            torch.set_num_threads(self._threads)
+
+
+def _wait_ack(rank: int, proc: Any, conn: Any, timeout_s: float) -> None:
+    """Wait for rank `rank`'s answer to the last message: ("ok", None) or ("error", report)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                kind, report = conn.recv()
+            except EOFError:
+                kind, report = "error", ("ProcessDied", f"exit code {proc.exitcode}", "(no traceback)")
+            if kind == "error":
+                raise RankError(rank, *report)
+            return
+        if not proc.is_alive() and not conn.poll(0.2):
+            raise RankError(rank, "ProcessDied", f"exit code {proc.exitcode}", "(no traceback)")
+    raise TimeoutError(f"DAP rank {rank} did not answer within {timeout_s:.0f}s")
+
+
+def _first_report(followers: list, wait_s: float) -> BaseException | None:
+    """The first follower error (rank order) reported within `wait_s` seconds; else a follower that died without
+    a report (`ProcessDied`); else None."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = None
+        for r, (proc, conn) in enumerate(followers, 1):
+            try:
+                if conn.poll():
+                    kind, report = conn.recv()
+                    if kind == "error":
+                        return RankError(r, *report)
+            except (EOFError, OSError):
+                dead = dead or RankError(r, "ProcessDied", f"exit code {proc.exitcode}", "(no traceback)")
+        if dead is not None or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.1)
+
+
+def _follow(rank: int, world: int, port: int, backend: str, timeout_s: float, threads: int, conn: Any) -> None:
+    """A launched runtime's rank > 0: run what rank 0 sends until it sends None (or goes away)."""
+    import os
+    import traceback
+
+    topology = None
+    try:
+        from ..core_parallel import Axis, Topology
+
+        torch.set_num_threads(threads)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        conn.send(("ok", None))
+        topology = Topology(world_size=world, rank=rank, dap=world, backend=backend, timeout_s=timeout_s)
+        topology.init(f"tcp://127.0.0.1:{port}")
+        runtime = DAPRuntime(topology.group(Axis.DAP), device)
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # rank 0 is gone
+                os._exit(1)
+            if message is None:
+                break
+            fn, args = message
+            fn(runtime, *args, None)
+            conn.send(("ok", None))
+    except BaseException as exc:  # noqa: B036 - every failure must reach rank 0
+        try:
+            conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        finally:
+            os._exit(1)  # closes this rank's connections now: rank 0's collectives fail instead of waiting
+    runtime.model = None
+    topology.destroy()

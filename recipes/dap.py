@@ -1,9 +1,10 @@
 """`DAPStrategy`: Lightning prediction with each model's Evoformer split across the devices (DAP).
 
 `Trainer(strategy="dap", accelerator="cpu" | "gpu", devices=N).predict(module, datamodule)`: N processes
-(launched as Lightning's ddp does: gloo on CPU, NCCL on GPU) hold the same weights and see the same batches;
-`fastfold.parallelize_dap` splits the Evoformer, extra-MSA and template pair stacks of every AlphaFold
-inside the LightningModule across them. Rank 0's batch is broadcast to the others, so the ranks agree even
+(launched as Lightning's ddp does: gloo on CPU, NCCL on GPU) hold the same weights and see the same batches.
+The ranks run through the same `fastfold.dap.DAPRuntime` as `suite fold --devices N`: it broadcasts rank 0's
+weights and splits the Evoformer, extra-MSA and template pair stacks of every AlphaFold inside the
+LightningModule across the group (`parallelize_dap`), and broadcasts rank 0's batch, so the ranks agree even
 when feature building is random. `devices=1` creates no process group at all.
 
 Importing this module registers the name "dap" with Lightning's StrategyRegistry.
@@ -47,6 +48,7 @@ class DAPStrategy(DDPStrategy):
             check_backend(kwargs["process_group_backend"], what="process_group_backend")
         super().__init__(timeout=timedelta(seconds=collective_timeout_s), **kwargs)
         self._topology: Topology | None = None
+        self._runtime: Any = None
 
     @property
     def world_size(self) -> int:
@@ -80,7 +82,7 @@ class DAPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             raise InputError("DAPStrategy supports Trainer.predict, validate and test, not fit")
-        from ..fastfold.dap import parallelize_dap
+        from ..fastfold.dap import DAPRuntime
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -88,34 +90,25 @@ class DAPStrategy(DDPStrategy):
         self.model_to_device()
         group = self.dap_group
         if group is not None:
-            _broadcast_module(self.model, group)
-            parallelize_dap(self.lightning_module, group)
+            self._runtime = DAPRuntime(group, self.root_device)
+            self._runtime.prepare(self.model)  # rank 0's weights everywhere, the stacks split
         self.setup_precision_plugin()
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Rank 0's batch on every rank (a mapping of tensors is broadcast tensor by tensor)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        group = self.dap_group
-        if group is None:
+        if self._runtime is None:
             return batch
         if isinstance(batch, Mapping):
-            from ..fastfold.dap import broadcast_batch
-
-            return broadcast_batch(batch if self.global_rank == 0 else None, group, src=0, device=self.root_device)
+            return self._runtime.broadcast(batch)
         return super().batch_to_device(self.broadcast(batch, src=0), device, dataloader_idx)
 
     def teardown(self) -> None:
         super().teardown()
+        self._runtime = None
         if self._topology is not None:
             self._topology.destroy()
             self._topology = None
-
-
-@torch.no_grad()
-def _broadcast_module(module: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Rank 0's parameters and buffers on every rank of `group` (DAP needs identical weights)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, group=group, group_src=0)
 
 
 def register_dap_strategy(registry: Any = StrategyRegistry) -> None:

@@ -1,8 +1,18 @@
 """Evoformer, extra-MSA and template pair stacks (AlphaFold2 suppl. 1.6, Alg. 6-19).
 
-Every block takes its activations and masks explicitly and returns the updated activations, so that a
-parallel plan (`fastfold.parallelize_dap`) can wrap the blocks of `EvoformerStack.blocks` from outside.
-Masks are float 0/1 tensors: msa_mask `[*, N_seq, N_res]`, pair_mask `[*, N_res, N_res]`.
+Every block takes its activations and masks explicitly and returns the updated activations. Each stack
+runs its one forward through its `layout` (`options.Layout`): the identity on one process; a parallel plan
+(`fastfold.parallelize_dap`) installs a layout that splits the activations across processes, and the same
+forward then moves the split between rows and columns where the next operation needs the other dim whole.
+Under a layout, a block's m `[*, S, N, C_m]` and z `[*, N, N, C_z]` arrive and leave split by rows (dim -3);
+its masks arrive whole and are split where used. Masks are float 0/1 tensors: msa_mask `[*, N_seq, N_res]`,
+pair_mask `[*, N_res, N_res]`.
+
+Per Evoformer block (FastFold's dynamic axial parallelism, Cheng et al. arXiv 2203.00854): the row attention
+on m by rows (the pair bias gathered), m moved to columns for the column attention, the transition and the
+outer product mean (which writes z's local rows), m moved back to rows while the pair stack runs; in the pair
+stack z by rows for the outgoing multiplication and starting-node attention, by columns for the incoming
+multiplication and ending-node attention; the projection every row needs is gathered.
 
 DISCREPANCY: a query row whose keys are all masked attends to nothing (zeros) here, where AlphaFold
 averages over all keys. Such rows only exist at padding positions, which never reach unpadded outputs.
@@ -15,7 +25,7 @@ from torch import nn
 
 from ... import kernels
 from .config import EvoformerStackConfig, TemplateConfig
-from .options import InferenceOptions
+from .options import SINGLE_PROCESS, InferenceOptions, Layout
 from .primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
 
 __all__ = [
@@ -41,18 +51,20 @@ def _row_chunk(options: InferenceOptions, x: torch.Tensor, per_row_elems: int) -
 
 
 def _pair_bias(
-    layer_norm: nn.Module, linear: Linear, z: torch.Tensor, options: InferenceOptions
+    layer_norm: nn.Module, linear: Linear, z: torch.Tensor, options: InferenceOptions, layout: Layout
 ) -> torch.Tensor:
     """`linear(layer_norm(z))` moved to `[*, 1, H, N, N]`; computed by row blocks when chunking, so the
-    LayerNorm of the whole pair is never held. z: [*, N, N, C_z] (may be a transposed view)."""
+    LayerNorm of the whole pair is never held. z: [*, N_local, N, C_z], the local rows (may be a transposed
+    view); the bias of every row is gathered."""
+    full = z.shape[-2]
     if options.chunk_size is None:
-        return linear(layer_norm(z)).movedim(-1, -3).unsqueeze(-4)
+        return layout.gather(linear(layer_norm(z)).movedim(-1, -3), -2, full).unsqueeze(-4)
     heads, n = linear.out_features, z.shape[-3]
     bias = z.new_empty(*z.shape[:-3], heads, n, z.shape[-2])
     chunk = _row_chunk(options, z, z.shape[-2] * (2 * z.shape[-1] + 2 * heads))
     for r0, r1 in row_blocks(n, chunk):
         bias[..., r0:r1, :] = linear(layer_norm(z[..., r0:r1, :, :])).movedim(-1, -3)
-    return bias.unsqueeze(-4)
+    return layout.gather(bias, -2, full).unsqueeze(-4)
 
 
 def _attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int):
@@ -72,21 +84,24 @@ class MSARowAttentionWithPairBias(nn.Module):
         self.mha = Attention(c_m, c_m, heads, head_dim, c_m)
 
     def forward(
-        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions,
+        layout: Layout = SINGLE_PROCESS,
     ) -> torch.Tensor:
-        """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]. Returns the update to m."""
-        return self._run(m, z, msa_mask, options, None)
+        """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]. Returns the update to m.
+        Under `layout`, m and msa_mask hold the local MSA rows, z the local pair rows."""
+        return self._run(m, z, msa_mask, options, None, layout)
 
     def residual_(
-        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions,
+        layout: Layout = SINGLE_PROCESS,
     ) -> torch.Tensor:
         """m + forward(...), added chunk by chunk into m when `options.fused_residual`."""
         if not options.fused_residual:
-            return options.add_(m, self(m, z, msa_mask, options))
-        return self._run(m, z, msa_mask, options, m)
+            return options.add_(m, self(m, z, msa_mask, options, layout))
+        return self._run(m, z, msa_mask, options, m, layout)
 
-    def _run(self, m, z, msa_mask, options, into):
-        bias = _pair_bias(self.layer_norm_z, self.linear_z, z, options)  # [*, 1, H, N, N]
+    def _run(self, m, z, msa_mask, options, into, layout):
+        bias = _pair_bias(self.layer_norm_z, self.linear_z, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(msa_mask)[..., :, None, None, :]  # [*, S, 1, 1, N]
         chunk = _attention_chunk(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
 
@@ -222,19 +237,23 @@ class OuterProductMean(nn.Module):
         self.linear_2 = Linear(c_m, c_hidden)
         self.linear_out = Linear(c_hidden * c_hidden, c_z)
 
-    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+    def forward(
+        self, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
         """m: [*, S, N, C_m]; msa_mask: [*, S, N]. Returns the pair update [*, N, N, C_z]:
-        `out[i, j] = W(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j])`."""
-        return self._run(m, msa_mask, options, None)
+        `out[i, j] = W(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j])`.
+        Under `layout`, m holds the local MSA columns and the update the local pair rows; msa_mask is whole."""
+        return self._run(m, msa_mask, options, None, layout)
 
     def residual_(
-        self, z: torch.Tensor, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions
+        self, z: torch.Tensor, m: torch.Tensor, msa_mask: torch.Tensor, options: InferenceOptions,
+        layout: Layout = SINGLE_PROCESS,
     ) -> torch.Tensor:
         """z + forward(m, ...), added row block by row block into z when `options.fused_residual`.
         z: [*, N, N, C_z]."""
         if not options.fused_residual:
-            return options.add_(z, self(m, msa_mask, options))
-        return self._run(m, msa_mask, options, z)
+            return options.add_(z, self(m, msa_mask, options, layout))
+        return self._run(m, msa_mask, options, z, layout)
 
     def _projections(self, m, mask, options):
         """a, b: [*, N, S, c] (masked), the MSA's LayerNorm taken by blocks of sequences when chunking."""
@@ -251,10 +270,12 @@ class OuterProductMean(nn.Module):
             b[..., s0:s1, :, :] = self.linear_2(ln) * mask[..., s0:s1, :, :]
         return a.movedim(-3, -2), b.movedim(-3, -2)
 
-    def _run(self, m, msa_mask, options, into):
-        mask = msa_mask.to(m.dtype)[..., None]
-        a, b = self._projections(m, mask, options)  # [*, N, S, c]
-        norm = torch.einsum("...si,...sj->...ij", msa_mask.to(m.dtype), msa_mask.to(m.dtype))[..., None]
+    def _run(self, m, msa_mask, options, into, layout):
+        whole = msa_mask.to(m.dtype)
+        local = layout.split(whole, -1)  # the columns of m
+        a, b = self._projections(m, local[..., None], options)  # [*, N_local, S, c]
+        b = layout.gather(b, -3, whole.shape[-1])  # [*, N, S, c]
+        norm = torch.einsum("...si,...sj->...ij", local, whole)[..., None]
         c, n = a.shape[-1], b.shape[-3]
         per_row = n * (2 * c * c + 2 * self.linear_out.out_features) * m.element_size()
         chunk = options.rows_per_chunk(a.shape[-3], per_row)
@@ -293,26 +314,34 @@ class TriangleMultiplication(nn.Module):
         self.linear_z = Linear(c_hidden, c_z)
         self.linear_g = Linear(c_z, c_z)
 
-    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
+    def forward(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
+        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z. Under `layout`, z and pair_mask
+        hold the local rows (outgoing) or columns (incoming); the other projection is gathered."""
         if options.chunk_size is not None:
-            return self._chunked(z, pair_mask, options, None)
+            return self._chunked(z, pair_mask, options, None, layout)
         x = self.layer_norm_in(z)
         mask = pair_mask.to(z.dtype)[..., None]
         a = mask * self.linear_a_p(x) * torch.sigmoid(self.linear_a_g(x))
         b = mask * self.linear_b_p(x) * torch.sigmoid(self.linear_b_g(x))
         if self.direction == "incoming":  # z_ij = sum_k a_ki b_kj: the outgoing form on transposes
+            a = layout.gather(a, -2, z.shape[-3])
             a, b = a.transpose(-2, -3), b.transpose(-2, -3)
+        else:
+            b = layout.gather(b, -3, z.shape[-2])
         a, b = a.movedim(-1, -3), b.movedim(-1, -3)  # [*, C, N, N]
         del mask
         p = torch.matmul(a, b.transpose(-1, -2)).movedim(-3, -1)  # [*, N, N, C]
         return self.linear_z(self.layer_norm_out(p)) * torch.sigmoid(self.linear_g(x))
 
-    def residual_(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+    def residual_(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
         """z + forward(...), added block by block into z when `options.fused_residual`."""
         if not options.fused_residual:
-            return options.add_(z, self(z, pair_mask, options))
-        self._chunked(z, pair_mask, options, z)
+            return options.add_(z, self(z, pair_mask, options, layout))
+        self._chunked(z, pair_mask, options, z, layout)
         return z
 
     def _gated(self, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
@@ -320,7 +349,7 @@ class TriangleMultiplication(nn.Module):
         proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
         return proj(x).mul_(torch.sigmoid_(gate(x))).mul_(mask)
 
-    def _chunked(self, z, pair_mask, options, into):
+    def _chunked(self, z, pair_mask, options, into, layout):
         # Work on the layout in which the output blocks are rows: the transposed pair for "incoming",
         # where out^T[j, i] = gate(z^T[j, i]) * F(sum_k b(z^T[j, k]) a(z^T[i, k])).
         outgoing = self.direction == "outgoing"
@@ -333,6 +362,7 @@ class TriangleMultiplication(nn.Module):
         for r0, r1 in row_blocks(n, chunk):
             x = self.layer_norm_in(zz[..., r0:r1, :, :])
             shared[..., r0:r1, :] = self._gated(x, mm[..., r0:r1, :, :], all_proj).movedim(-1, -3)
+        shared = layout.gather(shared, -2, zz.shape[-2])  # every row's projection
         target = z.new_empty(z.shape) if into is None else into
         out = target if outgoing else target.transpose(-2, -3)
         for r0, r1 in row_blocks(n, chunk):
@@ -361,23 +391,28 @@ class TriangleAttention(nn.Module):
         self.linear = Linear(c_z, heads, bias=False)
         self.mha = Attention(c_z, c_z, heads, head_dim, c_z)
 
-    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z."""
-        return self._run(z, pair_mask, options, None)
+    def forward(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
+        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the update to z. Under `layout`, z and pair_mask
+        hold the local rows (starting node) or columns (ending node); the bias is gathered."""
+        return self._run(z, pair_mask, options, None, layout)
 
-    def residual_(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+    def residual_(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
         """z + forward(...), added row block by row block into z when `options.fused_residual` (the bias
         is taken from the whole z first, so the blocks see the z before this update)."""
         if not options.fused_residual:
-            return options.add_(z, self(z, pair_mask, options))
-        self._run(z, pair_mask, options, z)
+            return options.add_(z, self(z, pair_mask, options, layout))
+        self._run(z, pair_mask, options, z, layout)
         return z
 
-    def _run(self, z, pair_mask, options, into):
+    def _run(self, z, pair_mask, options, into, layout):
         if self.node == "ending":
             z, pair_mask = z.transpose(-2, -3), pair_mask.transpose(-1, -2)
             into = None if into is None else into.transpose(-2, -3)
-        bias = _pair_bias(self.layer_norm, self.linear, z, options)  # [*, 1, H, N, N]
+        bias = _pair_bias(self.layer_norm, self.linear, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(pair_mask)[..., :, None, None, :]  # [*, N, 1, 1, N]
         chunk = _attention_chunk(options, z.shape[-3], self.mha.heads, z.shape[-2], z.shape[-1], z.element_size())
 
@@ -400,13 +435,21 @@ class PairStack(nn.Module):
         self.tri_att_end = TriangleAttention(c_z, heads, head_dim, "ending")
         self.pair_transition = Transition(c_z, transition_factor)
 
-    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """z: [*, N, N, C_z]; pair_mask: [*, N, N]. Returns the new z."""
-        z = self.tri_mul_out.residual_(z, pair_mask, options)
-        z = self.tri_mul_in.residual_(z, pair_mask, options)
-        z = self.tri_att_start.residual_(z, pair_mask, options)
-        z = self.tri_att_end.residual_(z, pair_mask, options)
-        return self.pair_transition.residual_(z, options)
+    def forward(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
+        """z: [*, N, N, C_z] (the local rows under `layout`); pair_mask: [*, N, N] whole. Returns the new z."""
+        n = z.shape[-2]
+        rows, cols = layout.split(pair_mask, -2), layout.split(pair_mask, -1)
+        z = self.tri_mul_out.residual_(z, rows, options, layout)
+        z = layout.move(z, -3, -2, n)
+        z = self.tri_mul_in.residual_(z, cols, options, layout)
+        z = layout.move(z, -2, -3, n)
+        z = self.tri_att_start.residual_(z, rows, options, layout)
+        z = layout.move(z, -3, -2, n)
+        z = self.tri_att_end.residual_(z, cols, options, layout)
+        z = self.pair_transition.residual_(z, options)
+        return layout.move(z, -2, -3, n)
 
 
 class EvoformerBlock(nn.Module):
@@ -432,13 +475,20 @@ class EvoformerBlock(nn.Module):
         msa_mask: torch.Tensor,
         pair_mask: torch.Tensor,
         options: InferenceOptions,
+        layout: Layout = SINGLE_PROCESS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """m: [*, S, N, C_m]; z: [*, N, N, C_z]; msa_mask: [*, S, N]; pair_mask: [*, N, N]. Returns (m, z)."""
-        m = self.msa_att_row.residual_(m, z, msa_mask, options)
-        m = self.msa_att_col.residual_(m, msa_mask, options)
+        """m: [*, S, N, C_m]; z: [*, N, N, C_z] (both the local rows under `layout`); msa_mask: [*, S, N];
+        pair_mask: [*, N, N] (whole). Returns (m, z)."""
+        s, n = msa_mask.shape[-2], msa_mask.shape[-1]
+        m = self.msa_att_row.residual_(m, z, layout.split(msa_mask, -2), options, layout)
+        m = layout.move(m, -3, -2, s)  # the column updates need whole columns
+        m = self.msa_att_col.residual_(m, layout.split(msa_mask, -1), options)
         m = self.msa_transition.residual_(m, options)
-        z = self.outer_product_mean.residual_(z, m, msa_mask, options)
-        return m, self.pair_stack(z, pair_mask, options)
+        z = self.outer_product_mean.residual_(z, m, msa_mask, options, layout)
+        m_rows = layout.move_async(m, -2, -3, n)  # overlaps the pair stack
+        del m
+        z = self.pair_stack(z, pair_mask, options, layout)
+        return m_rows.wait(), z
 
 
 ExtraMSABlock = EvoformerBlock
@@ -452,6 +502,8 @@ class EvoformerStack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
         self.linear = Linear(cfg.c_m, cfg.c_s)
+        self.layout: Layout = SINGLE_PROCESS
+        """How m and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
     def forward(
         self,
@@ -462,9 +514,12 @@ class EvoformerStack(nn.Module):
         options: InferenceOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """m: [*, S, N, C_m]; z: [*, N, N, C_z]. Returns (m, z, s) with s: [*, N, C_s] from the first MSA row."""
+        layout, s, n = self.layout, m.shape[-3], z.shape[-2]
+        m, z = layout.split(m, -3), layout.split(z, -3)
         for block in self.blocks:
-            m, z = block(m, z, msa_mask, pair_mask, options)
-        return m, z, self.linear(m[..., 0, :, :])
+            m, z = block(m, z, msa_mask, pair_mask, options, layout)
+        m = layout.gather(m, -3, s)
+        return m, layout.gather(z, -3, n), self.linear(m[..., 0, :, :])
 
 
 class ExtraMSAStack(nn.Module):
@@ -473,6 +528,8 @@ class ExtraMSAStack(nn.Module):
     def __init__(self, cfg: EvoformerStackConfig):
         super().__init__()
         self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
+        self.layout: Layout = SINGLE_PROCESS
+        """How a and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
     def forward(
         self,
@@ -483,9 +540,11 @@ class ExtraMSAStack(nn.Module):
         options: InferenceOptions,
     ) -> torch.Tensor:
         """a: [*, S_extra, N, C_e]; z: [*, N, N, C_z]. Returns the new z."""
+        layout, n = self.layout, z.shape[-2]
+        a, z = layout.split(a, -3), layout.split(z, -3)
         for block in self.blocks:
-            a, z = block(a, z, msa_mask, pair_mask, options)
-        return z
+            a, z = block(a, z, msa_mask, pair_mask, options, layout)
+        return layout.gather(z, -3, n)
 
 
 class TemplatePairBlock(nn.Module):
@@ -500,13 +559,22 @@ class TemplatePairBlock(nn.Module):
         self.tri_mul_in = TriangleMultiplication(c, cfg.tri_mul_channels, "incoming")
         self.pair_transition = Transition(c, cfg.pair_transition_factor)
 
-    def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns the new t."""
-        t = self.tri_att_start.residual_(t, pair_mask, options)
-        t = self.tri_att_end.residual_(t, pair_mask, options)
-        t = self.tri_mul_out.residual_(t, pair_mask, options)
-        t = self.tri_mul_in.residual_(t, pair_mask, options)
-        return self.pair_transition.residual_(t, options)
+    def forward(
+        self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
+    ) -> torch.Tensor:
+        """t: [*, N_templ, N, N, C_t] (the local rows under `layout`); pair_mask: [*, 1, N, N] (whole).
+        Returns the new t."""
+        n = t.shape[-2]
+        rows, cols = layout.split(pair_mask, -2), layout.split(pair_mask, -1)
+        t = self.tri_att_start.residual_(t, rows, options, layout)
+        t = layout.move(t, -3, -2, n)
+        t = self.tri_att_end.residual_(t, cols, options, layout)
+        t = layout.move(t, -2, -3, n)
+        t = self.tri_mul_out.residual_(t, rows, options, layout)
+        t = layout.move(t, -3, -2, n)
+        t = self.tri_mul_in.residual_(t, cols, options, layout)
+        t = self.pair_transition.residual_(t, options)
+        return layout.move(t, -2, -3, n)
 
 
 class TemplatePairStack(nn.Module):
@@ -516,9 +584,13 @@ class TemplatePairStack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(TemplatePairBlock(cfg) for _ in range(cfg.num_blocks))
         self.layer_norm = LayerNorm(cfg.c_t)
+        self.layout: Layout = SINGLE_PROCESS
+        """How t is spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
     def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns [*, N_templ, N, N, C_t]."""
+        layout, n = self.layout, t.shape[-2]
+        t = layout.split(t, -3)
         for block in self.blocks:
-            t = block(t, pair_mask, options)
-        return self.layer_norm(t)
+            t = block(t, pair_mask, options, layout)
+        return layout.gather(self.layer_norm(t), -3, n)

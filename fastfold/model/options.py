@@ -1,4 +1,8 @@
-"""Inference options: chunking, attention backend, in-place residual updates. Passed explicitly to every call."""
+"""Inference options: chunking, attention backend, in-place residual updates. Passed explicitly to every call.
+
+`Layout` says how the activations of an Evoformer-like stack are spread over processes: the identity here
+(one process holds everything); `fastfold.dap.DAPLayout` splits them across a DAP group.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["InferenceOptions"]
+__all__ = ["SINGLE_PROCESS", "InferenceOptions", "Layout"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _RESIDUALS = ("out_of_place", "in_place")
@@ -73,3 +77,48 @@ class InferenceOptions:
 
 
 DEFAULT_OPTIONS = InferenceOptions()
+
+
+class _Ready:
+    """A move that has already happened: `wait()` returns its result."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._x = x
+
+    def wait(self) -> torch.Tensor:
+        return self._x
+
+
+class Layout:
+    """Where the activations of a stack live: one process holds every row (every method is the identity).
+
+    The Evoformer, extra-MSA and template pair stacks run their one forward through a layout: they `split`
+    m `[*, S, N, C_m]` and z `[*, N, N, C_z]` by rows (tensor dim -3) on entry, `move` the split between
+    rows and columns (dims -3 and -2) where the next operation needs the other dim whole, `gather` what an
+    operation needs from every row (a pair bias, a projection) and `gather` the outputs on exit. A parallel
+    plan (`fastfold.dap.DAPLayout`) overrides these moves with collectives; the model code never imports
+    `torch.distributed`. Sizes: `full_size` is the length of the dim when whole.
+    """
+
+    world: int = 1
+    """Processes the activations are split across."""
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This process's shard of the whole `x` along tensor dim `dim` (a view)."""
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int, full_size: int) -> torch.Tensor:
+        """The whole tensor from every process's shard of `x` along `dim`."""
+        return x
+
+    def move(self, x: torch.Tensor, from_dim: int, to_dim: int, from_size: int) -> torch.Tensor:
+        """`x` split along `from_dim` (whole length `from_size`) -> split along `to_dim`."""
+        return x
+
+    def move_async(self, x: torch.Tensor, from_dim: int, to_dim: int, from_size: int) -> _Ready:
+        """`move`, started now; its `wait()` returns the result (so the move overlaps what runs between)."""
+        return _Ready(x)
+
+
+SINGLE_PROCESS = Layout()
+"""The identity layout: the default of every stack."""
