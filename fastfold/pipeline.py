@@ -51,6 +51,7 @@ __all__ = [
     "Prediction",
     "Target",
     "TargetResult",
+    "dap_session",
     "feature_stream",
     "features_for_model",
     "fold_targets",
@@ -125,7 +126,10 @@ class FoldConfig:
     seed: int = 0
     """Seed of MSA sampling."""
     devices: int = 1
-    """DAP ranks for the model (1: no process group)."""
+    """DAP ranks that share each model's Evoformer (1: this process alone, no process group). With more, one
+    `fastfold.dap.DAPRuntime` serves the whole run: this process is rank 0, the other ranks are spawned once."""
+    dap_timeout_s: float = 1800.0
+    """Collective timeout of the DAP group: a rank that stops answering fails the run after this long."""
     num_workers: int = 0
     """Ray CPUs for alignment/feature jobs; 0: in this process, one target after another."""
     ray_address: str | None = None
@@ -146,6 +150,8 @@ class FoldConfig:
             raise ValueError("FoldConfig.models must name at least one model")
         if self.devices < 1:
             raise ValueError(f"FoldConfig.devices must be >= 1, got {self.devices}")
+        if not self.dap_timeout_s > 0:
+            raise ValueError(f"FoldConfig.dap_timeout_s must be > 0, got {self.dap_timeout_s}")
         if self.num_workers < 0:
             raise ValueError(f"FoldConfig.num_workers must be >= 0, got {self.num_workers}")
         labels = [m.label for m in self.models]
@@ -289,33 +295,45 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
     return _to_prediction(outputs)
 
 
-def _dap_rank(rank: int, world_size: int, spec: ModelSpec, batch_path: str) -> Prediction | None:
-    """One DAP rank: build the model, receive the batch from rank 0, run the DAP-parallel model."""
-    import torch.distributed as dist
+def _hold(runtime: Any, spec: ModelSpec) -> tuple[Any, FeatureConfig]:
+    """`spec`'s model held by this rank of a DAP runtime: built on the rank's device, rank 0's weights, split
+    across the group; the previously held model is dropped first."""
+    return runtime.hold(spec, lambda: load_model(dataclasses.replace(spec, device=str(runtime.device))))
 
-    from .dap import broadcast_batch, parallelize_dap
+
+def _dap_model(runtime: Any, spec: ModelSpec, _source: Any = None) -> tuple[Any, FeatureConfig] | None:
+    """On every rank of a DAP runtime: hold `spec`'s model. Rank 0 gets (model, feature sizes)."""
+    held = _hold(runtime, spec)
+    return held if runtime.rank == 0 else None
+
+
+def _dap_predict(runtime: Any, spec: ModelSpec, batch: dict[str, np.ndarray] | None) -> Prediction | None:
+    """On every rank of a DAP runtime: `predict` with `spec`'s model on rank 0's `batch` (broadcast)."""
     from .data.features import to_torch
 
-    model, _ = load_model(dataclasses.replace(spec, device="cpu"))  # gloo ranks: CPU tensors
-    batch = to_torch(dict(np.load(batch_path))) if rank == 0 else None
-    group = dist.group.WORLD
-    batch = broadcast_batch(batch, group, src=0)
-    model = parallelize_dap(model, group)
-    prediction = predict(model, batch, spec)
-    return prediction if rank == 0 else None
+    model, _ = _hold(runtime, spec)
+    tensors = runtime.broadcast(None if batch is None else to_torch(batch))
+    prediction = predict(model, tensors, spec)
+    return prediction if runtime.rank == 0 else None
 
 
-def predict_dap(spec: ModelSpec, batch: dict[str, np.ndarray], devices: int, scratch: Path) -> Prediction:
-    """`predict` across `devices` gloo ranks with the Evoformer split by DAP; rank 0's result."""
-    from ..core_parallel.launch import run_on_ranks
+@contextlib.contextmanager
+def dap_session(cfg: FoldConfig, work: bool = True):
+    """The DAP runtime of a run (`cfg.devices` ranks, spawned once; NCCL with one GPU per rank when the models
+    run on CUDA, gloo on CPU), or None with one device or no `work` to do."""
+    if cfg.devices == 1 or not work:
+        yield None
+        return
+    import torch
 
-    path = scratch / ".dap_batch.npz"
-    with atomic_write(path, "wb") as f:
-        np.savez(f, **batch)
-    try:
-        return run_on_ranks(_dap_rank, devices, spec, str(path), timeout=3600.0)[0]
-    finally:
-        path.unlink(missing_ok=True)
+    from .dap import DAPRuntime
+
+    kinds = {("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device.split(":")[0]
+             for s in cfg.models}
+    if len(kinds) > 1:
+        raise ValueError(f"FoldConfig.models: DAP runs every model on one kind of device, got {sorted(kinds)}")
+    with DAPRuntime.launch(cfg.devices, device_type=kinds.pop(), timeout_s=cfg.dap_timeout_s) as runtime:
+        yield runtime
 
 
 # --------------------------------------------------------------------------------------------------- outputs
@@ -527,23 +545,45 @@ FEATURE_INFO = "_feature_info"
 
 
 class _Models:
-    """Models built once per run, on first use."""
+    """Models built on first use: in this process, each once per run and kept; or, with a DAP `runtime`, one
+    at a time on every rank of the runtime (the held one is dropped before the next is built)."""
 
-    def __init__(self, specs: list[ModelSpec], num_recycle: int | None = None) -> None:
+    def __init__(self, specs: list[ModelSpec], num_recycle: int | None = None, runtime: Any = None) -> None:
         self.specs = specs
         self.num_recycle = num_recycle
+        self.runtime = runtime
         self._built: dict[str, tuple[Any, FeatureConfig]] = {}
+        self._feats: dict[str, FeatureConfig] = {}
 
     def get(self, spec: ModelSpec) -> tuple[Any, FeatureConfig]:
-        if spec.label not in self._built:
+        if self.runtime is not None:
+            model, feats = self.runtime.call(_dap_model, spec)
+        elif spec.label in self._built:
+            return self._built[spec.label]
+        else:
             model, feats = load_model(spec)
-            if self.num_recycle is not None:
-                feats = dataclasses.replace(feats, num_recycle=self.num_recycle)
+        if self.num_recycle is not None:
+            feats = dataclasses.replace(feats, num_recycle=self.num_recycle)
+        self._feats[spec.label] = feats
+        if self.runtime is None:
             self._built[spec.label] = (model, feats)
-        return self._built[spec.label]
+        return model, feats
 
     def feature_config(self, spec: ModelSpec) -> FeatureConfig:
-        return self.get(spec)[1]
+        return self._feats[spec.label] if spec.label in self._feats else self.get(spec)[1]
+
+    def predict(self, spec: ModelSpec, raw: dict[str, np.ndarray], seed: int) -> Prediction:
+        """`spec`'s prediction from one target's raw features (MSA sampling `seed`)."""
+        if self.runtime is None:
+            model, feats = self.get(spec)
+            return predict(model, features_for_model(raw, feats, seed), spec)
+        batch = features_for_model(raw, self.feature_config(spec), seed)
+        return self.runtime.call(_dap_predict, spec, source=batch)
+
+    def held_first(self, runs: list) -> list:
+        """`runs` (from `_runs`) with the held model's first, so a DAP runtime switches models less often."""
+        held = None if self.runtime is None else self.runtime.key
+        return sorted(runs, key=lambda run: run[1] != held)
 
 
 def _runs(cfg: FoldConfig) -> list[tuple[int, ModelSpec, str, int]]:
@@ -564,22 +604,17 @@ def _predict_all(target: Target, raw: dict[str, np.ndarray], cfg: FoldConfig, mo
     folder.mkdir(parents=True, exist_ok=True)
     target_fp = target_fp if target_fp is not None else target_fingerprint(target, cfg)
     predictions = {}
-    for index, spec, label, seed in _runs(cfg):
+    for index, spec, label, seed in models.held_first(_runs(cfg)):
         cache = folder / f"{target.name}_{label}_prediction.npz"
         made_from = _model_fingerprint(target_fp, index, seed)
         if cache.exists() and not cfg.overwrite and Prediction.cached_fingerprint(cache) == made_from:
             predictions[label] = Prediction.load(cache)
             continue
         t0 = time.perf_counter()
-        model, feature_cfg = models.get(spec)
-        batch = features_for_model(raw, feature_cfg, seed)
-        if cfg.devices > 1:
-            predictions[label] = predict_dap(spec, batch, cfg.devices, folder)
-        else:
-            predictions[label] = predict(model, batch, spec)
+        predictions[label] = models.predict(spec, raw, seed)
         predictions[label].save(cache, made_from)
         timings[f"model_{label}"] = time.perf_counter() - t0
-    return predictions
+    return {label: predictions[label] for _, _, label, _ in _runs(cfg)}
 
 
 def _remark(cfg: FoldConfig) -> str:
@@ -742,7 +777,14 @@ def fold_targets(
                            Path(cfg.output_dir) / t.name)
             _forget_outputs(t, cfg.output_dir, record)
         todo.append(t)
-    models = _Models(cfg.models, cfg.num_recycle)
+    with dap_session(cfg, bool(todo)) as runtime:
+        _fold_todo(todo, cfg, _Models(cfg.models, cfg.num_recycle, runtime), fingerprints, notes, results, emit)
+    return [results[t.name] for t in targets]
+
+
+def _fold_todo(todo: list[Target], cfg: FoldConfig, models: _Models, fingerprints: dict[str, dict],
+               notes: dict[str, str], results: dict[str, TargetResult], emit: Callable[[str, Target], None]) -> None:
+    """Features, predictions and outputs of the targets to do, into `results`."""
     with_templates = any(models.feature_config(s).max_templates > 0 for s in cfg.models) if todo else False
     use_ray = _uses_ray(cfg, len(todo))
     with _ray_session(cfg) if use_ray else contextlib.nullcontext() as ray:
@@ -783,7 +825,6 @@ def fold_targets(
                 emit("outputs", target)
             except Exception as exc:  # noqa: BLE001
                 results[target.name] = _failed(target, _ray_cause(exc), emit)
-    return [results[t.name] for t in targets]
 
 
 def _failed(target: Target, exc: BaseException, emit: Callable[[str, Target], None]) -> TargetResult:

@@ -53,11 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_template_date", default=None,
                         help="latest template release date, YYYY-MM-DD (default: today)")
     parser.add_argument("--cpus", type=int, default=2, help="threads per alignment tool")
-    parser.add_argument("--devices", type=int, default=1, help="DAP ranks that share one target's Evoformer")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="DAP ranks that share each model's Evoformer: started once for the run (one GPU each "
+                             "with CUDA, NCCL; CPU processes with gloo)")
     parser.add_argument("--chunk_size", type=_chunk_size, default=None, help="low-memory chunk size, or 'auto'")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32", help="model precision")
     parser.add_argument("--model_device", default="auto",
-                        help="auto (CUDA when available), cpu, cuda or cuda:N (DAP ranks with --devices run on CPU)")
+                        help="auto (CUDA when available), cpu, cuda or cuda:N (with --devices N > 1: auto, cpu or "
+                             "cuda; rank r runs on cuda:r)")
     parser.add_argument("--relax", action=argparse.BooleanOptionalAction, default=True,
                         help="Amber-relax the best model (default: on)")
     parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
@@ -224,7 +227,9 @@ _RECIPE_ONLY = {"accelerator"}
 
 
 def _apply_config(args: argparse.Namespace) -> None:
-    """Fill flags not given on the command line from the `--config` YAML (unknown keys are an error)."""
+    """Fill flags not given on the command line from the `--config` YAML: explicit flag > file > default (the
+    merge rule of `core_parallel.config`). An unknown key or a value the flag would not take is one line naming
+    the file and the key."""
     import yaml
 
     path = args.config
@@ -239,17 +244,40 @@ def _apply_config(args: argparse.Namespace) -> None:
         raise _usage(f"--config {path}: expected a mapping of flag names to values")
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
-    default_values = vars(defaults.parse_args([]))
+    actions = {a.dest: a for a in defaults._actions if a.dest not in ("help", "config")}
+    explicit = getattr(args, "explicit_flags", None)  # set by suite's main; else: a value off its default
     for key, value in values.items():
         if key in _RECIPE_ONLY:
             continue
         dest = "template_mmcif_dir_flag" if key == "template_mmcif_dir" else key
-        if dest not in default_values or dest == "config":
+        if dest not in actions:
             raise _usage(f"--config {path}: key {key!r} is not a suite fold flag")
-        explicit = getattr(args, "explicit_flags", None)  # set by suite's main; else: a value off its default
-        given = dest in explicit if explicit is not None else getattr(args, dest) != default_values[dest]
+        value = _config_value(actions[dest], value, f"--config {path}: {key}")
+        given = dest in explicit if explicit is not None else getattr(args, dest) != actions[dest].default
         if not given:
             setattr(args, dest, value)
+
+
+def _config_value(action: argparse.Action, value, where: str):
+    """A YAML value checked as the flag would check its text: a switch takes true/false, a typed flag its type,
+    a flag with choices one of them; null keeps an optional flag unset."""
+    if value is None and action.default is None:
+        return None
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
+        if not isinstance(value, bool):
+            raise _usage(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, (bool, list, dict)) or value is None:
+        raise _usage(f"{where}: expected a {getattr(action.type, '__name__', 'str')} value, got {value!r}")
+    text = value.isoformat() if hasattr(value, "isoformat") else str(value)  # YAML reads 2021-10-14 as a date
+    try:
+        value = action.type(text) if action.type is not None else text
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise _usage(f"{where}: {value!r} is not a valid {getattr(action.type, '__name__', 'value')} "
+                     f"({exc})") from None
+    if action.choices is not None and value not in action.choices:
+        raise _usage(f"{where}: expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -567,10 +595,20 @@ def _warn_mode(cfg, args: argparse.Namespace) -> None:
         log.warning("no alignments given (no --use_precomputed_alignments, no databases): single-sequence mode")
         a.single_sequence = True
     if args.devices > 1:
-        try:
-            from ...fastfold import dap  # noqa: F401
-        except ImportError:
-            raise _usage("--devices > 1 needs fastfold.dap, which this build does not have") from None
+        _check_dap_devices(args.devices, args.model_device)
+
+
+def _check_dap_devices(devices: int, model_device: str) -> None:
+    """--devices N > 1: one GPU per rank (cuda:0 .. cuda:N-1) when the models run on CUDA."""
+    import torch
+
+    if model_device.startswith("cuda:"):
+        raise _usage(f"--model_device {model_device} with --devices {devices}: DAP rank r runs on cuda:r; "
+                     "give --model_device cuda (or auto)")
+    on_cuda = model_device == "cuda" or (model_device == "auto" and torch.cuda.is_available())
+    if on_cuda and torch.cuda.device_count() < devices:
+        raise _usage(f"--devices {devices}: this machine has {torch.cuda.device_count()} CUDA device(s), one per "
+                     "rank is needed (or --model_device cpu)")
 
 
 def _progress_runner(targets, cfg):
