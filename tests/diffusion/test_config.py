@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import pickle
 
 import pytest
@@ -41,6 +42,8 @@ def test_every_setting_has_one_generated_flag_with_its_docstring():
         if s.flaggable:
             assert flags[f"--{name}"].help.startswith(s.help.rstrip(".").replace("%", "%%")), name
     assert not hasattr(command, "FLAGS") and not hasattr(command, "LAUNCH_FLAGS")  # no hand-written flag table
+    source = inspect.getsource(command)
+    assert source.count("add_argument(") == 2, "only --config and the scripts' frozen tables are written by hand"
     assert len(table) == 83 and FineTuneConfig.field_names() == list(table)
 
 
