@@ -453,10 +453,14 @@ class PairStack(nn.Module):
 
 
 class EvoformerBlock(nn.Module):
-    """AlphaFold2 suppl. Alg. 6 (one Evoformer block; with global column attention, Alg. 18's block)."""
+    """AlphaFold2 suppl. Alg. 6 (one Evoformer block; with global column attention, Alg. 18's block).
 
-    def __init__(self, cfg: EvoformerStackConfig):
+    `opm_first`: AlphaFold-Multimer's order, the outer product mean at the start of the block (before the row
+    attention) instead of after the MSA transition; off for the monomer models."""
+
+    def __init__(self, cfg: EvoformerStackConfig, opm_first: bool = False):
         super().__init__()
+        self.opm_first = opm_first
         self.msa_att_row = MSARowAttentionWithPairBias(cfg.c_m, cfg.c_z, cfg.msa_heads, cfg.msa_head_dim)
         if cfg.column_attention == "global":
             self.msa_att_col: nn.Module = MSAColumnGlobalAttention(cfg.c_m, cfg.msa_heads, cfg.column_head_dim)
@@ -480,11 +484,16 @@ class EvoformerBlock(nn.Module):
         """m: [*, S, N, C_m]; z: [*, N, N, C_z] (both the local rows under `layout`); msa_mask: [*, S, N];
         pair_mask: [*, N, N] (whole). Returns (m, z)."""
         s, n = msa_mask.shape[-2], msa_mask.shape[-1]
+        if self.opm_first:  # the outer product mean reads m by columns
+            m = layout.move(m, -3, -2, s)
+            z = self.outer_product_mean.residual_(z, m, msa_mask, options, layout)
+            m = layout.move(m, -2, -3, n)
         m = self.msa_att_row.residual_(m, z, layout.split(msa_mask, -2), options, layout)
         m = layout.move(m, -3, -2, s)  # the column updates need whole columns
         m = self.msa_att_col.residual_(m, layout.split(msa_mask, -1), options)
         m = self.msa_transition.residual_(m, options)
-        z = self.outer_product_mean.residual_(z, m, msa_mask, options, layout)
+        if not self.opm_first:
+            z = self.outer_product_mean.residual_(z, m, msa_mask, options, layout)
         m_rows = layout.move_async(m, -2, -3, n)  # overlaps the pair stack
         del m
         z = self.pair_stack(z, pair_mask, options, layout)
@@ -498,9 +507,9 @@ ExtraMSABlock = EvoformerBlock
 class EvoformerStack(nn.Module):
     """AlphaFold2 suppl. Alg. 6 stack plus the single-representation projection (Alg. 2 line 17)."""
 
-    def __init__(self, cfg: EvoformerStackConfig):
+    def __init__(self, cfg: EvoformerStackConfig, opm_first: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
+        self.blocks = nn.ModuleList(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
         self.linear = Linear(cfg.c_m, cfg.c_s)
         self.layout: Layout = SINGLE_PROCESS
         """How m and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
@@ -525,9 +534,9 @@ class EvoformerStack(nn.Module):
 class ExtraMSAStack(nn.Module):
     """AlphaFold2 suppl. Alg. 18: the extra-MSA stack; only its pair output is used."""
 
-    def __init__(self, cfg: EvoformerStackConfig):
+    def __init__(self, cfg: EvoformerStackConfig, opm_first: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.num_blocks))
+        self.blocks = nn.ModuleList(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
         self.layout: Layout = SINGLE_PROCESS
         """How a and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
