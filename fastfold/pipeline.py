@@ -222,6 +222,9 @@ class TargetResult:
     relax_problem: str = ""
     """Why the relaxation cannot be trusted ("" when it can, or did not run): not converged, or refused
     because it broke chirality or cis/trans peptides (then no relaxed file is written)."""
+    relax: str = ""
+    """The relaxation in a few words ("relax 12.3 s, 2 passes"; "" when it did not run), also in `note` of a
+    target done now; `timings.json` has each pass's energies, violations, iterations and seconds."""
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -657,10 +660,20 @@ def _relax_problem(record: dict[str, Any]) -> str:
     return f"relax {problem}" + ("; relaxed file refused" if relax.get("refused") else "") if problem else ""
 
 
+def _relax_line(record: dict[str, Any]) -> str:
+    relax = record.get("relax") or {}
+    if not relax or relax.get("seconds") is None:
+        return ""
+    passes = relax.get("outer_iterations", 0)
+    return f"relax {relax['seconds']:.1f} s, {passes} pass{'' if passes == 1 else 'es'}"
+
+
 def _done(target: Target, folder: Path, files: list[str], timings: dict[str, float], note: str = "") -> TargetResult:
     record = json.loads((folder / "timings.json").read_text())
+    relax = _relax_line(record)
     return TargetResult(target, "done", record["mean_plddt"], sum(timings.values()), str(folder), files=files,
-                        note=note, inputs=inputs_summary(record.get("inputs")), relax_problem=_relax_problem(record))
+                        note="; ".join(x for x in (note, relax) if x), inputs=inputs_summary(record.get("inputs")),
+                        relax_problem=_relax_problem(record), relax=relax)
 
 
 def _uses_ray(cfg: FoldConfig, num_targets: int) -> bool:
@@ -768,7 +781,7 @@ def fold_targets(
                                            folder=str(Path(cfg.output_dir) / t.name),
                                            note="same inputs as the finished run",
                                            inputs=inputs_summary(record.get("inputs")),
-                                           relax_problem=_relax_problem(record))
+                                           relax_problem=_relax_problem(record), relax=_relax_line(record))
             emit("skipped", t)
             continue
         if record is not None:

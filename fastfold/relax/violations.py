@@ -22,14 +22,17 @@ CLASH_TOLERANCE = 1.5
 def _bond_violations(pos: np.ndarray, mask: np.ndarray, aatype: np.ndarray, residue_index: np.ndarray) -> np.ndarray:
     c, n = rc.atom_order["C"], rc.atom_order["N"]
     bad = np.zeros(len(aatype), bool)
-    for i in range(len(aatype) - 1):
-        if residue_index[i + 1] - residue_index[i] != 1 or not (mask[i, c] and mask[i + 1, n]):
-            continue
-        is_pro = int(aatype[i + 1] == rc.restype_order["P"])
-        mean, std = rc.between_res_bond_length_c_n[is_pro], rc.between_res_bond_length_stddev_c_n[is_pro]
-        length = np.linalg.norm(pos[i, c] - pos[i + 1, n])
-        if abs(length - mean) > TOLERANCE_FACTOR * std:
-            bad[i] = bad[i + 1] = True
+    if len(aatype) < 2:
+        return bad
+    # peptide bond i -> i+1, all at once: consecutive residue numbers, both atoms present
+    linked = (np.diff(residue_index) == 1) & (mask[:-1, c] != 0) & (mask[1:, n] != 0)
+    is_pro = (aatype[1:] == rc.restype_order["P"]).astype(np.int64)
+    mean = np.asarray(rc.between_res_bond_length_c_n)[is_pro]
+    std = np.asarray(rc.between_res_bond_length_stddev_c_n)[is_pro]
+    length = np.linalg.norm(pos[:-1, c] - pos[1:, n], axis=-1)
+    broken = linked & (np.abs(length - mean) > TOLERANCE_FACTOR * std)
+    bad[:-1] |= broken
+    bad[1:] |= broken
     return bad
 
 

@@ -3,13 +3,15 @@ peptide the test builds from ideal backbone geometry, keeps atoms and B-factors;
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from lowmem.fastfold.common import residue_constants as rc
 from lowmem.fastfold.io.protein import Protein
 from lowmem.fastfold.relax import RelaxConfig, amber, relax_protein
-from lowmem.fastfold.relax.violations import find_violations
+from lowmem.fastfold.relax.violations import _clash_violations, find_violations
 
 SEQUENCE = "MKTAYIAG"
 
@@ -147,3 +149,107 @@ def test_problem_names_what_is_wrong():
     flipped = amber.RelaxResult(**base, violations_after=0, outer_iterations=1, chirality_changed=[3, 5])
     assert flipped.problem == "broke the structure: chirality changed at residue(s) 3, 5"
     assert flipped.summary()["converged"] is True  # converged, but broken
+
+
+def test_pass_log_and_pass_budget(monkeypatch):
+    """Each pass logs its energies, violations, iterations and seconds; a structure that never stops violating
+    ends at `max_outer_iterations` and is reported unconverged (a check that always finds residue 3 violating
+    stands in for a hopeless prediction)."""
+    def always_residue_3(p):
+        bad = np.zeros(len(p.aatype), bool)
+        bad[3] = True
+        return bad
+
+    monkeypatch.setattr(amber, "_violations", always_residue_3)
+    result = relax_protein(ideal_backbone(SEQUENCE), RelaxConfig(platform="CPU", max_outer_iterations=2))
+    summary = json.loads(json.dumps(result.summary()))  # JSON-ready as timings.json stores it
+    assert [p["pass"] for p in summary["passes"]] == [1, 2] and summary["outer_iterations"] == 2
+    for p in summary["passes"]:
+        assert p["energy_after"] <= p["energy_before"] and p["violating_residues"] == 1
+        assert p["iterations"] > 0 and p["seconds"] >= 0 and p["cut_short"] is False
+    assert summary["stopped"] == "pass limit" and summary["converged"] is False
+    assert summary["problem"] == "not converged: 1 violating residue(s) after 2 pass(es) (pass limit)"
+    assert set(summary["stage_seconds"]) == {"clean", "untangle"}
+
+
+def test_time_budget_stops_the_minimiser_and_reports_it():
+    """A budget already spent when the first pass starts: the minimiser stops at once (each of OpenMM's rounds
+    of constraint stiffening runs one iteration), and the result says so even where no residue violates."""
+    full = relax_protein(_perturbed(), RelaxConfig(platform="CPU"))
+    result = relax_protein(_perturbed(), RelaxConfig(platform="CPU", max_seconds=1e-6))
+    assert result.outer_iterations == 1 and result.passes[0]["cut_short"] and not full.passes[0]["cut_short"]
+    assert result.passes[0]["iterations"] < 20 < full.passes[0]["iterations"]
+    assert result.stopped == "time budget" and not result.converged
+    assert result.problem.endswith("(time budget, its last minimisation cut short)")
+
+
+def _bond_violations_loop(pos, mask, aatype, residue_index):
+    """The per-residue reference of `violations._bond_violations`."""
+    c, n = rc.atom_order["C"], rc.atom_order["N"]
+    bad = np.zeros(len(aatype), bool)
+    for i in range(len(aatype) - 1):
+        if residue_index[i + 1] - residue_index[i] != 1 or not (mask[i, c] and mask[i + 1, n]):
+            continue
+        is_pro = int(aatype[i + 1] == rc.restype_order["P"])
+        mean, std = rc.between_res_bond_length_c_n[is_pro], rc.between_res_bond_length_stddev_c_n[is_pro]
+        if abs(np.linalg.norm(pos[i, c] - pos[i + 1, n]) - mean) > 12.0 * std:
+            bad[i] = bad[i + 1] = True
+    return bad
+
+
+def _cis_loop(p):
+    """The per-residue reference of `amber.cis_peptides`."""
+    ca, c, n = (rc.atom_order[a] for a in ("CA", "C", "N"))
+    x, m = p.atom_positions, p.atom_mask > 0.5
+    out = np.zeros(len(p.aatype), np.int64)
+    for i in range(len(p.aatype) - 1):
+        if p.residue_index[i + 1] - p.residue_index[i] != 1 or not (m[i, ca] and m[i, c] and m[i + 1, n]
+                                                                    and m[i + 1, ca]):
+            continue
+        b0, b1, b2 = x[i, c] - x[i, ca], x[i + 1, n] - x[i, c], x[i + 1, ca] - x[i + 1, n]
+        if not 0.5 < np.linalg.norm(b1) < 2.0:
+            continue
+        n0, n1 = np.cross(b0, b1), np.cross(b1, b2)
+        omega = np.degrees(np.arctan2(np.dot(np.cross(n0, n1), b1 / np.linalg.norm(b1)), np.dot(n0, n1)))
+        out[i] = 1 if abs(omega) < 30.0 else (-1 if abs(omega) > 150.0 else 0)
+    return out
+
+
+def test_vectorised_checks_equal_the_per_residue_loops():
+    """Peptide-bond violations and cis/trans, computed for all residues at once, equal the loops they replace on
+    structures with broken bonds, cis bonds, prolines, a numbering gap and missing atoms."""
+    rng = np.random.default_rng(0)
+    seq = "MKPTAYPIAGSPLKV" * 4
+    found = {"bond": 0, "cis": 0, "trans": 0}
+    for trial in range(6):
+        prot = ideal_backbone(seq, phi=-70.0, psi=-40.0 + 30 * trial)
+        pos = prot.atom_positions + rng.normal(scale=0.05 * trial, size=prot.atom_positions.shape)
+        mask = prot.atom_mask.copy()
+        mask[rng.integers(0, len(seq), 3), rc.atom_order["N"]] = 0.0
+        index = prot.residue_index.copy()
+        index[30:] += 1  # a gap: no peptide bond between residues 29 and 30
+        pos[11, rc.atom_order["C"]] += 0.15 * trial  # stretched bonds, some past 12 sigma
+        # a cis bond 20 -> 21: the chain after C(20) turned by 180 degrees about the C(20)-N(21) bond
+        origin = pos[20, rc.atom_order["C"]]
+        axis = pos[21, rc.atom_order["N"]] - origin
+        axis /= np.linalg.norm(axis)
+        rest = pos[21:] - origin
+        pos[21:] = origin + 2 * (rest @ axis)[..., None] * axis - rest
+        p = Protein(pos * (mask[..., None] > 0), mask, prot.aatype, index, prot.b_factors)
+        got = find_violations(p.atom_positions, p.atom_mask, p.aatype, p.residue_index)
+        expected = _bond_violations_loop(p.atom_positions, mask, p.aatype, index) | _clash_violations(
+            p.atom_positions, mask, p.aatype)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(amber.cis_peptides(p), _cis_loop(p))
+        found["bond"] += int(_bond_violations_loop(p.atom_positions, mask, p.aatype, index).sum())
+        found["trans"] += int((_cis_loop(p) == -1).sum())
+        found["cis"] += int((_cis_loop(p) == 1).sum())
+    assert found["bond"] > 0 and found["trans"] > 0 and found["cis"] > 0, found
+
+
+def test_relax_line_for_the_summary_table():
+    from lowmem.fastfold.pipeline import _relax_line
+
+    assert _relax_line({"relax": {"seconds": 12.34, "outer_iterations": 2}}) == "relax 12.3 s, 2 passes"
+    assert _relax_line({"relax": {"seconds": 1.0, "outer_iterations": 1}}) == "relax 1.0 s, 1 pass"
+    assert _relax_line({"relax": None}) == ""
