@@ -79,7 +79,8 @@ class RelaxResult:
     outer_iterations: int
     seconds: float
     stopped: str = "converged"
-    """Why the violation loop ended: "converged" (no violating residue left), "pass limit" or "time budget"."""
+    """Why the violation loop ended: "converged" (no violating residue left), "pass limit", "time budget", or
+    "stalled" (a pass left every position as it was and freed no residue: later passes would repeat it exactly)."""
     chirality_changed: list[int] = dataclasses.field(default_factory=list)
     """Residue numbers whose CA chirality (L/D) differs from the input's: the relaxed file is not to be used."""
     cis_changed: list[int] = dataclasses.field(default_factory=list)
@@ -432,6 +433,7 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
     stopped = "pass limit"
     for outer in range(1, cfg.max_outer_iterations + 1):
         t_pass = time.perf_counter()
+        start = _xyz(positions)
         e0, e1, positions, iterations, cut_short = _minimize(topology, positions, excluded, cfg, signs, deadline)
         current = _to_atom37(topology, positions, protein)
         bad = _violations(current)
@@ -447,7 +449,13 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
         if not bad.any():
             stopped = "converged"
             break
-        excluded |= {int(i) for i in np.nonzero(bad)[0]}
+        newly = {int(i) for i in np.nonzero(bad)[0]} - excluded
+        if not newly and np.array_equal(_xyz(positions), start):
+            # the next pass would start from the same positions with the same restraints: it, and every later
+            # one, would repeat this one exactly (deterministic platform), so the pass limit's result is this one
+            stopped = "stalled"
+            break
+        excluded |= newly
     numbers = protein.residue_index
     before_l, after_l = chirality(protein), chirality(current)
     flipped = (before_l != 0) & (after_l != 0) & (before_l != after_l)
@@ -463,6 +471,12 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
     if result.problem:
         logger.warning("relaxation %s", result.problem)
     return result
+
+
+def _xyz(positions) -> np.ndarray:
+    from openmm import unit
+
+    return np.asarray(positions.value_in_unit(unit.nanometers), dtype=np.float64)
 
 
 def _finite(x: float) -> float | None:

@@ -253,3 +253,19 @@ def test_relax_line_for_the_summary_table():
     assert _relax_line({"relax": {"seconds": 12.34, "outer_iterations": 2}}) == "relax 12.3 s, 2 passes"
     assert _relax_line({"relax": {"seconds": 1.0, "outer_iterations": 1}}) == "relax 1.0 s, 1 pass"
     assert _relax_line({"relax": None}) == ""
+
+
+def test_a_pass_that_changes_nothing_ends_the_loop(monkeypatch):
+    """A pass that frees no new residue and leaves every position as it was would be repeated identically up to
+    the pass limit: the loop stops there, reported unconverged ("stalled")."""
+    calls = []
+
+    def unchanged(topology, positions, excluded, cfg, signs=None, deadline=None):
+        calls.append(set(excluded))
+        return 1.0, 1.0, positions, 3, False
+
+    monkeypatch.setattr(amber, "_minimize", unchanged)
+    monkeypatch.setattr(amber, "_violations", lambda p: np.arange(len(p.aatype)) == 3)
+    result = relax_protein(ideal_backbone(SEQUENCE), RelaxConfig(platform="CPU", max_outer_iterations=20))
+    assert calls == [set(), {3}] and result.outer_iterations == 2  # the second pass freed nothing new
+    assert result.stopped == "stalled" and not result.converged and "(stalled)" in result.problem
