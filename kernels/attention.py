@@ -23,6 +23,7 @@ Fully masked query rows give zeros (and zero gradients), never NaN: their log-su
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -184,13 +185,40 @@ def _sdpa_mask(q, bias, mask):
     return None
 
 
+def _sdpa_sliced(q, k, v, bias, mask, scale):
+    """SDPA over slices of q's leading dims, bias and mask folded into one float attn_mask per slice.
+
+    For a bias and a mask that broadcast against each other (a pair bias `[1, H, Q, K]` and a per-row mask
+    `[B, 1, 1, K]`): each slice's combined mask `[b, H, Q, K]` is about `_CHUNK_BYTES`, the scores block
+    the query-block loop would hold, so memory stays as bounded while the attention runs fused.
+    """
+    nd = q.dim()
+    lead, (heads, n_q, n_k) = q.shape[:-3], (q.shape[-3], q.shape[-2], k.shape[-2])
+    full = lead + (heads, n_q, n_k)
+    bias_f = _align(bias, nd).expand(full)
+    keep_f = _align(mask, nd).expand(full)
+    out = q.new_empty(lead + (heads, n_q, v.shape[-1]))
+    step = max(1, _CHUNK_BYTES // max(1, heads * n_q * n_k * bias.element_size()))
+    for idx in itertools.product(*(range(n) for n in lead[:-1])):
+        for s0 in range(0, lead[-1], step):
+            sl = (*idx, slice(s0, min(s0 + step, lead[-1])))
+            keep = keep_f[sl]
+            attn = bias_f[sl].to(q.dtype).masked_fill(~keep, float("-inf"))
+            o = F.scaled_dot_product_attention(q[sl], k[sl], v[sl], attn_mask=attn, scale=scale)
+            # rows with every key masked: zeros whatever SDPA's convention
+            out[sl] = o.masked_fill_(~keep.any(-1, keepdim=True), 0.0)
+    return out
+
+
 def _sdpa_inference(q, k, v, bias, mask, scale):
     """No gradients needed: PyTorch's fused SDPA (flash on CPU) with the bias as float mask; None if unsuited."""
     if q.dim() < 4 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
         return None
     attn = _sdpa_mask(q, bias, mask)
     if attn is None:
-        return None
+        if bias is None or mask is None:
+            return None
+        return _sdpa_sliced(q, k, v, bias, mask, scale)
     q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=attn, scale=scale)
     out = out.reshape(*q.shape[:-1], v.shape[-1])
