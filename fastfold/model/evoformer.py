@@ -358,6 +358,8 @@ class TriangleMultiplication(nn.Module):
         row_proj, all_proj = ("a", "b") if outgoing else ("b", "a")
         n, c_h, c_z = zz.shape[-3], self.linear_a_p.out_features, zz.shape[-1]
         chunk = options.rows_per_chunk(n, zz.shape[-2] * (4 * c_h + 5 * c_z) * z.element_size())
+        if chunk is not None:  # blocks as large as the shared buffer below: no higher peak, fewer small GEMMs
+            chunk = max(chunk, 1 << max(0, (c_h * zz.shape[-2] // (4 * c_h + 5 * c_z)).bit_length() - 1))
         shared = zz.new_empty(*zz.shape[:-3], c_h, n, zz.shape[-2])  # [*, C, J, K]
         for r0, r1 in row_blocks(n, chunk):
             x = self.layer_norm_in(zz[..., r0:r1, :, :])
