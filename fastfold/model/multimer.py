@@ -1,0 +1,684 @@
+"""The AlphaFold-Multimer model (v2.x / v3, inference): chain-aware relative positions, the multimer template
+embedder, the multimer structure module (IPA with per-head point projections, quaternion rigid update), the
+confidence heads with pTM and interface pTM (ipTM), ranked by 0.8 ipTM + 0.2 pTM.
+
+Following the AlphaFold-Multimer paper (Evans et al. 2021, bioRxiv 2021.10.04.463034, suppl. 2-3) and the
+public AlphaFold v2.3 `modules_multimer` description; the numbers equal OpenFold's multimer model in float64
+(tests/assets/multimer_model). The Evoformer and extra-MSA stacks are the monomer ones with the outer product
+mean first in each block (`opm_first`); v3 parameter files fuse the triangle multiplications' left/right
+projections (`fastfold.params_multimer` splits them into our two linears).
+
+Parameter files are read and written by `fastfold.params_multimer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ... import kernels
+from ..common import residue_constants as rc
+from ..common.geometry import (
+    atom14_to_atom37,
+    dgram_from_positions,
+    frames_to_atom14_positions,
+    pseudo_beta,
+    residue_constant_tensor,
+    torsion_angles_to_frames,
+)
+from ..common.rigid import Rigid
+from .config import (
+    AlphaFoldConfig,
+    EvoformerStackConfig,
+    HeadsConfig,
+    PipelineConfig,
+    StructureModuleConfig,
+    TemplateConfig,
+)
+from .embedders import ExtraMSAEmbedder, RecyclingEmbedder
+from .evoformer import EvoformerStack, ExtraMSAStack, PairStack
+from .heads import AuxiliaryHeads
+from .options import DEFAULT_OPTIONS, SINGLE_PROCESS, InferenceOptions, Layout
+from .primitives import LayerNorm, Linear, row_blocks
+from .structure_module import AngleResnet
+
+__all__ = [
+    "FEATURE_NAMES",
+    "AlphaFoldMultimer",
+    "MultimerConfig",
+    "compute_tm",
+    "multimer_model_names",
+    "multimer_preset",
+    "multimer_tiny",
+]
+
+FEATURE_NAMES = (
+    "aatype",
+    "residue_index",
+    "asym_id",
+    "entity_id",
+    "sym_id",
+    "seq_mask",
+    "target_feat",
+    "msa_feat",
+    "msa_mask",
+    "extra_msa",
+    "extra_msa_mask",
+    "extra_deletion_matrix",
+    "template_aatype",
+    "template_all_atom_positions",
+    "template_all_atom_mask",
+    "residx_atom37_to_atom14",
+    "atom37_atom_exists",
+)
+"""Features the multimer model reads (each with the recycling passes on its trailing axis), as
+`fastfold.data.multimer.process_multimer_features` writes them."""
+
+
+@dataclass(kw_only=True)
+class MultimerConfig(AlphaFoldConfig):
+    """The AlphaFold-Multimer model: the monomer fields with the multimer defaults, plus its own."""
+
+    target_feat_dim: int = 21
+    """Channels of `target_feat` (the one-hot aatype; no between-segment channel)."""
+    max_relative_chain: int = 2
+    """Clip of the relative chain (sym_id) encoding."""
+    fuse_projection_weights: bool = True
+    """Whether the parameter file fuses the triangle multiplications' projections (v3 files do; v1/v2 not)."""
+    recycle_early_stop_tolerance: float = 0.5
+    """Stop recycling once the Ca distance matrix moves by at most this (Angstrom, RMS); negative: never."""
+    iptm_weight: float = 0.8
+    """Weight of ipTM in the ranking confidence."""
+    ptm_weight: float = 0.2
+    """Weight of pTM in the ranking confidence."""
+    structure_module: StructureModuleConfig = field(
+        default_factory=lambda: StructureModuleConfig(position_scale=20.0)
+    )
+    """Structure module (translations in units of 1/20 Angstrom, as AlphaFold-Multimer)."""
+    heads: HeadsConfig = field(default_factory=lambda: HeadsConfig(masked_msa_classes=22, tm=True))
+    """Output heads (22 masked-MSA classes; the PAE head always)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_relative_chain < 0:
+            raise ValueError("MultimerConfig.max_relative_chain must be >= 0")
+        if not self.heads.tm:
+            raise ValueError("MultimerConfig: the multimer model always has the PAE head (heads.tm)")
+
+
+_MODEL_NAME = re.compile(r"model_([1-5])_multimer(?:_(v2|v3))?")
+
+
+def multimer_model_names() -> list[str]:
+    """The released multimer models: model_N_multimer (v1), model_N_multimer_v2, model_N_multimer_v3."""
+    return [f"model_{i}_multimer{s}" for s in ("", "_v2", "_v3") for i in range(1, 6)]
+
+
+def multimer_preset(name: str) -> MultimerConfig:
+    """The configuration of a released multimer model, e.g. "model_1_multimer_v3": released sizes, MSA sizes
+    (`fastfold.data.multimer.multimer_msa_sizes`), 20 recycles with early stop at 0.5 A (AlphaFold v2.3)."""
+    match = _MODEL_NAME.fullmatch(name)
+    if not match:
+        raise ValueError(f"multimer_preset: unknown model name {name!r}; expected one of "
+                         f"{', '.join(multimer_model_names())}")
+    index, version = int(match.group(1)), match.group(2)
+    v3 = version == "v3"
+    clusters, extra = (508, 1152 if index in (4, 5) else 2048) if v3 else (252, 1152)
+    return MultimerConfig(
+        fuse_projection_weights=v3,
+        pipeline=PipelineConfig(max_msa_clusters=clusters, max_extra_msa=extra, max_templates=4, num_recycle=20),
+    )
+
+
+def multimer_tiny(*, fuse: bool = True) -> MultimerConfig:
+    """A very small multimer model with every component, for tests (seconds on one CPU core)."""
+    c_m, c_z, c_s, c_e = 16, 8, 16, 8
+    stack = dict(
+        c_z=c_z, msa_heads=2, msa_head_dim=4, column_head_dim=4, opm_channels=4, tri_mul_channels=6,
+        pair_heads=2, pair_head_dim=4, msa_transition_factor=2, pair_transition_factor=2, c_s=c_s,
+    )
+    return MultimerConfig(
+        c_m=c_m, c_z=c_z, c_s=c_s, c_e=c_e, max_relative_feature=4, max_relative_chain=1,
+        fuse_projection_weights=fuse,
+        evoformer=EvoformerStackConfig(num_blocks=2, c_m=c_m, **stack),
+        extra_msa=EvoformerStackConfig(num_blocks=1, c_m=c_e, column_attention="global", **stack),
+        template=TemplateConfig(c_t=6, num_blocks=1, pair_heads=2, pair_head_dim=3, tri_mul_channels=5),
+        structure_module=StructureModuleConfig(
+            c_s=c_s, c_z=c_z, num_layers=2, ipa_heads=2, ipa_scalar_qk=4, ipa_scalar_v=3, ipa_point_qk=2,
+            ipa_point_v=3, c_resnet=8, position_scale=20.0,
+        ),
+        heads=HeadsConfig(plddt_bins=10, plddt_channels=8, distogram_bins=12, pae_bins=9, masked_msa_classes=22,
+                          tm=True),
+        pipeline=PipelineConfig(max_msa_clusters=5, max_extra_msa=7, max_templates=2, num_recycle=1),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embedders.
+
+
+class MultimerInputEmbedder(nn.Module):
+    """Input embedding (AlphaFold2 suppl. Alg. 3) with AlphaFold-Multimer's chain-aware relative encoding:
+    one-hot of the clipped residue offset within a chain (2r + 1 bins) or "other chain" (1 bin), whether the
+    two residues' entities are equal (1), and the clipped sym_id offset within an entity (2c + 1) or "other
+    entity" (1): 2r + 2c + 5 channels into `linear_relpos`."""
+
+    def __init__(self, cfg: MultimerConfig):
+        super().__init__()
+        self.max_rel, self.max_chain = cfg.max_relative_feature, cfg.max_relative_chain
+        self.linear_tf_z_i = Linear(cfg.target_feat_dim, cfg.c_z)
+        self.linear_tf_z_j = Linear(cfg.target_feat_dim, cfg.c_z)
+        self.linear_tf_m = Linear(cfg.target_feat_dim, cfg.c_m)
+        self.linear_msa_m = Linear(cfg.msa_feat_dim, cfg.c_m)
+        self.linear_relpos = Linear(2 * self.max_rel + 2 * self.max_chain + 5, cfg.c_z)
+
+    def forward(self, f: Mapping[str, torch.Tensor], dtype: torch.dtype, options: InferenceOptions):
+        """f: `target_feat` [*, N, 21], `msa_feat` [*, S, N, 49], `residue_index`, `asym_id`, `entity_id`,
+        `sym_id` [*, N]. Returns m [*, S, N, C_m] and z [*, N, N, C_z]."""
+        tf = f["target_feat"].to(dtype)
+        m = self.linear_msa_m(f["msa_feat"].to(dtype)) + self.linear_tf_m(tf)[..., None, :, :]
+        z = self.linear_tf_z_i(tf)[..., :, None, :] + self.linear_tf_z_j(tf)[..., None, :, :]
+        n = z.shape[-2]
+        chunk = options.rows_per_chunk(n, n * 2 * z.shape[-1] * z.element_size())
+        for r0, r1 in row_blocks(n, chunk):
+            z[..., r0:r1, :, :] += self.relpos(f, r0, r1, z.dtype)
+        return m, z
+
+    def relpos(self, f: Mapping[str, torch.Tensor], r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows r0:r1 of the encoding, as `Linear(one_hot features)`: each residue pair sums the weight
+        columns of its three active bins. Returns [*, r1 - r0, N, C_z]."""
+        pos, asym, entity, sym = (f[k].long() for k in ("residue_index", "asym_id", "entity_id", "sym_id"))
+        r, c = self.max_rel, self.max_chain
+        same_chain = asym[..., r0:r1, None] == asym[..., None, :]
+        same_entity = entity[..., r0:r1, None] == entity[..., None, :]
+        offset = torch.clamp(pos[..., r0:r1, None] - pos[..., None, :] + r, 0, 2 * r)
+        offset = torch.where(same_chain, offset, torch.full_like(offset, 2 * r + 1))
+        rel_chain = torch.clamp(sym[..., r0:r1, None] - sym[..., None, :] + c, 0, 2 * c)
+        rel_chain = torch.where(same_entity, rel_chain, torch.full_like(rel_chain, 2 * c + 1))
+        weight = self.linear_relpos.weight.to(dtype).T  # [bins, C_z]
+        out = nn.functional.embedding(offset, weight[: 2 * r + 2])
+        out = out + same_entity[..., None].to(dtype) * weight[2 * r + 2]
+        out = out + nn.functional.embedding(rel_chain, weight[2 * r + 3 :])
+        return out + self.linear_relpos.bias.to(dtype)
+
+
+def _normalized(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """v / max(|v|, eps) (AlphaFold-Multimer's Vec3Array.normalized). v: [*, 3]."""
+    return v / torch.sqrt(torch.clamp((v * v).sum(-1, keepdim=True), min=eps * eps))
+
+
+def backbone_frames(positions: torch.Tensor, mask: torch.Tensor) -> tuple[Rigid, torch.Tensor]:
+    """AlphaFold-Multimer's `make_backbone_affine`: frame at CA, x axis along C - CA, N in the xy plane.
+    positions: [*, N, 37, 3]; mask: [*, N, 37]. Returns frames of batch shape [*, N] and their mask [*, N]."""
+    n, ca, c = (positions[..., rc.atom_order[a], :] for a in ("N", "CA", "C"))
+    e0 = _normalized(c - ca)
+    e1 = n - ca
+    e1 = _normalized(e1 - (e1 * e0).sum(-1, keepdim=True) * e0)
+    e2 = torch.linalg.cross(e0, e1, dim=-1)
+    frame_mask = mask[..., rc.atom_order["N"]] * mask[..., rc.atom_order["CA"]] * mask[..., rc.atom_order["C"]]
+    return Rigid(torch.stack([e0, e1, e2], dim=-1), ca), frame_mask
+
+
+def chi_angle_features(aatype: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    """The four chi dihedrals as AlphaFold-Multimer computes them (atan2 of the plane normals) and their mask
+    (the residue type has the angle and its four atoms are present). aatype: [*, N]; positions:
+    [*, N, 37, 3]; mask: [*, N, 37]. Returns angles and mask, both [*, N, 4]."""
+    aa = torch.clamp(aatype.long(), max=20)
+    indices = _chi_atom_indices(positions.device)[aa]  # [*, N, 4 chis, 4 atoms]
+    flat = indices.flatten(-2)  # [*, N, 16]
+    atoms = torch.gather(positions, -2, flat[..., None].expand(*flat.shape, 3)).unflatten(-2, (4, 4))
+    a, b, c, d = atoms.unbind(-2)
+    v1, v2, v3 = a - b, b - c, d - c
+    c1 = torch.linalg.cross(v1, v2, dim=-1)
+    c2 = torch.linalg.cross(v3, v2, dim=-1)
+    c3 = torch.linalg.cross(c2, c1, dim=-1)
+    v2_norm = torch.sqrt(torch.clamp((v2 * v2).sum(-1), min=1e-12))
+    angles = torch.atan2((c3 * v2).sum(-1), v2_norm * (c1 * c2).sum(-1))
+    table = torch.cat([residue_constant_tensor("chi_angles_mask", positions), positions.new_zeros(1, 4)])
+    atom_mask = torch.gather(mask, -1, flat).unflatten(-1, (4, 4)).prod(-1)
+    return angles, table[aa] * atom_mask.to(positions.dtype)
+
+
+_CHI_ATOMS: dict[torch.device, torch.Tensor] = {}
+
+
+def _chi_atom_indices(device: torch.device) -> torch.Tensor:
+    if device not in _CHI_ATOMS:
+        table = []
+        for res in rc.restypes:
+            chis = [[rc.atom_order[a] for a in chi] for chi in rc.chi_angles_atoms[rc.restype_1to3[res]]]
+            table.append(chis + [[0, 0, 0, 0]] * (4 - len(chis)))
+        table.append([[0, 0, 0, 0]] * 4)
+        _CHI_ATOMS[device] = torch.tensor(table, device=device)
+    return _CHI_ATOMS[device]
+
+
+class TemplatePairEmbedderMultimer(nn.Module):
+    """One template's pair activations (AlphaFold-Multimer `SingleTemplateEmbedding`): distogram, pseudo-beta
+    mask, aatype of j and of i, the backbone unit vector (x, y, z) and its mask, each through its own linear
+    (cross-chain pairs zeroed by `multichain_mask_2d`), plus a projection of the LayerNormed pair."""
+
+    def __init__(self, c_z: int, cfg: TemplateConfig):
+        super().__init__()
+        c = cfg.c_t
+        self.dgram_linear = Linear(cfg.dgram_bins, c)
+        self.pseudo_beta_mask_linear = Linear(1, c)
+        self.aatype_linear_1 = Linear(22, c)
+        self.aatype_linear_2 = Linear(22, c)
+        self.x_linear = Linear(1, c)
+        self.y_linear = Linear(1, c)
+        self.z_linear = Linear(1, c)
+        self.backbone_mask_linear = Linear(1, c)
+        self.query_embedding_layer_norm = LayerNorm(c_z)
+        self.query_embedding_linear = Linear(c_z, c)
+
+    def forward(self, templ: Mapping[str, torch.Tensor], z: torch.Tensor, multichain_2d: torch.Tensor,
+                cfg: TemplateConfig) -> torch.Tensor:
+        """templ: one template's `template_aatype` [*, N], `template_all_atom_positions` [*, N, 37, 3],
+        `template_all_atom_mask` [*, N, 37]; z: [*, N, N, C_z]; multichain_2d: [*, N, N] (same chain).
+        Returns [*, N, N, C_t]."""
+        dtype = z.dtype
+        aatype = templ["template_aatype"].long()
+        pos = templ["template_all_atom_positions"].to(dtype)
+        mask = templ["template_all_atom_mask"].to(dtype)
+        cb, cb_mask = pseudo_beta(aatype, pos, mask)
+        cb_2d = cb_mask[..., :, None] * cb_mask[..., None, :] * multichain_2d
+        dgram = dgram_from_positions(cb, cfg.dgram_bins, cfg.dgram_min_bin, cfg.dgram_max_bin) * cb_2d[..., None]
+        act = self.dgram_linear(dgram) + self.pseudo_beta_mask_linear(cb_2d[..., None])
+        one_hot = nn.functional.one_hot(aatype, 22).to(dtype)
+        act = act + self.aatype_linear_1(one_hot[..., None, :, :]) + self.aatype_linear_2(one_hot[..., :, None, :])
+        frames, bb_mask = backbone_frames(pos, mask)
+        bb_2d = bb_mask[..., :, None] * bb_mask[..., None, :] * multichain_2d
+        local = frames.unsqueeze(-1).invert_apply(frames.trans[..., None, :, :])  # [*, N, N, 3]: j seen from i
+        unit = _normalized(local) * bb_2d[..., None]
+        act = act + self.x_linear(unit[..., 0:1]) + self.y_linear(unit[..., 1:2]) + self.z_linear(unit[..., 2:3])
+        act = act + self.backbone_mask_linear(bb_2d[..., None])
+        return act + self.query_embedding_linear(self.query_embedding_layer_norm(z))
+
+
+class TemplatePairStackMultimer(nn.Module):
+    """The multimer template pair stack: blocks in the Evoformer pair order (triangle multiplications first),
+    then a LayerNorm."""
+
+    def __init__(self, cfg: TemplateConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            PairStack(cfg.c_t, cfg.tri_mul_channels, cfg.pair_heads, cfg.pair_head_dim, cfg.pair_transition_factor)
+            for _ in range(cfg.num_blocks)
+        )
+        self.layer_norm = LayerNorm(cfg.c_t)
+        self.layout: Layout = SINGLE_PROCESS
+        """How t is spread over processes (only the identity so far)."""
+
+    def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """t: [*, T, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns [*, T, N, N, C_t]."""
+        layout, n = self.layout, t.shape[-2]
+        t = layout.split(t, -3)
+        for block in self.blocks:
+            t = block(t, pair_mask, options, layout)
+        return layout.gather(self.layer_norm(t), -3, n)
+
+
+class TemplateSingleEmbedderMultimer(nn.Module):
+    """Template rows appended to the MSA: one-hot aatype (22), sin, cos and mask of the four chi angles (34
+    channels) -> Linear, ReLU, Linear; the row mask is the chi1 mask."""
+
+    def __init__(self, c_m: int):
+        super().__init__()
+        self.linear_1 = Linear(22 + 3 * 4, c_m)
+        self.linear_2 = Linear(c_m, c_m)
+
+    def forward(self, templ: Mapping[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """templ: `template_aatype` [*, T, N], `template_all_atom_positions` [*, T, N, 37, 3],
+        `template_all_atom_mask` [*, T, N, 37]. Returns rows [*, T, N, C_m] and their mask [*, T, N]."""
+        aatype = templ["template_aatype"].long()
+        angles, mask = chi_angle_features(
+            aatype, templ["template_all_atom_positions"].to(dtype), templ["template_all_atom_mask"].to(dtype)
+        )
+        feats = torch.cat(
+            [nn.functional.one_hot(aatype, 22).to(dtype), torch.sin(angles) * mask, torch.cos(angles) * mask, mask],
+            dim=-1,
+        )
+        return self.linear_2(torch.relu(self.linear_1(feats))), mask[..., 0]
+
+
+class TemplateEmbedderMultimer(nn.Module):
+    """AlphaFold-Multimer's template embedding: each template's pair activations through the pair stack,
+    averaged over all template rows (padding rows included, as AlphaFold-Multimer), ReLU, Linear to C_z."""
+
+    def __init__(self, cfg: MultimerConfig):
+        super().__init__()
+        self.cfg = cfg.template
+        self.template_pair_embedder = TemplatePairEmbedderMultimer(cfg.c_z, cfg.template)
+        self.template_pair_stack = TemplatePairStackMultimer(cfg.template)
+        self.linear_t = Linear(cfg.template.c_t, cfg.c_z)
+        self.template_single_embedder = TemplateSingleEmbedderMultimer(cfg.c_m)
+
+    def forward(self, templ: Mapping[str, torch.Tensor], z: torch.Tensor, pair_mask: torch.Tensor,
+                asym_id: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
+        """templ: the `template_*` features with T templates on dim -3 (-4 for positions); z: [*, N, N, C_z];
+        pair_mask: [*, N, N]; asym_id: [*, N]. Returns the update to z [*, N, N, C_z]."""
+        multichain = (asym_id[..., :, None] == asym_id[..., None, :]).to(z.dtype)
+        n_templ = templ["template_aatype"].shape[-2]
+        acts = []
+        for i in range(n_templ):
+            one = {
+                "template_aatype": templ["template_aatype"][..., i, :],
+                "template_all_atom_positions": templ["template_all_atom_positions"][..., i, :, :, :],
+                "template_all_atom_mask": templ["template_all_atom_mask"][..., i, :, :],
+            }
+            acts.append(self.template_pair_embedder(one, z, multichain, self.cfg))
+        t = torch.stack(acts, dim=-4)
+        del acts
+        t = self.template_pair_stack(t, pair_mask[..., None, :, :].to(z.dtype), options)
+        return self.linear_t(torch.relu(t.sum(-4) / n_templ))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Structure module.
+
+
+class InvariantPointAttentionMultimer(nn.Module):
+    """AlphaFold-Multimer's IPA: scalar q/k/v without bias, per-head point projections (each head's x, y, z
+    blocks of points), all logit terms scaled by sqrt(1/3) together; the output point norm clipped at 1e-8."""
+
+    def __init__(self, cfg: StructureModuleConfig):
+        super().__init__()
+        h, self.cfg = cfg.ipa_heads, cfg
+        self.linear_q = Linear(cfg.c_s, h * cfg.ipa_scalar_qk, bias=False)
+        self.linear_k = Linear(cfg.c_s, h * cfg.ipa_scalar_qk, bias=False)
+        self.linear_v = Linear(cfg.c_s, h * cfg.ipa_scalar_v, bias=False)
+        self.linear_q_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_qk)
+        self.linear_k_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_qk)
+        self.linear_v_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_v)
+        self.linear_b = Linear(cfg.c_z, h)
+        self.head_weights = nn.Parameter(torch.full((h,), math.log(math.e - 1.0)))
+        self.linear_out = Linear(h * (cfg.c_z + cfg.ipa_scalar_v + 4 * cfg.ipa_point_v), cfg.c_s)
+
+    def _points(self, linear: Linear, s: torch.Tensor, frames: Rigid) -> torch.Tensor:
+        """Global points [*, N, H, P, 3] from the per-head layout [H, (x: P, y: P, z: P)]."""
+        local = linear(s).unflatten(-1, (self.cfg.ipa_heads, -1))  # [*, N, H, 3P]
+        local = torch.stack(local.chunk(3, dim=-1), dim=-1)  # [*, N, H, P, 3]
+        return frames.unsqueeze(-1).unsqueeze(-1).apply(local)
+
+    def forward(self, s: torch.Tensor, z_ln: torch.Tensor, bias: torch.Tensor, frames: Rigid, mask: torch.Tensor,
+                chunk: int | None) -> torch.Tensor:
+        """s: [*, N, C_s]; z_ln: the LayerNormed pair [*, N, N, C_z]; bias: `linear_b(z_ln)` as [*, H, N, N];
+        frames: batch shape [*, N]; mask: [*, N]. Returns the update to s [*, N, C_s], by blocks of `chunk`
+        query residues."""
+        c, h = self.cfg, self.cfg.ipa_heads
+        q = self.linear_q(s).unflatten(-1, (h, -1)) * math.sqrt(1.0 / c.ipa_scalar_qk)
+        k = self.linear_k(s).unflatten(-1, (h, -1))
+        v = self.linear_v(s).unflatten(-1, (h, -1))
+        q_pts = self._points(self.linear_q_points, s, frames)
+        k_pts = self._points(self.linear_k_points, s, frames)
+        v_pts = self._points(self.linear_v_points, s, frames)
+        w = nn.functional.softplus(self.head_weights) * math.sqrt(1.0 / (max(c.ipa_point_qk, 1) * 9.0 / 2))
+        outs = []
+        for r0, r1 in row_blocks(s.shape[-2], chunk):
+            d2 = ((q_pts[..., r0:r1, None, :, :, :] - k_pts[..., None, :, :, :, :]) ** 2).sum(-1)  # [*, i, j, H, P]
+            logits = -0.5 * torch.einsum("...ijhp,h->...hij", d2, w)
+            del d2
+            logits = logits + torch.einsum("...ihc,...jhc->...hij", q[..., r0:r1, :, :], k)
+            logits = logits + bias[..., r0:r1, :]
+            mask_2d = mask[..., r0:r1, None] * mask[..., None, :]
+            logits = (logits + 1e5 * (mask_2d[..., None, :, :] - 1)) * math.sqrt(1.0 / 3)
+            attn = torch.softmax(logits, dim=-1)  # [*, H, i, j]
+            del logits
+            o = torch.einsum("...hij,...jhc->...ihc", attn, v).flatten(-2)
+            o_pt = torch.einsum("...hij,...jhpx->...ihpx", attn, v_pts)
+            rows = Rigid(frames.rot[..., r0:r1, :, :], frames.trans[..., r0:r1, :])
+            o_pt = rows.unsqueeze(-1).unsqueeze(-1).invert_apply(o_pt)  # [*, i, H, P_v, 3] local
+            o_pt_norm = torch.sqrt(torch.clamp((o_pt**2).sum(-1), min=1e-16))
+            o_pair = torch.einsum("...hij,...ijc->...ihc", attn, z_ln[..., r0:r1, :, :]).flatten(-2)
+            feats = [o, *(o_pt[..., k].flatten(-2) for k in range(3)), o_pt_norm.flatten(-2), o_pair]
+            outs.append(self.linear_out(torch.cat(feats, dim=-1)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def quat_rigid(update: torch.Tensor) -> Rigid:
+    """AlphaFold-Multimer's `QuatRigid`: update [*, 6] = (b, c, d, translation); the rotation of the
+    quaternion (1, b, c, d) normalised (norm clipped at 1e-3)."""
+    x, y, zq = update[..., 0], update[..., 1], update[..., 2]
+    w = torch.ones_like(x)
+    inv = torch.rsqrt(torch.clamp(w * w + x * x + y * y + zq * zq, min=1e-6))
+    w, x, y, zq = w * inv, x * inv, y * inv, zq * inv
+    rows = [
+        [1 - 2 * (y * y + zq * zq), 2 * (x * y - w * zq), 2 * (x * zq + w * y)],
+        [2 * (x * y + w * zq), 1 - 2 * (x * x + zq * zq), 2 * (y * zq - w * x)],
+        [2 * (x * zq - w * y), 2 * (y * zq + w * x), 1 - 2 * (x * x + y * y)],
+    ]
+    rot = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
+    return Rigid(rot, update[..., 3:])
+
+
+class StructureModuleMultimer(nn.Module):
+    """AlphaFold-Multimer's structure module: the monomer fold block with multimer IPA and the quaternion
+    rigid update composed as rotation matrices; translations times 20 give Angstrom."""
+
+    def __init__(self, cfg: StructureModuleConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_norm_s = LayerNorm(cfg.c_s)
+        self.layer_norm_z = LayerNorm(cfg.c_z)
+        self.linear_in = Linear(cfg.c_s, cfg.c_s)
+        self.ipa = InvariantPointAttentionMultimer(cfg)
+        self.layer_norm_ipa = LayerNorm(cfg.c_s)
+        self.transition = nn.ModuleList(Linear(cfg.c_s, cfg.c_s) for _ in range(cfg.transition_layers))
+        self.layer_norm_transition = LayerNorm(cfg.c_s)
+        self.bb_update = Linear(cfg.c_s, 6)
+        self.angle_resnet = AngleResnet(cfg.c_s, cfg.c_resnet, cfg.resnet_blocks)
+
+    def forward(self, s: torch.Tensor, z: torch.Tensor, aatype: torch.Tensor, mask: torch.Tensor,
+                options: InferenceOptions | None = None) -> dict[str, torch.Tensor]:
+        """s: [*, N, C_s]; z: [*, N, N, C_z]; aatype, mask: [*, N]. Returns `single`, `frames` [*, N, 4, 4]
+        (Angstrom), `angles`, `unnormalized_angles` [*, N, 7, 2], `atom14_positions` [*, N, 14, 3]."""
+        c = self.cfg
+        s_initial = self.layer_norm_s(s)
+        z_ln = self.layer_norm_z(z)
+        bias = self.ipa.linear_b(z_ln).movedim(-1, -3)
+        n = s.shape[-2]
+        per_row = n * (2 * 3 * c.ipa_heads * c.ipa_point_qk + 2 * z.shape[-1] + 4 * c.ipa_heads) * z.element_size()
+        chunk = None if options is None else options.rows_per_chunk(n, per_row)
+        s = self.linear_in(s_initial)
+        frames = Rigid.identity(tuple(s.shape[:-1]), s.dtype, s.device)
+        mask = mask.to(s.dtype)
+        for _ in range(c.num_layers):
+            s = self.layer_norm_ipa(s + self.ipa(s, z_ln, bias, frames, mask, chunk))
+            a = s
+            for i, linear in enumerate(self.transition):
+                a = linear(a)
+                if i < len(self.transition) - 1:
+                    a = torch.relu(a)
+            s = self.layer_norm_transition(s + a)
+            frames = frames.compose(quat_rigid(self.bb_update(s)))
+        raw, angles = self.angle_resnet(s, s_initial)
+        backbone = frames.scale_translation(c.position_scale)
+        all_frames = torsion_angles_to_frames(aatype.long(), backbone, angles)
+        return {
+            "single": s,
+            "frames": backbone.to_tensor_4x4(),
+            "angles": angles,
+            "unnormalized_angles": raw,
+            "atom14_positions": frames_to_atom14_positions(aatype.long(), all_frames),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Confidence.
+
+
+def compute_tm(logits: torch.Tensor, cfg: HeadsConfig, residue_weights: torch.Tensor,
+               asym_id: torch.Tensor | None = None) -> torch.Tensor:
+    """pTM (AlphaFold2 suppl. 1.9.7), or with `asym_id` the interface pTM of AlphaFold-Multimer (suppl. 2.4):
+    the expected TM term counted only over residue pairs of different chains, d0 from all residues; the
+    best over alignment residues. logits: [*, N, N, B]; residue_weights, asym_id: [*, N]. Returns [*]."""
+    breaks = torch.linspace(0, cfg.pae_max_error_bin, cfg.pae_bins - 1, dtype=logits.dtype, device=logits.device)
+    step = breaks[1] - breaks[0]
+    centers = torch.cat([breaks + step / 2, (breaks[-1:] + step / 2) + step])
+    n = torch.clamp(residue_weights.sum(-1), min=19)
+    d0 = 1.24 * (n - 15) ** (1.0 / 3) - 1.8
+    tm_per_bin = 1.0 / (1 + centers**2 / d0[..., None] ** 2)  # [*, B]
+    term = (torch.softmax(logits, dim=-1) * tm_per_bin[..., None, None, :]).sum(-1)  # [*, N, N]
+    w2 = residue_weights[..., :, None] * residue_weights[..., None, :]
+    if asym_id is not None:
+        w2 = w2 * (asym_id[..., :, None] != asym_id[..., None, :]).to(w2.dtype)
+    normed = w2 / (1e-8 + w2.sum(-1, keepdim=True))
+    per_alignment = (term * normed).sum(-1)  # [*, N]
+    best = (per_alignment * residue_weights).argmax(-1, keepdim=True)
+    return per_alignment.gather(-1, best)[..., 0]
+
+
+def ca_distance_change(prev: torch.Tensor, new: torch.Tensor, seq_mask: torch.Tensor) -> torch.Tensor:
+    """RMS change of the Ca distance matrix between two passes (AlphaFold v2.3's recycling early stop).
+    prev, new: atom37 positions [*, N, 37, 3]; seq_mask: [*, N]. Returns [*] (Angstrom)."""
+    ca = rc.atom_order["CA"]
+
+    def dist(x: torch.Tensor) -> torch.Tensor:
+        p = x[..., ca, :]
+        return torch.sqrt(((p[..., :, None, :] - p[..., None, :, :]) ** 2).sum(-1))
+
+    sq = (dist(prev) - dist(new)) ** 2
+    m2 = seq_mask[..., :, None] * seq_mask[..., None, :]
+    mean = (sq * m2).sum((-1, -2)) / (m2.sum((-1, -2)) + 1e-10)
+    return torch.sqrt(mean + 1e-8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model.
+
+
+class AlphaFoldMultimer(nn.Module):
+    """AlphaFold-Multimer: embedders, extra-MSA stack and Evoformer (outer product mean first), the multimer
+    structure module and the heads with pTM, ipTM and the ranking confidence.
+
+    `model(batch, options)` runs one pass per entry of the batch's trailing (recycling) axis, stopping early
+    once the predicted Ca distances settle (`config.recycle_early_stop_tolerance`, as AlphaFold v2.3: the pass
+    after the one that settles is the last), and returns AlphaFold-named outputs of the last pass plus
+    `num_recycles` (passes run - 1). Submodules: `input_embedder`, `recycling_embedder`, `template_embedder`,
+    `extra_msa_embedder`, `extra_msa_stack`, `evoformer`, `structure_module`, `aux_heads`.
+    """
+
+    def __init__(self, config: MultimerConfig):
+        super().__init__()
+        self.config = config
+        self.input_embedder = MultimerInputEmbedder(config)
+        self.recycling_embedder = RecyclingEmbedder(config)
+        self.template_embedder = TemplateEmbedderMultimer(config) if config.template.enabled else None
+        self.extra_msa_embedder = ExtraMSAEmbedder(config)
+        self.extra_msa_stack = ExtraMSAStack(config.extra_msa, opm_first=True)
+        self.evoformer = EvoformerStack(config.evoformer, opm_first=True)
+        self.structure_module = StructureModuleMultimer(config.structure_module)
+        self.aux_heads = AuxiliaryHeads(config)
+
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], options: InferenceOptions | None = None
+    ) -> dict[str, torch.Tensor]:
+        """batch: processed features `[..., R]` (R recycling passes on the trailing axis; see FEATURE_NAMES).
+
+        Returns the last pass's outputs: `final_atom_positions` [*, N, 37, 3], `final_atom_mask`, `plddt` [*, N],
+        `predicted_aligned_error` [*, N, N], `ptm_score`, `iptm_score`, `ranking_confidence` [*], the logits of
+        every head, `single`, `pair`, `msa`, and `num_recycles`."""
+        options = options or DEFAULT_OPTIONS
+        feats = self._select_features(batch)
+        cycles = feats["aatype"].shape[-1]
+        tol = self.config.recycle_early_stop_tolerance
+        backend = kernels.use_backend(options.attention_backend)
+        with backend if options.attention_backend != "auto" else contextlib.nullcontext():
+            prev, stop = None, False
+            for i in range(cycles):
+                last = i == cycles - 1 or stop
+                f = {k: v[..., i] for k, v in feats.items()}
+                with torch.set_grad_enabled(torch.is_grad_enabled() and last):
+                    out = self.iteration(f, prev, options)
+                if last:
+                    out["num_recycles"] = torch.tensor(i)
+                    return out
+                if tol >= 0:
+                    prev_x = prev["final_atom_positions"] if prev is not None else torch.zeros_like(
+                        out["final_atom_positions"])
+                    change = ca_distance_change(prev_x, out["final_atom_positions"], f["seq_mask"].to(prev_x.dtype))
+                    stop = bool((change <= tol).all())
+                prev = {
+                    "msa_first_row": out["msa_first_row"].detach().clone(),
+                    "pair": out["pair"].detach(),
+                    "final_atom_positions": out["final_atom_positions"].detach(),
+                }
+                del out
+        raise ValueError("AlphaFoldMultimer: the feature batch has no recycling iterations (trailing axis of size 0)")
+
+    def _select_features(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        needed = [k for k in FEATURE_NAMES if not k.startswith("template_") or self.template_embedder is not None]
+        missing = [k for k in needed if batch.get(k) is None]
+        if missing:
+            raise KeyError(f"AlphaFoldMultimer: the feature batch lacks {', '.join(missing)}")
+        return {k: torch.as_tensor(batch[k]) for k in needed}
+
+    def _embed(self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None, options: InferenceOptions):
+        """Returns m, z, msa_mask, pair_mask ready for the Evoformer."""
+        dtype = self.input_embedder.linear_tf_m.weight.dtype
+        seq_mask = f["seq_mask"].to(dtype)
+        pair_mask = seq_mask[..., :, None] * seq_mask[..., None, :]
+        m, z = self.input_embedder(f, dtype, options)
+        n = z.shape[-2]
+        if prev is None:
+            prev = {
+                "msa_first_row": m.new_zeros(()).expand(*m.shape[:-3], n, m.shape[-1]),
+                "pair": z.new_zeros(()).expand(z.shape),
+                "final_atom_positions": z.new_zeros(*z.shape[:-3], n, 37, 3),
+            }
+        self.recycling_embedder.add_pair_(z, f["aatype"], prev["pair"], prev["final_atom_positions"], options)
+        m[..., 0, :, :] += self.recycling_embedder.layer_norm_m(prev["msa_first_row"])
+        msa_mask = f["msa_mask"].to(dtype)
+        if self.template_embedder is not None and f["template_aatype"].shape[-2] > 0:
+            templ = {k: v for k, v in f.items() if k.startswith("template_")}
+            z = options.add_(z, self.template_embedder(templ, z, pair_mask, f["asym_id"], options))
+            rows, row_mask = self.template_embedder.template_single_embedder(templ, dtype)
+            m = torch.cat([m, rows], dim=-3)
+            msa_mask = torch.cat([msa_mask, row_mask], dim=-2)
+        dels = f["extra_deletion_matrix"].to(dtype)
+        a = self.extra_msa_embedder(
+            f["extra_msa"], torch.clamp(dels, 0.0, 1.0), torch.atan(dels / 3.0) * (2.0 / math.pi)
+        )
+        z = self.extra_msa_stack(a, z, f["extra_msa_mask"].to(dtype), pair_mask, options)
+        del a
+        return m, z, msa_mask, pair_mask
+
+    def iteration(self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None,
+                  options: InferenceOptions) -> dict[str, torch.Tensor]:
+        """One pass on features without the recycling axis; `prev` holds the previous pass's `msa_first_row`,
+        `pair` and `final_atom_positions`."""
+        n_seq = f["msa_feat"].shape[-3]
+        m, z, msa_mask, pair_mask = self._embed(f, prev, options)
+        m, z, s = self.evoformer(m, z, msa_mask, pair_mask, options)
+        seq_mask = f["seq_mask"].to(s.dtype)
+        sm = self.structure_module(s, z, f["aatype"], seq_mask, options)
+        atom37_exists = f["atom37_atom_exists"].to(s.dtype)
+        positions = atom14_to_atom37(sm["atom14_positions"], f["residx_atom37_to_atom14"], atom37_exists)
+        msa = m[..., :n_seq, :, :]
+        out = self.aux_heads(s, sm["single"], z, msa, seq_mask, options)
+        logits = out["predicted_aligned_error_logits"]
+        out["ptm_score"] = compute_tm(logits, self.config.heads, seq_mask)
+        out["iptm_score"] = compute_tm(logits, self.config.heads, seq_mask, f["asym_id"])
+        out["ranking_confidence"] = (
+            self.config.iptm_weight * out["iptm_score"] + self.config.ptm_weight * out["ptm_score"]
+        )
+        out.update(
+            final_atom_positions=positions,
+            final_atom_mask=atom37_exists,
+            final_atom14_positions=sm["atom14_positions"],
+            final_affine_tensor=sm["frames"],
+            sidechain_angles=sm["angles"],
+            single=s,
+            pair=z,
+            msa=msa,
+            msa_first_row=m[..., 0, :, :],
+            structure_module=sm["single"],
+        )
+        return out
