@@ -147,5 +147,6 @@ def test_iptm_counts_only_interface_pairs() -> None:
     w = torch.ones(n, dtype=torch.float64)
     d0 = 1.24 * (n - 15) ** (1 / 3) - 1.8
     tm = lambda e: 1 / (1 + (e / d0) ** 2)  # noqa: E731
-    assert math.isclose(compute_tm(logits, heads, w, asym).item(), tm(5.25), rel_tol=1e-8)  # the 1e-8 in the pair-weight normaliser
-    assert math.isclose(compute_tm(logits, heads, w).item(), (tm(0.75) + tm(5.25)) / 2, rel_tol=1e-8)  # the 1e-8 in the pair-weight normaliser
+    # rel_tol: the 1e-8 in the pair-weight normaliser
+    assert math.isclose(compute_tm(logits, heads, w, asym).item(), tm(5.25), rel_tol=1e-8)
+    assert math.isclose(compute_tm(logits, heads, w).item(), (tm(0.75) + tm(5.25)) / 2, rel_tol=1e-8)
