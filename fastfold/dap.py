@@ -38,13 +38,15 @@ from torch import nn
 from ..core_parallel import dap as comm
 from ..core_parallel.launch import RankError
 from .model.evoformer import EvoformerStack, ExtraMSAStack, TemplatePairStack
+from .model.multimer import TemplatePairStackMultimer
 from .model.options import SINGLE_PROCESS, Layout
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DAPLayout", "DAPRuntime", "broadcast_batch", "broadcast_module", "parallelize_dap"]
 
-_STACKS = (EvoformerStack, ExtraMSAStack, TemplatePairStack)
+_STACKS = (EvoformerStack, ExtraMSAStack, TemplatePairStack, TemplatePairStackMultimer)
+"""The stacks that run through a `Layout` (monomer and AlphaFold-Multimer models)."""
 
 
 class DAPLayout(Layout):

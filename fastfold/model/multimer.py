@@ -26,7 +26,6 @@ from ... import kernels
 from ..common import residue_constants as rc
 from ..common.geometry import (
     atom14_to_atom37,
-    dgram_from_positions,
     frames_to_atom14_positions,
     pseudo_beta,
     residue_constant_tensor,
@@ -279,27 +278,54 @@ class TemplatePairEmbedderMultimer(nn.Module):
         self.query_embedding_linear = Linear(c_z, c)
 
     def forward(self, templ: Mapping[str, torch.Tensor], z: torch.Tensor, multichain_2d: torch.Tensor,
-                cfg: TemplateConfig) -> torch.Tensor:
+                cfg: TemplateConfig, options: InferenceOptions = DEFAULT_OPTIONS) -> torch.Tensor:
         """templ: one template's `template_aatype` [*, N], `template_all_atom_positions` [*, N, 37, 3],
         `template_all_atom_mask` [*, N, 37]; z: [*, N, N, C_z]; multichain_2d: [*, N, N] (same chain).
-        Returns [*, N, N, C_t]."""
-        dtype = z.dtype
+        Returns [*, N, N, C_t], built by blocks of rows when `options` chunk (the [rows, N, *] intermediates:
+        distogram, unit vectors, the LayerNormed pair, one block at a time)."""
+        dtype, n = z.dtype, z.shape[-2]
         aatype = templ["template_aatype"].long()
         pos = templ["template_all_atom_positions"].to(dtype)
         mask = templ["template_all_atom_mask"].to(dtype)
         cb, cb_mask = pseudo_beta(aatype, pos, mask)
-        cb_2d = cb_mask[..., :, None] * cb_mask[..., None, :] * multichain_2d
-        dgram = dgram_from_positions(cb, cfg.dgram_bins, cfg.dgram_min_bin, cfg.dgram_max_bin) * cb_2d[..., None]
-        act = self.dgram_linear(dgram) + self.pseudo_beta_mask_linear(cb_2d[..., None])
         one_hot = nn.functional.one_hot(aatype, 22).to(dtype)
-        act = act + self.aatype_linear_1(one_hot[..., None, :, :]) + self.aatype_linear_2(one_hot[..., :, None, :])
         frames, bb_mask = backbone_frames(pos, mask)
-        bb_2d = bb_mask[..., :, None] * bb_mask[..., None, :] * multichain_2d
-        local = frames.unsqueeze(-1).invert_apply(frames.trans[..., None, :, :])  # [*, N, N, 3]: j seen from i
+        c_t = self.dgram_linear.out_features
+        per_row = n * (2 * cfg.dgram_bins + 3 * z.shape[-1] + 8 * c_t + 16) * z.element_size()
+        chunk = options.rows_per_chunk(n, per_row)
+        if chunk is None:
+            return self._rows(0, n, z, cb, cb_mask, one_hot, frames, bb_mask, multichain_2d, cfg)
+        out = z.new_empty(*z.shape[:-1], c_t)
+        for r0, r1 in row_blocks(n, chunk):
+            out[..., r0:r1, :, :] = self._rows(r0, r1, z, cb, cb_mask, one_hot, frames, bb_mask, multichain_2d, cfg)
+        return out
+
+    def _rows(self, r0: int, r1: int, z: torch.Tensor, cb: torch.Tensor, cb_mask: torch.Tensor,
+              one_hot: torch.Tensor, frames: Rigid, bb_mask: torch.Tensor, multichain_2d: torch.Tensor,
+              cfg: TemplateConfig) -> torch.Tensor:
+        """Rows r0:r1 of the template's pair activations [*, r1 - r0, N, C_t]."""
+        whole = r0 == 0 and r1 == z.shape[-2]
+        multichain = multichain_2d if whole else multichain_2d[..., r0:r1, :]
+        cb_2d = cb_mask[..., r0:r1, None] * cb_mask[..., None, :] * multichain
+        lower = torch.linspace(cfg.dgram_min_bin, cfg.dgram_max_bin, cfg.dgram_bins, dtype=cb.dtype,
+                               device=cb.device) ** 2  # as geometry.dgram_from_positions, for rows r0:r1
+        upper = torch.cat([lower[1:], lower.new_tensor([1e8])])
+        d2 = ((cb[..., r0:r1, None, :] - cb[..., None, :, :]) ** 2).sum(-1, keepdim=True)
+        dgram = ((d2 > lower) & (d2 < upper)).to(cb.dtype) * cb_2d[..., None]
+        del d2
+        act = self.dgram_linear(dgram) + self.pseudo_beta_mask_linear(cb_2d[..., None])
+        del dgram
+        act = act + self.aatype_linear_1(one_hot[..., None, :, :]) + self.aatype_linear_2(
+            one_hot[..., r0:r1, None, :])
+        bb_2d = bb_mask[..., r0:r1, None] * bb_mask[..., None, :] * multichain
+        rows = Rigid(frames.rot[..., r0:r1, :, :], frames.trans[..., r0:r1, :])
+        local = rows.unsqueeze(-1).invert_apply(frames.trans[..., None, :, :])  # [*, R, N, 3]: j seen from i
         unit = _normalized(local) * bb_2d[..., None]
+        del local
         act = act + self.x_linear(unit[..., 0:1]) + self.y_linear(unit[..., 1:2]) + self.z_linear(unit[..., 2:3])
         act = act + self.backbone_mask_linear(bb_2d[..., None])
-        return act + self.query_embedding_linear(self.query_embedding_layer_norm(z))
+        z_rows = z if whole else z[..., r0:r1, :, :]
+        return act + self.query_embedding_linear(self.query_embedding_layer_norm(z_rows))
 
 
 class TemplatePairStackMultimer(nn.Module):
@@ -366,18 +392,27 @@ class TemplateEmbedderMultimer(nn.Module):
         pair_mask: [*, N, N]; asym_id: [*, N]. Returns the update to z [*, N, N, C_z]."""
         multichain = (asym_id[..., :, None] == asym_id[..., None, :]).to(z.dtype)
         n_templ = templ["template_aatype"].shape[-2]
-        acts = []
-        for i in range(n_templ):
+        mask = pair_mask[..., None, :, :].to(z.dtype)
+
+        def embed(i: int) -> torch.Tensor:
             one = {
                 "template_aatype": templ["template_aatype"][..., i, :],
                 "template_all_atom_positions": templ["template_all_atom_positions"][..., i, :, :, :],
                 "template_all_atom_mask": templ["template_all_atom_mask"][..., i, :, :],
             }
-            acts.append(self.template_pair_embedder(one, z, multichain, self.cfg))
-        t = torch.stack(acts, dim=-4)
-        del acts
-        t = self.template_pair_stack(t, pair_mask[..., None, :, :].to(z.dtype), options)
-        return self.linear_t(torch.relu(t.sum(-4) / n_templ))
+            return self.template_pair_embedder(one, z, multichain, self.cfg, options)
+
+        if options.chunk_size is None:
+            t = torch.stack([embed(i) for i in range(n_templ)], dim=-4)
+            t = self.template_pair_stack(t, mask, options)
+            return self.linear_t(torch.relu(t.sum(-4) / n_templ))
+        # chunked: one template at a time through the stack, summed (AlphaFold-Multimer's scan over templates)
+        total = None
+        for i in range(n_templ):
+            t = self.template_pair_stack(embed(i)[..., None, :, :, :], mask, options)[..., 0, :, :, :]
+            total = t if total is None else total.add_(t)
+            del t
+        return self.linear_t(torch.relu_(total.div_(n_templ)))
 
 
 # ---------------------------------------------------------------------------------------------------------

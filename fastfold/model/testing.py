@@ -14,7 +14,7 @@ from ..common.geometry import atom14_to_atom37, frames_to_atom14_positions, pseu
 from ..common.rigid import Rigid, quat_to_rot
 from .config import AlphaFoldConfig
 
-__all__ = ["random_atom37", "random_batch", "randomize_parameters"]
+__all__ = ["random_atom37", "random_batch", "random_multimer_batch", "randomize_parameters"]
 
 
 def _table(name: str, aatype: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -138,3 +138,70 @@ def randomize_parameters(model: nn.Module, seed: int = 0, scale: float = 1.0) ->
         else:
             p.copy_(0.1 * scale * noise)
     return model
+
+
+def random_multimer_batch(
+    chains: tuple[int, ...] | list[int],
+    *,
+    entities: tuple[int, ...] | list[int] | None = None,
+    n_seq: int = 4,
+    n_extra: int = 5,
+    n_templ: int = 2,
+    n_recycle: int = 0,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A processed AlphaFold-Multimer batch (`fastfold.model.multimer.FEATURE_NAMES`, recycling passes on the
+    trailing axis) for chains of the given lengths. `entities[i]` (1-based, default one entity per chain)
+    groups chains of one entity: copies share the sequence and count `sym_id` 1, 2, ...; absent template atoms
+    are zero."""
+    g = torch.Generator().manual_seed(seed)
+    entities = list(entities) if entities is not None else list(range(1, len(chains) + 1))
+    if len(entities) != len(chains):
+        raise ValueError("random_multimer_batch: one entity per chain")
+    seqs: dict[int, torch.Tensor] = {}
+    aatype, residue_index, asym, entity, sym = [], [], [], [], []
+    copies: dict[int, int] = {}
+    for i, (length, e) in enumerate(zip(chains, entities)):
+        if e in seqs and seqs[e].shape[0] != length:
+            raise ValueError("random_multimer_batch: copies of one entity must have the same length")
+        seqs.setdefault(e, torch.randint(0, 20, (length,), generator=g))
+        copies[e] = copies.get(e, 0) + 1
+        aatype.append(seqs[e])
+        residue_index.append(torch.arange(length))
+        asym.append(torch.full((length,), i + 1))
+        entity.append(torch.full((length,), e))
+        sym.append(torch.full((length,), copies[e]))
+    aa = torch.cat(aatype)
+    n = aa.shape[0]
+    static = {
+        "aatype": aa,
+        "residue_index": torch.cat(residue_index),
+        "asym_id": torch.cat(asym),
+        "entity_id": torch.cat(entity),
+        "sym_id": torch.cat(sym),
+        "seq_mask": torch.ones(n),
+        "target_feat": nn.functional.one_hot(aa, 21).float(),
+        "residx_atom37_to_atom14": _table("restype_atom37_to_atom14", aa, torch.long),
+        "atom37_atom_exists": _table("restype_atom37_mask", aa),
+    }
+    t = _templates(aa, n_templ, g)
+    static.update(
+        template_aatype=t["template_aatype"],
+        template_all_atom_positions=t["template_all_atom_positions"],
+        template_all_atom_mask=t["template_all_atom_masks"],
+    )
+    cycles = []
+    for _ in range(n_recycle + 1):
+        msa = torch.randint(0, 21, (n_seq, n), generator=g)
+        msa[0] = aa
+        has_del = torch.rand(n_extra, n, generator=g) < 0.1
+        cycles.append({
+            "msa_feat": _msa_feat(msa, g),
+            "msa_mask": (torch.rand(n_seq, n, generator=g) < 0.95).float().index_fill_(0, torch.tensor([0]), 1.0),
+            "extra_msa": torch.randint(0, 23, (n_extra, n), generator=g),
+            "extra_msa_mask": (torch.rand(n_extra, n, generator=g) < 0.9).float(),
+            "extra_deletion_matrix": torch.randint(0, 6, (n_extra, n), generator=g).float() * has_del,
+        })
+    batch = {k: torch.stack([v] * (n_recycle + 1), dim=-1) for k, v in static.items()}
+    batch.update({k: torch.stack([c[k] for c in cycles], dim=-1) for k in cycles[0]})
+    return batch
