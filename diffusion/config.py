@@ -57,6 +57,9 @@ class ModelSection:
     .safetensors/.ckpt file; None for the tiny built-in pipeline."""
     revision: str | None = None
     """Hub revision of a cached model (branch, tag or commit)."""
+    non_ema_revision: str | None = None
+    """Hub revision holding the non-EMA UNet weights: the trained UNet starts from it, the EMA from --revision
+    (default: --revision)."""
     variant: str | None = None
     """Weight-file variant to load (`fp16` reads `*.fp16.safetensors`)."""
     cache_dir: str | None = None
@@ -65,6 +68,8 @@ class ModelSection:
     """A tokenizer folder (or cached hub id) to use instead of the pipeline's."""
     tokenizer_max_length: int | None = None
     """Token length of captions (default: the tokenizer's model_max_length)."""
+    text_encoder_use_attention_mask: bool = False
+    """Give the text encoder the tokenizer's attention mask (padding masked) in training."""
     rank: int | None = None
     """LoRA rank; when given, LoRA adapters are trained instead of the whole UNet."""
     train_text_encoder: bool = False
@@ -306,8 +311,9 @@ class FineTuneConfig:
     dataset: DatasetSection = section(DatasetSection)
     """Where the training images come from."""
     data: DataConfig = section(DataConfig, rename={"interpolation": "image_interpolation_mode"},
-                               hide=("max_length",))
-    """How images become training tensors (`data_config()` adds the caption length from tokenizer_max_length)."""
+                               hide=("max_length", "attention_mask"))
+    """How images become training tensors (`data_config()` adds the caption length from tokenizer_max_length and
+    the attention mask from text_encoder_use_attention_mask)."""
     loss: LossConfig = section(LossConfig, default=functools.partial(LossConfig, prediction_type=None))
     """The loss (`loss_config()` fills a prediction_type of None with the scheduler's)."""
     optimizer: OptimizerSection = section(OptimizerSection)
@@ -356,8 +362,10 @@ class FineTuneConfig:
         return self.rank is not None
 
     def data_config(self) -> DataConfig:
-        """The data component's settings (captions padded to tokenizer_max_length, else 77)."""
-        return dataclasses.replace(self.data, max_length=self.tokenizer_max_length or 77)
+        """The data component's settings (captions padded to tokenizer_max_length, else 77; their attention masks
+        with text_encoder_use_attention_mask)."""
+        return dataclasses.replace(self.data, max_length=self.tokenizer_max_length or 77,
+                                   attention_mask=self.text_encoder_use_attention_mask)
 
     def loss_config(self, scheduler_prediction_type: str = "epsilon") -> LossConfig:
         """The loss settings; `prediction_type` falls back to the scheduler's."""

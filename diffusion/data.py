@@ -69,6 +69,9 @@ class DataConfig:
     """Skip unreadable images with a warning instead of stopping."""
     max_length: int = 77
     """Token length every caption is padded or truncated to."""
+    attention_mask: bool = False
+    """Also give each caption's attention mask (`attention_mask`, `class_attention_mask`: 1 for tokens, 0 for
+    padding)."""
     interpolation: str = "bilinear"
     """Resampling filter of the resize (torchvision's InterpolationMode names)."""
 
@@ -322,11 +325,16 @@ class CaptionedImages(torch.utils.data.Dataset):
 
     def tokenize(self, text: str) -> torch.Tensor:
         """Token ids `[max_length]` of `text`, padded and truncated."""
-        ids = self.tokenizer(text, padding="max_length", truncation=True, max_length=self.cfg.max_length,
-                             return_tensors="pt").input_ids
-        return ids[0]
+        return self.tokens(text)[0]
 
-    def _one(self, record: ImageRecord, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokens(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask `[max_length]` of `text`, padded and truncated."""
+        out = self.tokenizer(text, padding="max_length", truncation=True, max_length=self.cfg.max_length,
+                             return_tensors="pt")
+        return out.input_ids[0], out.attention_mask[0]
+
+    def _one(self, record: ImageRecord, generator: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor,
+                                                                                                  torch.Tensor]]:
         try:
             img = load_rgb(record.path)
         except Exception as exc:  # noqa: BLE001 - the file changed after the scan
@@ -335,16 +343,20 @@ class CaptionedImages(torch.utils.data.Dataset):
         caption = record.caption
         if not isinstance(caption, str):  # several captions: one per sample, drawn after the crop and flip
             caption = caption[int(torch.randint(len(caption), (1,), generator=generator))]
-        return pixels, self.tokenize(caption)
+        return pixels, self.tokens(caption)
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index, seed = key if isinstance(key, tuple) else (key, key)
         generator = torch.Generator().manual_seed(seed)
-        pixels, ids = self._one(self.records[index % len(self.records)], generator)
+        pixels, (ids, mask) = self._one(self.records[index % len(self.records)], generator)
         item = {"pixel_values": pixels, "input_ids": ids}
+        if self.cfg.attention_mask:
+            item["attention_mask"] = mask
         if self.class_records:
-            cp, cids = self._one(self.class_records[index % len(self.class_records)], generator)
+            cp, (cids, cmask) = self._one(self.class_records[index % len(self.class_records)], generator)
             item.update(class_pixel_values=cp, class_input_ids=cids)
+            if self.cfg.attention_mask:
+                item["class_attention_mask"] = cmask
         return item
 
 

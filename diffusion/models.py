@@ -85,7 +85,8 @@ def _text_encoder(folder: Path, variant: str | None, dtype: Any) -> Any:
 
 
 def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None,
-                 vae_dtype: Any = None, text_encoder_dtype: Any = None, stream_unet: bool = False) -> dict[str, Any]:
+                 vae_dtype: Any = None, text_encoder_dtype: Any = None, stream_unet: bool = False,
+                 unet_folder: Path | None = None) -> dict[str, Any]:
     from diffusers import AutoencoderKL, DDPMScheduler
     from transformers import CLIPTokenizer
 
@@ -95,7 +96,9 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
     # frozen encoders are read straight into the training dtype: no fp32 copy first
     vae_kw = {} if vae_dtype is None else {"torch_dtype": vae_dtype}
     loaders = {
-        "unet": lambda: _unet(folder, variant, stream_unet),
+        # a non-EMA revision's UNet loads without the variant, as diffusers' train_text_to_image loads it
+        "unet": lambda: _unet(folder, variant, stream_unet) if unet_folder is None else
+        _unet(unet_folder, None, stream_unet),
         "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant, **vae_kw),
         "text_encoder": lambda: _text_encoder(folder, variant, text_encoder_dtype),
         "tokenizer": tokenizer_source,
@@ -109,9 +112,19 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
         except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             where = folder / name if name != "tokenizer" or not tokenizer_name else Path(tokenizer_name)
+            where = unet_folder / name if name == "unet" and unet_folder is not None else where
             raise InputError(f"{where}: cannot load the '{name}' component ({reason})") from exc
     out["source"] = folder
     return out
+
+
+def _from_folder_unet(folder: Path, variant: str | None) -> Any:
+    """The whole UNet of a pipeline folder (the EMA's start under --non_ema_revision)."""
+    try:
+        return _unet(folder, variant, False)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
+        raise InputError(f"{folder / 'unet'}: cannot load the 'unet' component ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
 def _from_single_file(path: Path) -> dict[str, Any]:
@@ -131,15 +144,17 @@ def _from_single_file(path: Path) -> dict[str, Any]:
             "scheduler": scheduler, "inference_scheduler": pipe.scheduler, "extras": extras}
 
 
-def resolve_pretrained(name: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """`name` as a local path: an existing file or folder, or a hub id's snapshot in the local cache.
+def resolve_pretrained(name: str, *, revision: str | None = None, cache_dir: str | None = None,
+                       flag: str = "--revision") -> Path:
+    """`name` as a local path: an existing file or folder, or a hub id's snapshot in the local cache (at
+    `revision`, given by the command-line flag `flag`).
 
     Nothing is downloaded: a hub id that is not cached raises `InputError`.
     """
     path = Path(name)
     if path.exists():
         if revision:
-            raise InputError(f"{path}: --revision applies to hub ids, not to a local folder")
+            raise InputError(f"{path}: {flag} applies to hub ids, not to a local folder")
         return path
     if name.count("/") == 1 and not name.startswith((".", "/")):
         try:
@@ -147,16 +162,19 @@ def resolve_pretrained(name: str, *, revision: str | None = None, cache_dir: str
 
             return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
         except Exception as exc:  # noqa: BLE001 - every failure means: not in the local cache
-            raise InputError(f"{name}: not a local folder, and not in the Hugging Face cache"
-                             f"{f' at revision {revision}' if revision else ''} (nothing is downloaded here: "
-                             f"run huggingface-cli download {name} where there is network)") from exc
+            at = f" at {flag} {revision}" if revision else ""
+            get = f" --revision {revision}" if revision else ""
+            raise InputError(f"{name}: not a local folder, and not in the Hugging Face cache{at} (nothing is "
+                             f"downloaded here: run huggingface-cli download {name}{get} where there is "
+                             f"network)") from exc
     raise InputError(f"{path}: no such model folder or file (hub names cannot be downloaded here)")
 
 
 def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revision: str | None = None,
                     variant: str | None = None, cache_dir: str | None = None,
                     tokenizer_name: str | None = None, vae_dtype: Any = None, text_encoder_dtype: Any = None,
-                    stream_unet: bool = False) -> dict[str, Any]:
+                    stream_unet: bool = False, non_ema_revision: str | None = None,
+                    ema_unet: bool = False) -> dict[str, Any]:
     """The components of `pretrained` (pipeline folder, cached hub id or `.safetensors`/`.ckpt` file), or the
     tiny ones: `unet`, `vae`, `text_encoder`, `tokenizer`, `scheduler` (a `DDPMScheduler` with the pipeline's
     scheduler config, for training), `inference_scheduler` (the base's own), and `source` or `extras`.
@@ -165,6 +183,10 @@ def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revisi
     (None: the file's values as fp32, diffusers' default); `stream_unet` builds the UNet with hollow parameters
     that Gemini's setup fills tensor by tensor from the folder's safetensors (`diffusion.streaming`), where the
     folder allows it.
+
+    `non_ema_revision` (a hub id's revision holding the non-EMA weights; diffusers' train_text_to_image flag):
+    `unet` comes from that revision (without `variant`, as diffusers loads it), the other components from
+    `revision`; with `ema_unet`, `ema_unet` is the UNet at `revision` (what the EMA starts from).
     """
     if pretrained is None:
         from .tiny import TinyPipelineConfig, build_tiny_components
@@ -177,8 +199,16 @@ def load_components(pretrained: str | None, *, tiny_resolution: int = 32, revisi
             comps["tokenizer"] = CLIPTokenizer.from_pretrained(resolve_pretrained(tokenizer_name))
         return comps
     path = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
+    unet_folder = None
+    if non_ema_revision and non_ema_revision != revision:
+        unet_folder = resolve_pretrained(pretrained, revision=non_ema_revision, cache_dir=cache_dir,
+                                         flag="--non_ema_revision")
     if path.is_dir():
-        return _from_folder(path, variant, tokenizer_name, vae_dtype, text_encoder_dtype, stream_unet)
+        comps = _from_folder(path, variant, tokenizer_name, vae_dtype, text_encoder_dtype,
+                             stream_unet and not ema_unet, unet_folder)
+        if ema_unet and unet_folder is not None:
+            comps["ema_unet"] = _from_folder_unet(path, variant)
+        return comps
     if path.suffix not in (".safetensors", ".ckpt"):
         raise InputError(f"{path}: expected a diffusers pipeline folder or a .safetensors/.ckpt file")
     return _from_single_file(path)

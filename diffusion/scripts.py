@@ -264,17 +264,17 @@ _SAME_NAME = (
     "adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay", "allow_tf32", "cache_dir", "caption_column",
     "center_crop", "checkpointing_steps", "checkpoints_total_limit", "class_data_dir", "class_prompt",
     "dataloader_num_workers", "dataset_config_name", "dataset_name", "dream_detail_preservation", "dream_training",
-    "foreach_ema", "gradient_accumulation_steps",
-    "gradient_checkpointing", "image_column", "image_interpolation_mode", "input_perturbation", "instance_data_dir",
-    "instance_prompt", "learning_rate", "logging_dir", "lr_num_cycles", "lr_power", "lr_scheduler",
-    "lr_warmup_steps", "max_grad_norm", "max_train_samples", "max_train_steps", "noise_offset", "num_class_images",
+    "foreach_ema", "gradient_accumulation_steps", "gradient_checkpointing", "image_column",
+    "image_interpolation_mode", "input_perturbation", "instance_data_dir", "instance_prompt", "learning_rate",
+    "logging_dir", "lr_num_cycles", "lr_power", "lr_scheduler", "lr_warmup_steps", "max_grad_norm",
+    "max_train_samples", "max_train_steps", "noise_offset", "non_ema_revision", "num_class_images",
     "num_train_epochs", "num_validation_images", "offload_ema", "output_dir", "prediction_type",
     "pretrained_model_name_or_path", "prior_generation_precision", "prior_loss_weight", "random_flip", "rank",
     "report_to", "resolution", "resume_from_checkpoint", "revision", "sample_batch_size", "scale_lr",
-    "skip_save_text_encoder", "snr_gamma", "tokenizer_max_length", "tokenizer_name", "tracker_project_name",
-    "train_batch_size", "train_data_dir", "train_text_encoder", "use_8bit_adam", "use_ema", "validation_epochs",
-    "validation_prompt", "validation_prompts", "validation_scheduler", "validation_steps", "variant",
-    "with_prior_preservation",
+    "skip_save_text_encoder", "snr_gamma", "text_encoder_use_attention_mask", "tokenizer_max_length",
+    "tokenizer_name", "tracker_project_name", "train_batch_size", "train_data_dir", "train_text_encoder",
+    "use_8bit_adam", "use_ema", "validation_epochs", "validation_prompt", "validation_prompts",
+    "validation_scheduler", "validation_steps", "variant", "with_prior_preservation",
 )
 
 HANDLING: dict[str, Accept | Refuse] = {
@@ -296,14 +296,10 @@ HANDLING: dict[str, Accept | Refuse] = {
     "hub_token": Refuse(_NO_HUB),
     "hub_model_id": Refuse(_NO_HUB),
     "local_rank": Refuse("set by torch.distributed launchers; here --devices and --num_nodes start the processes"),
-    "non_ema_revision": Refuse("the UNet and its EMA both start from --revision here; a separate non-EMA revision "
-                               "is not supported"),
     "class_labels_conditioning": Refuse("class-label conditioning is for UNets with a class embedding (DeepFloyd "
                                         "IF's upscaler); Stable Diffusion's UNet has none"),
     "validation_images": Refuse("image-conditioned validation is for DeepFloyd IF's upscaler; Stable Diffusion "
                                 "validates from --validation_prompt"),
-    "text_encoder_use_attention_mask": Refuse("the text encoder sees the padded prompt without a mask here, as "
-                                              "Stable Diffusion's pipeline runs it"),
 }
 """What becomes of every flag of the three scripts."""
 

@@ -202,12 +202,19 @@ class EMA:
     then `shadow = d * shadow + (1 - d) * param`. The shadow copies are float32 on the parameters' device.
     """
 
-    def __init__(self, params: Any, decay: float = 0.9999, *, foreach: bool = False, offload: bool = False) -> None:
+    def __init__(self, params: Any, decay: float = 0.9999, *, foreach: bool = False, offload: bool = False,
+                 start: Any = None) -> None:
+        """Track `params`; the shadows start as copies of `start` (same shapes and order; default: `params`
+        themselves), e.g. the UNet of another hub revision (diffusers' --non_ema_revision)."""
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
         self.params = [p for p in params]
+        first = self.params if start is None else list(start)
+        if len(first) != len(self.params) or any(a.shape != b.shape for a, b in zip(first, self.params)):
+            raise ValueError("the EMA's start values do not match the tracked parameters (count or shapes)")
         # offload: the shadows live in CPU memory and are updated there (diffusers' --offload_ema)
-        self.shadow = [p.detach().float().to("cpu" if offload else p.device, copy=True) for p in self.params]
+        self.shadow = [s.detach().float().to("cpu" if offload else p.device, copy=True)
+                       for s, p in zip(first, self.params)]
         self.decay = decay
         self.foreach = foreach
         self.optimization_step = 0

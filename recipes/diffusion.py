@@ -59,9 +59,12 @@ class StableDiffusionFineTune(pl.LightningModule):
         from ..diffusion.models import load_components
 
         self.config = cfg = config or FineTuneConfig()
+        uses_ema = cfg.use_ema and not cfg.lora
         comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution,
                                                revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
-                                               tokenizer_name=cfg.tokenizer_name, **self._load_options())
+                                               tokenizer_name=cfg.tokenizer_name,
+                                               non_ema_revision=cfg.non_ema_revision, ema_unet=uses_ema,
+                                               **self._load_options())
         self.unet, self.vae, self.text_encoder = comps["unet"], comps["vae"], comps["text_encoder"]
         self.tokenizer, self.noise_scheduler = comps["tokenizer"], comps["scheduler"]
         # What the export keeps as the base ships it: the inference scheduler, the base folder (its untrained
@@ -74,8 +77,12 @@ class StableDiffusionFineTune(pl.LightningModule):
             self.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
         set_kernels_attention(self.unet, cfg.attention_backend)
         self._freeze_and_cast()
-        self.ema = (EMA(self.unet.parameters(), cfg.ema_decay, foreach=cfg.foreach_ema, offload=cfg.offload_ema)
-                    if cfg.use_ema and not cfg.lora else None)
+        # the EMA starts from the UNet at --revision, the trained UNet from --non_ema_revision (diffusers' script)
+        ema_start = comps.get("ema_unet")
+        self.ema = (EMA(self.unet.parameters(), cfg.ema_decay, foreach=cfg.foreach_ema, offload=cfg.offload_ema,
+                        start=None if ema_start is None else ema_start.parameters())
+                    if uses_ema else None)
+        del ema_start
         self.strict_loading = False
         self._t_last = None
 
@@ -149,12 +156,24 @@ class StableDiffusionFineTune(pl.LightningModule):
         return {n for n, p in self.named_parameters() if p.requires_grad}
 
     # -- training -------------------------------------------------------------------------------------------
-    def _batch_tensors(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels, ids = batch["pixel_values"], batch["input_ids"]
+    def _batch_tensors(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor | None]:
+        """Pixels, token ids and (with text_encoder_use_attention_mask) the attention mask of a batch, the class
+        images appended under prior preservation."""
+        pixels, ids, mask = batch["pixel_values"], batch["input_ids"], batch.get("attention_mask")
         if self.loss_cfg.with_prior_preservation:
             pixels = torch.cat([pixels, batch["class_pixel_values"]])
             ids = torch.cat([ids, batch["class_input_ids"]])
-        return pixels, ids
+            if mask is not None:
+                mask = torch.cat([mask, batch["class_attention_mask"]])
+        return pixels, ids, mask
+
+    def encode_prompt(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The text encoder's hidden states of token ids; the attention mask is passed only with
+        text_encoder_use_attention_mask (diffusers' DreamBooth `encode_prompt`)."""
+        if self.config.text_encoder_use_attention_mask and mask is not None:
+            return self.text_encoder(ids, attention_mask=mask.to(ids.device), return_dict=False)[0]
+        return self.text_encoder(ids, return_dict=False)[0]
 
     def step_noise(self, pixels: torch.Tensor, batch_idx: int) -> Any:
         """The noise of this rank's slice of the global micro-batch (independent of the world size)."""
@@ -176,11 +195,11 @@ class StableDiffusionFineTune(pl.LightningModule):
 
     def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The loss of one micro-batch at the current global step."""
-        pixels, ids = self._batch_tensors(batch)
+        pixels, ids, mask = self._batch_tensors(batch)
         noise = self.step_noise(pixels, batch_idx)
         with torch.no_grad():
             latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
-        hidden = self.text_encoder(ids, return_dict=False)[0]
+        hidden = self.encode_prompt(ids, mask)
         return diffusion_loss(self.unet, self.noise_scheduler, latents, hidden, noise.noise, noise.timesteps,
                               self.loss_cfg, noise.perturbation)
 
@@ -717,6 +736,19 @@ def check_run(cfg: FineTuneConfig) -> None:
                          "Hugging Face cache needs the datasets package (pip install datasets)")
     if cfg.dataset_config_name and not _installed("datasets"):
         raise InputError("--dataset_config_name: needs the datasets package (pip install datasets)")
+    if cfg.non_ema_revision:
+        _check_non_ema_revision(cfg)
+
+
+def _check_non_ema_revision(cfg: FineTuneConfig) -> None:
+    """--non_ema_revision names a revision of the hub id that is in the local cache (one line otherwise)."""
+    from ..diffusion.models import resolve_pretrained
+
+    if cfg.pretrained_model_name_or_path is None:
+        raise InputError(f"--non_ema_revision {cfg.non_ema_revision}: applies to a hub id "
+                         "(--pretrained_model_name_or_path), not to the tiny built-in pipeline")
+    resolve_pretrained(cfg.pretrained_model_name_or_path, revision=cfg.non_ema_revision, cache_dir=cfg.cache_dir,
+                       flag="--non_ema_revision")
 
 
 class FinishRun(pl.Callback):
