@@ -223,6 +223,8 @@ class ChunkManager(_StateDictIO):
             for s in c.spec.slots:
                 clear_source(self.params[s.param])
             self._storage_keys[c.index] = c.full.untyped_storage()._cdata
+        if self.nvme is not None:
+            self.nvme.flush()  # the tier's file on disk, none of it left in the page cache
 
     def is_trainable(self, pidx: int) -> bool:
         """Whether parameter `pidx` sits in a trainable chunk (it had requires_grad at setup)."""
@@ -445,6 +447,8 @@ class ChunkManager(_StateDictIO):
         start a new step's ledger."""
         self.pass_open = False
         self.release_idle()
+        if self.nvme is not None:
+            self.nvme.flush()
         self.trace.freeze()
         self.trace.new_step()
         self.ledger.new_step()

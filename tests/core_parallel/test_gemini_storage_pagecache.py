@@ -1,0 +1,140 @@
+"""The NVMe tier writes through the page cache, not into it: data round-trips exactly, and once regions are
+written back and read, the tier's file has (almost) no pages left in the page cache, which a memory cgroup
+would charge to the job. Residency is checked with mincore; filesystems whose pages are the file (tmpfs) keep
+them, and those checks skip there."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
+from lowmem.core_parallel.gemini.storage import NvmeFile, TieredBuffer, write_back_and_drop
+from lowmem.suite.bench.memory import file_resident_bytes
+
+MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _drops_pages(folder) -> bool:
+    """Whether the filesystem of `folder` lets written-back pages leave the page cache (not tmpfs)."""
+    probe = os.path.join(folder, "probe.bin")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.pwrite(fd, b"\1" * (4 * MIB), 0)
+        write_back_and_drop(fd, 0, 4 * MIB)
+        return file_resident_bytes(probe) < MIB
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return tmp_path / "nvme"
+
+
+def _needs_dropping(folder) -> None:
+    os.makedirs(folder, exist_ok=True)
+    if not _drops_pages(folder):
+        pytest.skip(f"{folder}: this filesystem keeps written-back pages in the page cache (tmpfs?); "
+                    "residency cannot fall there")
+
+
+def test_regions_round_trip_exactly_and_leave_the_page_cache(folder):
+    sizes = [1, 1023, 257 * 1024, 1 << 20, 3 * (1 << 20) + 5]  # odd sizes, several MiB in all
+    f = NvmeFile(folder, rank=0, writeback_lag=4 * MIB)
+    offsets = [f.reserve(n) for n in sizes]
+    f.open()
+    try:
+        g = torch.Generator().manual_seed(0)
+        values = [torch.randn(n, generator=g) for n in sizes]
+        for off, v in zip(offsets, values):
+            f.write(off, v)
+        for off, v in zip(offsets, values):  # read back while some are still being written back
+            assert torch.equal(f.read(off, torch.empty_like(v)), v)
+        # through the mapping, then handed back with drop_pages
+        f.view(offsets[3], sizes[3]).mul_(2)
+        f.drop_pages(offsets[3], sizes[3])
+        values[3] = values[3] * 2
+        f.flush()
+        for off, v in zip(offsets, values):
+            assert torch.equal(f.read(off, torch.empty_like(v)), v)
+        _needs_dropping(folder)
+        assert f.size > 16 * MIB
+        assert file_resident_bytes(str(f.path)) <= 4 * PAGE, "the tier's pages stayed in the page cache"
+    finally:
+        f.close()
+
+
+def test_pages_written_and_not_yet_flushed_stay_below_the_lag(folder):
+    _needs_dropping(folder)
+    lag = 2 * MIB
+    f = NvmeFile(folder, rank=0, writeback_lag=lag)
+    n = MIB // 4  # 1 MiB of fp32
+    offsets = [f.reserve(n) for _ in range(24)]
+    f.open()
+    try:
+        for i, off in enumerate(offsets):
+            f.write(off, torch.full((n,), float(i)))
+            assert file_resident_bytes(str(f.path)) <= lag + MIB + 4 * PAGE
+        f.flush()
+        assert file_resident_bytes(str(f.path)) <= 4 * PAGE
+        assert [f.read(off, torch.empty(n))[::4096].unique().item() for off in offsets] == list(range(24))
+    finally:
+        f.close()
+
+
+def test_tiered_buffer_moves_keep_values_and_leave_no_pages(folder):
+    _needs_dropping(folder)
+    f = NvmeFile(folder, rank=0)
+    n = 3 * MIB // 4 + 7
+    buf = TieredBuffer(n, "cpu", torch.device("cpu"), f, f.reserve(n))
+    f.open()
+    try:
+        value = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        buf.allocate(fill=value)
+        buf.move("nvme")
+        f.flush()
+        assert file_resident_bytes(str(f.path)) <= 4 * PAGE
+        assert torch.equal(buf.read_into(torch.empty(n)), value)
+        buf.move("cpu")
+        assert torch.equal(buf.view(), value)
+    finally:
+        f.close()
+
+
+def _train(tier: str, folder) -> tuple[dict, int | None]:
+    """Three AdamW steps of a 1M-parameter MLP under Gemini with everything on `tier`: (state, most bytes of the
+    tier's file in the page cache after setup and after each step; None without a file)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GeminiConfig(chunk_mb=1, offload_param_frac=1.0, offload_optim_frac=1.0, offload_tier=tier,
+                       offload_dir=str(folder) if tier == "nvme" else None)
+    model, opt = setup_gemini(model, opt, cfg)
+    nvme = model.gemini_manager.nvme
+    resident = file_resident_bytes(str(nvme.path)) if nvme else None
+    try:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(8, 512, generator=g)
+            opt.backward((model(x) - x).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            if nvme:
+                resident = max(resident, file_resident_bytes(str(nvme.path)))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, resident
+    finally:
+        model.gemini_manager.close()
+
+
+def test_gemini_steps_on_the_nvme_tier_leave_its_file_out_of_the_page_cache(folder):
+    on_cpu, _ = _train("cpu", None)
+    on_nvme, resident = _train("nvme", folder)
+    for name, want in on_cpu.items():
+        assert torch.equal(on_nvme[name], want), name  # the tier moves data, not numbers
+    _needs_dropping(folder)
+    assert resident <= 4 * PAGE, f"{resident / MIB:.1f} MiB of the 16 MiB tier stayed in the page cache"
