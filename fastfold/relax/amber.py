@@ -38,7 +38,10 @@ class RelaxConfig:
     tolerance: float = 10.0
     """Minimiser convergence: the largest force component, kJ/mol/nm (an OpenMM 8 force)."""
     max_iterations: int = 0
-    """Minimiser iterations per pass; 0 runs until converged."""
+    """Optional cap on the minimiser's iterations per pass; 0 (AlphaFold's) runs until converged. OpenMM 8
+    minimises in rounds of stiffening constraints and applies the cap to each round, so one pass may run a few
+    times this many; a pass whose last round reached the cap is logged `iteration_capped`, and when it is the
+    last pass the result is reported unconverged (stopped "iteration cap", or "pass limit" with the cap named)."""
     max_outer_iterations: int = 20
     """Passes of the violation loop."""
     max_attempts: int = 5
@@ -79,21 +82,25 @@ class RelaxResult:
     outer_iterations: int
     seconds: float
     stopped: str = "converged"
-    """Why the violation loop ended: "converged" (no violating residue left), "pass limit", "time budget", or
-    "stalled" (a pass left every position as it was and freed no residue: later passes would repeat it exactly)."""
+    """Why the violation loop ended: "converged" (no violating residue left), "pass limit", "time budget",
+    "iteration cap" (no violating residue left, but the last minimisation stopped at `RelaxConfig.max_iterations`
+    before reaching its tolerance), or "stalled" (a pass left every position as it was and freed no residue:
+    later passes would repeat it exactly)."""
     chirality_changed: list[int] = dataclasses.field(default_factory=list)
     """Residue numbers whose CA chirality (L/D) differs from the input's: the relaxed file is not to be used."""
     cis_changed: list[int] = dataclasses.field(default_factory=list)
     """Residue numbers i whose peptide bond to i+1 turned cis <-> trans."""
     passes: list[dict] = dataclasses.field(default_factory=list)
-    """Per pass: energy before/after (kJ/mol), violating residues after, minimiser iterations, seconds, and
-    `cut_short` (the time budget stopped the minimiser before it converged)."""
+    """Per pass: energy before/after (kJ/mol), violating residues after, minimiser iterations, seconds,
+    `cut_short` (the time budget stopped the minimiser before it converged) and `iteration_capped` (its last
+    round of minimisation reached `RelaxConfig.max_iterations`)."""
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds of the stages before the passes: `clean` (pdbfixer), `untangle` (0 when not needed)."""
 
     @property
     def converged(self) -> bool:
-        """No violating residue left, and the last minimisation ran to its end (not cut by the time budget)."""
+        """No violating residue left, and the last minimisation ran to its end (not cut by the time budget, not
+        stopped at the iteration cap)."""
         return self.violations_after == 0 and self.stopped == "converged"
 
     @property
@@ -107,7 +114,9 @@ class RelaxResult:
                 parts.append(f"cis/trans peptide changed after residue(s) {_short(self.cis_changed)}")
             return "broke the structure: " + "; ".join(parts)
         if not self.converged:
-            cut = ", its last minimisation cut short" if self.passes and self.passes[-1].get("cut_short") else ""
+            last = self.passes[-1] if self.passes else {}
+            cut = (", its last minimisation cut short" if last.get("cut_short")
+                   else ", its last minimisation stopped at the iteration cap" if last.get("iteration_capped") else "")
             return (f"not converged: {self.violations_after} violating residue(s) after {self.outer_iterations} "
                     f"pass(es) ({self.stopped}{cut})")
         return ""
@@ -274,9 +283,10 @@ def _deterministic(platform) -> dict[str, str]:
     return {"DeterministicForces": "true"} if "DeterministicForces" in platform.getPropertyNames() else {}
 
 
-def _budget_reporter(deadline: float | None):
+def _budget_reporter(deadline: float | None, max_iterations: int = 0):
     """A MinimizationReporter that counts iterations and stops the minimiser once `deadline` (perf_counter) is
-    past; `.iterations`, `.cut_short`."""
+    past; `.iterations` (all rounds), `.cut_short`, and `.capped`: the last round of OpenMM's constraint
+    stiffening (whose iteration numbers restart at 0) reached `max_iterations` (> 0)."""
     import openmm
 
     class _Budget(openmm.MinimizationReporter):
@@ -284,9 +294,15 @@ def _budget_reporter(deadline: float | None):
             super().__init__()
             self.iterations = 0
             self.cut_short = False
+            self.round_iterations = 0
+
+        @property
+        def capped(self) -> bool:
+            return max_iterations > 0 and not self.cut_short and self.round_iterations >= max_iterations
 
         def report(self, iteration, x, grad, args):  # noqa: ARG002 - OpenMM's signature
             self.iterations += 1
+            self.round_iterations = iteration + 1
             if deadline is not None and time.perf_counter() > deadline:
                 self.cut_short = True
                 return True
@@ -298,7 +314,7 @@ def _budget_reporter(deadline: float | None):
 def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig, signs: np.ndarray | None = None,
               deadline: float | None = None):
     """One minimisation pass; returns (energy before, energy after, new positions, minimiser iterations, cut
-    short by `deadline`), energies in kJ/mol."""
+    short by `deadline`, stopped at `cfg.max_iterations`), energies in kJ/mol."""
     from openmm import unit
 
     last_error: Exception | None = None
@@ -314,11 +330,11 @@ def _minimize(topology, positions, excluded: set[int], cfg: RelaxConfig, signs: 
             sim = _simulation(topology, positions, excluded, cfg, signs)
             e0 = sim.context.getState(getEnergy=True).getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole)
             tol = cfg.tolerance * unit.kilojoules_per_mole / unit.nanometer
-            reporter = _budget_reporter(deadline)
+            reporter = _budget_reporter(deadline, cfg.max_iterations)
             sim.minimizeEnergy(tolerance=tol, maxIterations=cfg.max_iterations, reporter=reporter)
             state = sim.context.getState(getEnergy=True, getPositions=True)
             return (e0, state.getPotentialEnergy().value_in_unit(unit.kilojoules_per_mole), state.getPositions(),
-                    reporter.iterations, reporter.cut_short)
+                    reporter.iterations, reporter.cut_short, reporter.capped)
         except Exception as exc:  # noqa: BLE001 - OpenMM raises plain Exceptions on NaN coordinates
             logger.warning("minimisation attempt %d failed: %s", attempt + 1, exc)
             last_error = exc
@@ -434,20 +450,23 @@ def relax_protein(protein: Protein, config: RelaxConfig | None = None) -> RelaxR
     for outer in range(1, cfg.max_outer_iterations + 1):
         t_pass = time.perf_counter()
         start = _xyz(positions)
-        e0, e1, positions, iterations, cut_short = _minimize(topology, positions, excluded, cfg, signs, deadline)
+        e0, e1, positions, iterations, cut_short, capped = _minimize(topology, positions, excluded, cfg, signs,
+                                                                     deadline)
         current = _to_atom37(topology, positions, protein)
         bad = _violations(current)
         passes.append({"pass": outer, "energy_before": _finite(e0), "energy_after": _finite(e1),
                        "violating_residues": int(bad.sum()), "iterations": iterations, "cut_short": cut_short,
-                       "seconds": round(time.perf_counter() - t_pass, 3)})
+                       "iteration_capped": capped, "seconds": round(time.perf_counter() - t_pass, 3)})
         logger.info("relax pass %d: energy %.1f -> %.1f kJ/mol, %d violating residues, %d iterations%s, %.1f s",
-                    outer, e0, e1, bad.sum(), iterations, " (cut short by the time budget)" if cut_short else "",
-                    passes[-1]["seconds"])
+                    outer, e0, e1, bad.sum(), iterations,
+                    " (cut short by the time budget)" if cut_short else " (stopped at the iteration cap)" if capped
+                    else "", passes[-1]["seconds"])
         if cut_short or (deadline is not None and bad.any() and time.perf_counter() > deadline):
             stopped = "time budget"
             break
         if not bad.any():
-            stopped = "converged"
+            # free of violations; "converged" only when the minimiser also reached its tolerance
+            stopped = "iteration cap" if capped else "converged"
             break
         newly = {int(i) for i in np.nonzero(bad)[0]} - excluded
         if not newly and np.array_equal(_xyz(positions), start):

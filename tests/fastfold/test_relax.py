@@ -262,10 +262,42 @@ def test_a_pass_that_changes_nothing_ends_the_loop(monkeypatch):
 
     def unchanged(topology, positions, excluded, cfg, signs=None, deadline=None):
         calls.append(set(excluded))
-        return 1.0, 1.0, positions, 3, False
+        return 1.0, 1.0, positions, 3, False, False
 
     monkeypatch.setattr(amber, "_minimize", unchanged)
     monkeypatch.setattr(amber, "_violations", lambda p: np.arange(len(p.aatype)) == 3)
     result = relax_protein(ideal_backbone(SEQUENCE), RelaxConfig(platform="CPU", max_outer_iterations=20))
     assert calls == [set(), {3}] and result.outer_iterations == 2  # the second pass freed nothing new
     assert result.stopped == "stalled" and not result.converged and "(stalled)" in result.problem
+
+
+def test_iteration_cap_per_pass_is_logged_and_reported():
+    """`max_iterations` caps each pass's minimisation (OpenMM applies it to each round of constraint stiffening):
+    every pass that reached it says so, and a capped last pass makes the result unconverged, with the cap named;
+    a cap the minimiser never reaches changes nothing."""
+    full = relax_protein(_perturbed(), RelaxConfig(platform="CPU"))
+    assert full.converged and not full.passes[0]["iteration_capped"]
+    roomy = relax_protein(_perturbed(), RelaxConfig(platform="CPU", max_iterations=100_000))
+    assert roomy.converged and not roomy.passes[0]["iteration_capped"]
+    np.testing.assert_array_equal(roomy.protein.atom_positions, full.protein.atom_positions)
+
+    capped = relax_protein(_perturbed(), RelaxConfig(platform="CPU", max_iterations=5, max_outer_iterations=2))
+    assert [p["iteration_capped"] for p in capped.passes] == [True] * capped.outer_iterations
+    assert all(p["iterations"] % 5 == 0 for p in capped.passes)  # whole rounds of 5
+    assert capped.passes[0]["iterations"] < full.passes[0]["iterations"]
+    assert not capped.converged
+    assert capped.problem.endswith("its last minimisation stopped at the iteration cap)"), capped.problem
+    assert json.loads(json.dumps(capped.summary()))["passes"][0]["iteration_capped"] is True
+
+
+def test_a_violation_free_pass_stopped_at_the_iteration_cap_is_not_converged(monkeypatch):
+    """No residue violates, but the minimiser stopped at the cap before its tolerance: "iteration cap", not
+    converged (as a minimisation the time budget cut short)."""
+    monkeypatch.setattr(amber, "_violations", lambda p: np.zeros(len(p.aatype), bool))
+    result = relax_protein(_perturbed(), RelaxConfig(platform="CPU", max_iterations=3))
+    assert result.outer_iterations == 1 and result.passes[0]["iteration_capped"]
+    assert result.stopped == "iteration cap" and result.violations_after == 0 and not result.converged
+    assert result.problem == ("not converged: 0 violating residue(s) after 1 pass(es) (iteration cap, its last "
+                              "minimisation stopped at the iteration cap)")
+    free = relax_protein(_perturbed(), RelaxConfig(platform="CPU"))
+    assert free.stopped == "converged" and free.converged and free.problem == ""
