@@ -10,6 +10,11 @@
 - `write_target_outputs(...)`: PDB, mmCIF, confidence JSON, PNG plots, relaxation, `timings.json`.
 - `fold_targets(targets, config)`: the whole flow with Ray, resume and per-target failure reporting.
 
+Complexes (AlphaFold-Multimer models, `model_N_multimer[_v2|_v3]`): `read_complex_targets(fasta)` gives one
+`ComplexTarget` per complex (`fastfold.data.multimer.read_complexes`); its features are
+`complex_raw_features` -> `process_multimer_features`, its outputs one PDB/mmCIF with a chain ID per chain, ipTM
+and chain-pair PAE in the confidence JSON, ranking by 0.8 ipTM + 0.2 pTM.
+
 Output layout, per target `<output_dir>/<name>/`: `<name>_<model>_unrelaxed.pdb` and
 `<name>_<model>_prediction.npz` per model (the npz lets an interrupted run resume), then for the best
 model (AlphaFold's ranking: pTM for `_ptm` models, else mean pLDDT) `<name>_unrelaxed.pdb|.cif`,
@@ -46,6 +51,7 @@ from .io.protein import Protein
 
 __all__ = [
     "AlignmentConfig",
+    "ComplexTarget",
     "FoldConfig",
     "ModelSpec",
     "Prediction",
@@ -62,6 +68,7 @@ __all__ = [
     "prediction_to_protein",
     "target_fingerprint",
     "read_alignment_dir",
+    "read_complex_targets",
     "read_targets",
     "run_alignment_tools",
     "target_raw_features",
@@ -107,6 +114,41 @@ class ModelSpec:
     @property
     def label(self) -> str:
         return self.model_name
+
+    @property
+    def multimer(self) -> bool:
+        """An AlphaFold-Multimer preset (`model_N_multimer[_v2|_v3]`): folds `ComplexTarget`s."""
+        return "_multimer" in self.model_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ComplexTarget(Target):
+    """A complex as a folding target: `sequence` is every chain's sequence in feature order (the residues of the
+    outputs), `complex` the `fastfold.data.multimer.Complex` (chains, chain IDs, entities)."""
+
+    complex: Any = dataclasses.field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, cplx: Any) -> ComplexTarget:
+        chains = cplx.feature_order()
+        description = "; ".join(f"{c.chain_id}: {c.description or c.name}" for c in cplx.chains)
+        return cls(cplx.name, "".join(c.sequence for c in chains), description, complex=cplx)
+
+    def chain_ranges(self) -> list[tuple[Any, int, int]]:
+        """(chain, start, end) in feature order: the residues `[start, end)` of each chain in the outputs."""
+        out, start = [], 0
+        for chain in self.complex.feature_order():
+            out.append((chain, start, start + len(chain.sequence)))
+            start += len(chain.sequence)
+        return out
+
+
+def read_complex_targets(fasta_path: str | Path) -> list[ComplexTarget]:
+    """The complexes of a FASTA file or folder (`fastfold.data.multimer.read_complexes`: ColabFold's `A:B`
+    records or OpenFold's one file per complex) as targets; bad input raises `InputError` (one line)."""
+    from .data.multimer import read_complexes
+
+    return [ComplexTarget.of(c) for c in read_complexes(fasta_path)]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -157,22 +199,35 @@ class FoldConfig:
         labels = [m.label for m in self.models]
         if len(set(labels)) != len(labels):
             raise ValueError(f"FoldConfig.models repeats a model name: {labels}")
+        if len({m.multimer for m in self.models}) > 1:
+            raise ValueError(f"FoldConfig.models mixes monomer and multimer models: {labels}")
+
+    @property
+    def multimer(self) -> bool:
+        """The models are AlphaFold-Multimer's: targets are `ComplexTarget`s."""
+        return self.models[0].multimer
 
 
 @dataclasses.dataclass
 class Prediction:
     """One model's prediction for one target (numpy, float32).
 
-    `positions` `[N, 37, 3]`, `atom_mask` `[N, 37]`, `plddt` `[N]`, `pae` `[N, N]` or None, `ptm` or None."""
+    `positions` `[N, 37, 3]`, `atom_mask` `[N, 37]`, `plddt` `[N]`, `pae` `[N, N]` or None, `ptm` or None;
+    multimer models also `iptm` and `ranking_confidence` (0.8 ipTM + 0.2 pTM)."""
 
     positions: np.ndarray
     atom_mask: np.ndarray
     plddt: np.ndarray
     pae: np.ndarray | None = None
     ptm: float | None = None
+    iptm: float | None = None
+    ranking_confidence: float | None = None
 
     def ranking_score(self, metric: str) -> float:
-        """AlphaFold's ranking: `metric` "ptm" (all models are `_ptm`) or "mean_plddt"."""
+        """AlphaFold's ranking: `metric` "iptm+ptm" (multimer: 0.8 ipTM + 0.2 pTM), "ptm" (all models are `_ptm`)
+        or "mean_plddt"."""
+        if metric == "iptm+ptm":
+            return float(self.ranking_confidence)
         return float(self.ptm) if metric == "ptm" else float(self.plddt.mean())
 
     def save(self, path: Path, fingerprint: str | None = None) -> None:
@@ -181,6 +236,9 @@ class Prediction:
         arrays = {"positions": self.positions, "atom_mask": self.atom_mask, "plddt": self.plddt}
         if self.pae is not None:
             arrays.update(pae=self.pae, ptm=np.array(self.ptm, np.float32))
+        if self.iptm is not None:
+            arrays.update(iptm=np.array(self.iptm, np.float32),
+                          ranking_confidence=np.array(self.ranking_confidence, np.float32))
         if fingerprint is not None:
             arrays["fingerprint"] = np.array(fingerprint)
         with atomic_write(path, "wb") as f:
@@ -200,7 +258,9 @@ class Prediction:
         with np.load(path) as z:
             pae = z["pae"] if "pae" in z else None
             ptm = float(z["ptm"]) if "ptm" in z else None
-            return cls(z["positions"], z["atom_mask"], z["plddt"], pae, ptm)
+            iptm = float(z["iptm"]) if "iptm" in z else None
+            rank = float(z["ranking_confidence"]) if "ranking_confidence" in z else None
+            return cls(z["positions"], z["atom_mask"], z["plddt"], pae, ptm, iptm, rank)
 
 
 @dataclasses.dataclass
@@ -238,6 +298,8 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
     from .model import config as model_config
     from .params import from_params
 
+    if spec.multimer:
+        return _load_multimer(spec)
     if spec.param_path is not None:
         model = from_params(spec.param_path, preset=spec.model_name)
         cfg = model.config
@@ -258,15 +320,54 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
     return model, feats
 
 
+def _device(spec: ModelSpec) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
+
+
+def _load_multimer(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
+    """An AlphaFold-Multimer model: from its `.npz` (`params_multimer.load_model`, sizes from the file), else
+    random weights (`multimer_tiny` when `spec.tiny`, else the preset's real widths); MSA sizes of the preset."""
+    import torch
+
+    from .model.multimer import AlphaFoldMultimer, multimer_preset, multimer_tiny
+    from .params_multimer import load_model as load_multimer
+
+    if spec.param_path is not None:
+        model = load_multimer(spec.param_path, preset=spec.model_name)
+    else:
+        cfg = multimer_preset(spec.model_name)  # also validates the name
+        torch.manual_seed(spec.seed)
+        model = AlphaFoldMultimer(multimer_tiny() if spec.tiny else cfg)
+    cfg = model.config
+    model = model.to(device=_device(spec), dtype=getattr(torch, PRECISIONS[spec.precision])).eval()
+    p = cfg.pipeline
+    feats = FeatureConfig(max_msa_clusters=p.max_msa_clusters, max_extra_msa=p.max_extra_msa,
+                          max_templates=p.max_templates if cfg.template.enabled else 0, num_recycle=p.num_recycle)
+    return model, feats
+
+
 def features_for_model(raw: dict[str, np.ndarray], feature_config: FeatureConfig, seed: int) -> dict[str, np.ndarray]:
-    """The processed batch for one model (see `fastfold.data.features`)."""
+    """The processed batch for one model (see `fastfold.data.features`); a complex's raw features (with
+    `asym_id`) get AlphaFold-Multimer's processing (`fastfold.data.multimer.process_multimer_features`)."""
+    if "asym_id" in raw:
+        from .data.multimer import process_multimer_features
+
+        return process_multimer_features(raw, feature_config, seed=seed)
     return process_features(raw, feature_config, seed=seed)
 
 
-def _inference_options(spec: ModelSpec) -> Any:
+def _inference_options(spec: ModelSpec, device: Any = None) -> Any:
+    """The model's options; `chunk_size="auto"` fits the memory budget of `device` (where the model's
+    parameters are: `InferenceOptions.for_device`, a share of the free CUDA memory, or the CPU budget)."""
     from .model import InferenceOptions
 
-    return InferenceOptions(chunk_size=spec.chunk_size, residual="in_place" if spec.inplace else "out_of_place")
+    residual = "in_place" if spec.inplace else "out_of_place"
+    if spec.chunk_size == "auto":
+        return InferenceOptions.for_device(device if device is not None else _device(spec), chunk_size="auto",
+                                           residual=residual)
+    return InferenceOptions(chunk_size=spec.chunk_size, residual=residual)
 
 
 def _to_prediction(outputs: dict[str, Any]) -> Prediction:
@@ -275,7 +376,9 @@ def _to_prediction(outputs: dict[str, Any]) -> Prediction:
 
     pae = arr("predicted_aligned_error") if "predicted_aligned_error" in outputs else None
     ptm = float(arr("ptm_score")) if "ptm_score" in outputs else None
-    return Prediction(arr("final_atom_positions"), arr("final_atom_mask"), arr("plddt"), pae, ptm)
+    iptm = float(arr("iptm_score")) if "iptm_score" in outputs else None
+    rank = float(arr("ranking_confidence")) if "ranking_confidence" in outputs else None
+    return Prediction(arr("final_atom_positions"), arr("final_atom_mask"), arr("plddt"), pae, ptm, iptm, rank)
 
 
 def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Prediction:
@@ -294,7 +397,7 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
             value = value.to(param.device)
             tensors[key] = value.to(dtype) if value.is_floating_point() else value
     with torch.no_grad():
-        outputs = model(tensors, options=_inference_options(spec))
+        outputs = model(tensors, options=_inference_options(spec, param.device))
     return _to_prediction(outputs)
 
 
@@ -343,11 +446,18 @@ def dap_session(cfg: FoldConfig, work: bool = True):
 
 
 def prediction_to_protein(target: Target, prediction: Prediction, b_factors: np.ndarray | None = None) -> Protein:
-    """The predicted structure as a `Protein` (1-based residue numbers, pLDDT as B-factors by default)."""
+    """The predicted structure as a `Protein` (1-based residue numbers, pLDDT as B-factors by default); a
+    complex's chains in feature order, each with its chain ID and residues numbered from 1."""
     raw = make_sequence_features(target.sequence)
     plddt = np.repeat(prediction.plddt[:, None], 37, axis=1) if b_factors is None else b_factors
-    return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"],
-                   raw["residue_index"] + 1, plddt)
+    if not isinstance(target, ComplexTarget):
+        return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"],
+                       raw["residue_index"] + 1, plddt)
+    ranges = target.chain_ranges()
+    numbers = np.concatenate([np.arange(1, end - start + 1) for _, start, end in ranges])
+    index = np.concatenate([np.full(end - start, k) for k, (_, start, end) in enumerate(ranges)])
+    return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"], numbers, plddt,
+                   chain_index=index, chain_ids=tuple(c.chain_id for c, _, _ in ranges))
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -355,26 +465,47 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _write_structure(folder: Path, stem: str, protein: Protein, remark: str, plddt: np.ndarray) -> list[str]:
-    """PDB and ModelCIF; `plddt` [N] goes to the ModelCIF QA metrics (the B-factors may hold 100 - pLDDT)."""
+def _write_structure(folder: Path, stem: str, protein: Protein, remark: str, pred: Prediction) -> list[str]:
+    """PDB and ModelCIF; `pred.plddt` [N] goes to the ModelCIF QA metrics (the B-factors may hold 100 - pLDDT),
+    with pTM and ipTM when the model gives them."""
     from .io.protein import to_mmcif, to_pdb
 
+    scores = {k: v for k, v in (("pTM", pred.ptm), ("ipTM", pred.iptm)) if v is not None}
+    method = "AlphaFold-Multimer" if pred.iptm is not None else "AlphaFold2 monomer"
     _write_text(folder / f"{stem}.pdb", to_pdb(protein, remark=remark))
-    _write_text(folder / f"{stem}.cif", to_mmcif(protein, name=stem, plddt=plddt, title=remark))
+    _write_text(folder / f"{stem}.cif", to_mmcif(protein, name=stem, plddt=pred.plddt, title=remark, scores=scores,
+                                                 method=method))
     return [f"{stem}.pdb", f"{stem}.cif"]
 
 
-def _write_confidence(folder: Path, name: str, pred: Prediction, mark: str = "", plots: bool = True) -> list[str]:
-    from .io.confidence import confidence_dict, plot_pae, plot_plddt, write_confidence_json
+def _chain_table(target: Target) -> list[dict[str, Any]] | None:
+    if not isinstance(target, ComplexTarget):
+        return None
+    return [{"chain_id": c.chain_id, "name": c.name, "residues": [start, end]} for c, start, end in
+            target.chain_ranges()]
 
-    write_confidence_json(folder / f"{name}_confidence.json", confidence_dict(pred.plddt, pred.ptm, pred.pae))
+
+def _write_confidence(folder: Path, name: str, pred: Prediction, mark: str = "", plots: bool = True,
+                      chains: list[dict[str, Any]] | None = None) -> list[str]:
+    """`<name>_confidence.json` (pLDDT, pTM, PAE; for a complex also ipTM, the ranking confidence, per-chain
+    pLDDT and the chain-pair PAE) and, with `plots`, the pLDDT and PAE plots (chain boundaries drawn)."""
+    from .io.confidence import chain_confidences, confidence_dict, plot_pae, plot_plddt, write_confidence_json
+
+    confidence = confidence_dict(pred.plddt, pred.ptm, pred.pae)
+    if pred.iptm is not None:
+        confidence.update(iptm=round(float(pred.iptm), 4), ranking_confidence=round(float(pred.ranking_confidence), 4))
+    if chains is not None:
+        confidence.update(chain_confidences(pred.plddt, pred.pae, chains))
+    write_confidence_json(folder / f"{name}_confidence.json", confidence)
     files = [f"{name}_confidence.json"]
     if not plots:
         return files
     plot_plddt(folder / f"{name}_plddt.png", pred.plddt, f"{name}: mean pLDDT {pred.plddt.mean():.1f}", mark=mark)
     files.append(f"{name}_plddt.png")
     if pred.pae is not None:
-        plot_pae(folder / f"{name}_pae.png", pred.pae, f"{name}: pTM {pred.ptm:.3f}", mark=mark)
+        title = f"{name}: pTM {pred.ptm:.3f}" + (f", ipTM {pred.iptm:.3f}" if pred.iptm is not None else "")
+        bounds = None if chains is None else [(c["chain_id"], *c["residues"]) for c in chains]
+        plot_pae(folder / f"{name}_pae.png", pred.pae, title, mark=mark, chains=bounds)
         files.append(f"{name}_pae.png")
     return files
 
@@ -415,16 +546,22 @@ def write_target_outputs(
     files = []
     mark = _plot_mark(remark)
     several = len(predictions) > 1
+    chains = _chain_table(target)
     for label, pred in predictions.items():
         stem = f"{target.name}_{label}"
-        files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark, pred.plddt)
-        files += _write_confidence(folder, stem, pred, mark, plots=several)
-    metric = "ptm" if all(p.ptm is not None for p in predictions.values()) else "mean_plddt"
+        files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark, pred)
+        files += _write_confidence(folder, stem, pred, mark, plots=several, chains=chains)
+    if all(p.iptm is not None for p in predictions.values()):
+        metric = "iptm+ptm"  # AlphaFold-Multimer's ranking confidence, 0.8 ipTM + 0.2 pTM
+    elif all(p.ptm is not None for p in predictions.values()):
+        metric = "ptm"
+    else:
+        metric = "mean_plddt"
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
     unrelaxed = protein(best)
     files += _write_structure(folder, f"{target.name}_unrelaxed", unrelaxed, f"{remark} model {ranked[0]}".strip(),
-                              best.plddt)
+                              best)
     relax_summary = None
     if relax_config is not None:
         from .relax import relax_protein
@@ -441,14 +578,17 @@ def write_target_outputs(
         else:
             tag = "relaxed" if result.converged else f"relaxed, NOT CONVERGED ({result.violations_after} violating)"
             files += _write_structure(folder, f"{target.name}_relaxed", result.protein, f"{remark} {tag}".strip(),
-                                      best.plddt)
-    files += _write_confidence(folder, target.name, best, mark)
+                                      best)
+    files += _write_confidence(folder, target.name, best, mark, chains=chains)
     ranking = {"order": ranked, "scores": {k: predictions[k].ranking_score(metric) for k in ranked}, "metric": metric}
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))
     # AlphaFold's file: mean pLDDT per model and the order the outputs were ranked in
     debug: dict[str, Any] = {"plddts": {k: float(predictions[k].plddt.mean()) for k in ranked}}
-    if metric == "ptm":
+    if metric in ("ptm", "iptm+ptm"):
         debug["ptms"] = {k: float(predictions[k].ptm) for k in ranked}
+    if metric == "iptm+ptm":  # AlphaFold-Multimer's ranking_debug.json: the ranking confidence under "iptm+ptm"
+        debug["iptms"] = {k: float(predictions[k].iptm) for k in ranked}
+        debug["iptm+ptm"] = {k: float(predictions[k].ranking_confidence) for k in ranked}
     debug["order"] = ranked
     _write_text(folder / "ranking_debug.json", json.dumps(debug, indent=4))
     files += ["ranking.json", "ranking_debug.json"]
@@ -462,7 +602,7 @@ def write_target_outputs(
         plot_msa_coverage(folder / f"{target.name}_coverage.png", msa, f"{target.name}: sequence coverage ({depth})")
         files.append(f"{target.name}_coverage.png")
     record = {"target": target.name, "description": target.description, "length": len(target.sequence),
-              "timings": timings, "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
+              **({"chains": chains} if chains is not None else {}), "timings": timings, "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
               "inputs": features_info, "fingerprint": fingerprint, "files": files}
     _write_text(folder / "timings.json", json.dumps(record, indent=2))
     return [*files, "timings.json"]
@@ -500,11 +640,16 @@ def _param_entry(spec: ModelSpec) -> dict[str, Any]:
 def _alignment_entry(target: Target, a: AlignmentConfig) -> dict[str, Any]:
     if a.precomputed_dir is not None:
         mode = "precomputed, single sequence" if a.single_sequence else "precomputed"
+        if isinstance(target, ComplexTarget):  # every chain's folder (uniprot_hits.sto included)
+            folders = dict.fromkeys(c.name for c in target.complex.chains)
+            return {"mode": mode, "files": {n: fp.folder_digest(Path(a.precomputed_dir) / n) for n in folders}}
         return {"mode": mode, "files": fp.folder_digest(Path(a.precomputed_dir) / target.name)}
     if a.single_sequence or not a.runs_tools:
         return {"mode": "single_sequence"}
     dbs = {k: getattr(a, k) for k in ("uniref90_database_path", "mgnify_database_path", "bfd_database_path",
                                         "uniref30_database_path", "pdb70_database_path")}
+    if isinstance(target, ComplexTarget) and a.uniprot_database_path:
+        dbs["uniprot_database_path"] = a.uniprot_database_path
     return {"mode": "search", **{k: str(Path(v).resolve()) if v else None for k, v in dbs.items()}}
 
 
@@ -519,7 +664,7 @@ def target_fingerprint(target: Target, cfg: FoldConfig) -> dict[str, Any]:
     if cfg.relax is not None:  # the OpenMM platform is left out: where it runs, not what it computes
         relax = dataclasses.asdict(cfg.relax) if dataclasses.is_dataclass(cfg.relax) else {"config": repr(cfg.relax)}
         relax.pop("platform", None)
-    return {
+    out = {
         "sequence": target.sequence,
         "models": [_param_entry(s) for s in cfg.models],
         "alignments": _alignment_entry(target, a),
@@ -531,11 +676,17 @@ def target_fingerprint(target: Target, cfg: FoldConfig) -> dict[str, Any]:
         "num_recycle": cfg.num_recycle,
         "b_factors": "100 - pLDDT" if cfg.subtract_plddt else "pLDDT",
     }
+    if isinstance(target, ComplexTarget):  # every chain: its ID, name (alignment folder) and sequence
+        out["sequence"] = ":".join(c.sequence for c in target.complex.chains)
+        out["chains"] = [[c.chain_id, c.name, c.sequence] for c in target.complex.chains]
+    return out
 
 
 def _model_fingerprint(target_fp: dict[str, Any], spec_index: int, seed: int) -> str:
     """The part of a target's fingerprint one model's prediction depends on (no relaxation), as JSON."""
     part = {k: target_fp[k] for k in ("sequence", "alignments", "templates", "num_recycle")}
+    if "chains" in target_fp:
+        part["chains"] = target_fp["chains"]
     part.update(model=target_fp["models"][spec_index], precision=target_fp["precision"][spec_index], seed=seed)
     return json.dumps(part, sort_keys=True)
 
@@ -638,6 +789,9 @@ def inputs_summary(info: dict[str, Any] | None) -> str:
     """A few words on what the features were made of (the summary table's column)."""
     if not info:
         return ""
+    if "chains" in info:  # a complex: paired rows, then each chain's own MSA depth
+        per_chain = [f"{c['chain_id']} {c.get('msa_depth_dedup', 1)}" for c in info["chains"]]
+        return f"MSA {info.get('msa_rows', 1)} rows ({info.get('paired_rows', 0)} paired; {', '.join(per_chain)})"
     depth = info.get("msa_depth_dedup", 1)
     parts = [f"MSA {depth}"]
     files = info.get("alignment_files", [])
@@ -705,7 +859,12 @@ def _features_job(target: Target, cfg: AlignmentConfig, work_dir: str, with_temp
     they took."""
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
-    raw = target_raw_features(target, cfg, work_dir, with_templates, info=info)
+    if isinstance(target, ComplexTarget):
+        from .data.multimer import complex_raw_features
+
+        raw = complex_raw_features(target.complex, cfg, work_dir, with_templates=with_templates, info=info)
+    else:
+        raw = target_raw_features(target, cfg, work_dir, with_templates, info=info)
     raw[FEATURE_INFO] = info
     return raw, time.perf_counter() - t0
 

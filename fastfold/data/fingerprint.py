@@ -50,6 +50,7 @@ def folder_digest(folder: str | os.PathLike, names: Iterable[str] | None = None)
 
 _LABELS = {
     "sequence": "sequence",
+    "chains": "chains",
     "models": "models/parameters",
     "alignments": "alignments",
     "templates": "templates",

@@ -58,6 +58,9 @@ class AlignmentConfig:
     """hhblits database prefix (UniRef30, searched with BFD)."""
     pdb70_database_path: str | None = None
     """hhsearch database prefix (PDB70) for template hits."""
+    uniprot_database_path: str | None = None
+    """jackhmmer database (UniProt FASTA) of the pairing MSA of a complex's chains (`uniprot_hits.sto`, read by
+    `fastfold.data.multimer` only; never part of a chain's unpaired MSA)."""
     jackhmmer_binary_path: str = "jackhmmer"
     """jackhmmer executable."""
     hhblits_binary_path: str = "hhblits"
@@ -86,6 +89,9 @@ class AlignmentConfig:
     def runs_tools(self) -> bool:
         dbs = (self.uniref90_database_path, self.mgnify_database_path, self.bfd_database_path)
         return not self.single_sequence and self.precomputed_dir is None and any(dbs)
+
+UNIPROT_HITS = "uniprot_hits.sto"
+"""The UniProt search's result in a chain's `msas/` folder: the pairing MSA of a complex, not an unpaired MSA."""
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas", ".fsa")
 """Files read from a folder of FASTA files (OpenFold's first argument)."""
@@ -195,16 +201,17 @@ def alignment_files(folder: Path) -> tuple[list[Path], list[Path], list[Path]]:
 
 
 def read_alignment_dir(
-    folder: Path, sequence: str, info: dict | None = None, require_msa: bool = False
+    folder: Path, sequence: str, info: dict | None = None, require_msa: bool = False, skip: tuple[str, ...] = ()
 ) -> tuple[list[Msa], list[TemplateHit]]:
     """MSAs (`*.sto`, `*.a3m`, also gzipped; known names first, AlphaFold's row caps applied) and template
     hits (`*.hhr`) of one target's folder. `info`, when given, gets what was read (files, rows per file
     before/after the cap, ignored files). `require_msa`: an `InputError` when the folder holds no
-    alignment file (empty, or only files the reader does not know)."""
+    alignment file (empty, or only files the reader does not know). `skip`: file names not read as MSAs."""
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: no precomputed alignments for this target (folder missing)")
     msa_files, hit_files, ignored = alignment_files(folder)
+    msa_files = [p for p in msa_files if p.name not in skip]
     if ignored:
         names = ", ".join(p.name for p in ignored)
         logger.warning("%s: ignoring %s (not .sto/.a3m/.hhr, optionally .gz)", folder, names)
@@ -246,6 +253,10 @@ def run_alignment_tools(target: Target, cfg: AlignmentConfig, folder: Path) -> N
         dbs = [d for d in (cfg.bfd_database_path, cfg.uniref30_database_path) if d]
         tools.run_hhblits(tools.find_binary(cfg.hhblits_binary_path, "hhblits"), target.sequence, dbs, bfd_out,
                           cfg.cpus)
+    uniprot = folder / UNIPROT_HITS
+    if cfg.uniprot_database_path and not uniprot.exists():  # a complex's pairing MSA (fastfold.data.multimer)
+        tools.run_jackhmmer(tools.find_binary(cfg.jackhmmer_binary_path, "jackhmmer"), target.sequence,
+                            cfg.uniprot_database_path, uniprot, cfg.cpus)
     hhr = folder / "pdb70_hits.hhr"
     if cfg.pdb70_database_path and uniref.exists() and not hhr.exists():
         a3m = tools.msa_to_a3m(_read_msa(uniref).truncate(MAX_HITS[uniref.name]))
@@ -278,7 +289,7 @@ def target_raw_features(
         info["msa_mode"] = "search"
         folder = Path(work_dir) / "msas"
         run_alignment_tools(target, cfg, folder)
-        msas, hits = read_alignment_dir(folder, target.sequence, info)
+        msas, hits = read_alignment_dir(folder, target.sequence, info, skip=(UNIPROT_HITS,))
     else:
         info["msa_mode"] = "single_sequence (no alignments given)"
     raw = {**make_sequence_features(target.sequence), **make_msa_features(target.sequence, msas)}

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...core_parallel.fileio import atomic_write
 
-__all__ = ["MAX_PAE", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae", "plot_plddt",
+__all__ = ["MAX_PAE", "chain_confidences", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae", "plot_plddt",
            "write_confidence_json"]
 
 MSA_GAP = 21
@@ -33,6 +33,26 @@ def confidence_dict(plddt: np.ndarray, ptm: float | None = None, pae: np.ndarray
         pae = np.asarray(pae, dtype=np.float64)
         out["pae"] = [[round(float(x), 2) for x in row] for row in pae]
         out["max_pae"] = MAX_PAE  # AlphaFold's field: the cap of the scale, not this matrix's maximum
+    return out
+
+
+def chain_confidences(plddt: np.ndarray, pae: np.ndarray | None, chains: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-chain and interface confidences of a complex (JSON-ready).
+
+    `chains`: in the order of the residues, each with `chain_id`, `name` and `residues` `[start, end)`.
+    Returns `chains` (each with its mean pLDDT), and with `pae` `[N, N]` (row: aligned residue, column: scored
+    residue) `chain_pair_pae` and `chain_pair_pae_min` `[n_chains, n_chains]`: entry [i][j] is the mean (the
+    minimum) PAE over residues aligned on chain i and scored on chain j; off the diagonal, the interface."""
+    plddt = np.asarray(plddt, dtype=np.float64)
+    out: dict[str, Any] = {"chains": [
+        {"chain_id": c["chain_id"], "name": c["name"], "residues": [int(c["residues"][0]), int(c["residues"][1])],
+         "mean_plddt": round(float(plddt[c["residues"][0]:c["residues"][1]].mean()), 2)} for c in chains]}
+    if pae is not None:
+        pae = np.asarray(pae, dtype=np.float64)
+        blocks = [[pae[a["residues"][0]:a["residues"][1], b["residues"][0]:b["residues"][1]] for b in chains]
+                  for a in chains]
+        out["chain_pair_pae"] = [[round(float(x.mean()), 2) for x in row] for row in blocks]
+        out["chain_pair_pae_min"] = [[round(float(x.min()), 2) for x in row] for row in blocks]
     return out
 
 
@@ -72,9 +92,11 @@ def plot_plddt(path: str | Path, plddt: np.ndarray, title: str, mark: str = "") 
     plt.close(fig)
 
 
-def plot_pae(path: str | Path, pae: np.ndarray, title: str, mark: str = "") -> None:
+def plot_pae(path: str | Path, pae: np.ndarray, title: str, mark: str = "",
+             chains: list[tuple[str, int, int]] | None = None) -> None:
     """Predicted aligned error heat map (scored residue vs aligned residue) on AlphaFold's fixed 0..31.75
-    Angstrom scale, so plots of different models compare by colour; `mark` is stamped across it."""
+    Angstrom scale, so plots of different models compare by colour; `mark` is stamped across it. `chains`
+    (chain ID, start, end) of a complex: a line at each chain boundary and the chain IDs on both axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,6 +106,15 @@ def plot_pae(path: str | Path, pae: np.ndarray, title: str, mark: str = "") -> N
     im = ax.imshow(pae, cmap="Greens_r", vmin=0, vmax=MAX_PAE)
     fig.colorbar(im, ax=ax, label="expected position error (Å)")
     ax.set(xlabel="scored residue", ylabel="aligned residue", title=title)
+    if chains and len(chains) > 1:
+        for _, _, end in chains[:-1]:
+            ax.axhline(end - 0.5, color="black", lw=1.2)
+            ax.axvline(end - 0.5, color="black", lw=1.2)
+        centres = [(start + end - 1) / 2 for _, start, end in chains]
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(centres, [c for c, _, _ in chains])
+        right = ax.secondary_yaxis("right")
+        right.set_yticks(centres, [c for c, _, _ in chains])
     _mark(fig, mark)
     _save(fig, path)
     plt.close(fig)

@@ -13,21 +13,54 @@ __all__ = ["Protein", "from_pdb", "to_mmcif", "to_pdb"]
 
 @dataclasses.dataclass(frozen=True)
 class Protein:
-    """One chain. `atom_positions` `[N, 37, 3]` (Angstrom), `atom_mask` `[N, 37]`, `aatype` `[N]` (0..20),
-    `residue_index` `[N]` (1-based as written), `b_factors` `[N, 37]` (pLDDT for predictions)."""
+    """One chain, or several. `atom_positions` `[N, 37, 3]` (Angstrom), `atom_mask` `[N, 37]`, `aatype` `[N]`
+    (0..20), `residue_index` `[N]` (1-based as written, per chain), `b_factors` `[N, 37]` (pLDDT for predictions).
+
+    Several chains (a complex): `chain_index` `[N]` (0, 1, ... in the order the chains are written, each chain's
+    residues contiguous) and `chain_ids` (the PDB chain ID of each index, e.g. ("A", "B")). None: one chain, whose
+    ID the writers take as an argument ("A")."""
 
     atom_positions: np.ndarray
     atom_mask: np.ndarray
     aatype: np.ndarray
     residue_index: np.ndarray
     b_factors: np.ndarray
+    chain_index: np.ndarray | None = None
+    chain_ids: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.aatype)
         shapes = {"atom_positions": (n, 37, 3), "atom_mask": (n, 37), "residue_index": (n,), "b_factors": (n, 37)}
+        if self.chain_index is not None:
+            shapes["chain_index"] = (n,)
         for name, shape in shapes.items():
             if tuple(np.shape(getattr(self, name))) != shape:
                 raise ValueError(f"Protein.{name} has shape {np.shape(getattr(self, name))}, expected {shape}")
+        if self.chain_index is not None:
+            index = np.asarray(self.chain_index)
+            ids = self.chain_ids or ()
+            if n and (index.min() < 0 or index.max() >= len(ids)):
+                raise ValueError(f"Protein.chain_index holds {index.min()}..{index.max()}, chain_ids has {len(ids)}")
+            if n and np.any(np.diff(index) < 0):
+                raise ValueError("Protein.chain_index must not decrease (each chain's residues contiguous)")
+            if len(set(ids)) != len(ids) or not all(len(c) == 1 for c in ids):
+                raise ValueError(f"Protein.chain_ids must be distinct one-character IDs, got {ids!r}")
+
+    def chain_of(self, default: str = "A") -> list[str]:
+        """The chain ID of every residue."""
+        if self.chain_index is None:
+            return [default] * len(self.aatype)
+        return [self.chain_ids[int(i)] for i in self.chain_index]
+
+    def peptide_numbers(self) -> np.ndarray:
+        """Residue numbers made unique across chains (chain k's numbers shifted past chain k-1's by at least 2),
+        so a test for a peptide bond, consecutive numbers, never links the last residue of one chain to the first
+        of the next (a chain break is not a broken bond)."""
+        numbers = np.asarray(self.residue_index, dtype=np.int64)
+        if self.chain_index is None or len(numbers) == 0:
+            return numbers
+        span = int(numbers.max() - numbers.min()) + 2
+        return numbers + np.asarray(self.chain_index, dtype=np.int64) * span
 
     @property
     def sequence(self) -> str:
@@ -38,34 +71,41 @@ def _element(atom_name: str) -> str:
     return atom_name[0]
 
 
-def _atoms(prot: Protein):
-    """(serial, atom name, residue name, residue number, xyz, b-factor) for every present atom."""
+def _atoms(prot: Protein, chain_id: str = "A"):
+    """(serial, atom name, residue name, residue number, xyz, b-factor, chain ID, residue position) for every
+    present atom; serials leave one number free after each chain (its TER record)."""
     serial = 1
+    chains = prot.chain_of(chain_id)
     for i in range(len(prot.aatype)):
+        if i > 0 and chains[i] != chains[i - 1]:
+            serial += 1  # the previous chain's TER
         resname = rc.resnames[int(prot.aatype[i])]
         for j, name in enumerate(rc.atom_types):
             if prot.atom_mask[i, j] < 0.5:
                 continue
             b = float(prot.b_factors[i, j])
-            yield serial, name, resname, int(prot.residue_index[i]), prot.atom_positions[i, j], b
+            yield serial, name, resname, int(prot.residue_index[i]), prot.atom_positions[i, j], b, chains[i], i
             serial += 1
 
 
 def to_pdb(prot: Protein, remark: str | None = None, chain_id: str = "A") -> str:
-    """PDB text: fixed-column ATOM records (occupancy 1.00, B-factor from `b_factors`), TER and END."""
+    """PDB text: fixed-column ATOM records (occupancy 1.00, B-factor from `b_factors`), a TER after each chain
+    (the chain IDs of `prot.chain_ids`, else `chain_id`) and END."""
     lines = []
     if remark:
         lines.append(f"REMARK 250 {remark}"[:80])
     last = None
-    for serial, name, resname, resnum, xyz, b in _atoms(prot):
+    for serial, name, resname, resnum, xyz, b, chain, _ in _atoms(prot, chain_id):
+        if last is not None and chain != last[3]:
+            lines.append(f"TER   {last[0] + 1:>5}      {last[1]:>3} {last[3]}{last[2]:>4}")
         padded = name if len(name) == 4 else f" {name}"
         lines.append(
-            f"ATOM  {serial:>5} {padded:<4} {resname:>3} {chain_id}{resnum:>4}    "
+            f"ATOM  {serial:>5} {padded:<4} {resname:>3} {chain}{resnum:>4}    "
             f"{xyz[0]:>8.3f}{xyz[1]:>8.3f}{xyz[2]:>8.3f}{1.0:>6.2f}{b:>6.2f}          {_element(name):>2}  "
         )
-        last = (serial, resname, resnum)
+        last = (serial, resname, resnum, chain)
     if last is not None:
-        lines.append(f"TER   {last[0] + 1:>5}      {last[1]:>3} {chain_id}{last[2]:>4}")
+        lines.append(f"TER   {last[0] + 1:>5}      {last[1]:>3} {last[3]}{last[2]:>4}")
     lines.append("END")
     return "\n".join(line.ljust(80) if line.startswith("ATOM") else line for line in lines) + "\n"
 
@@ -111,22 +151,40 @@ def _software_version() -> str:
 
 
 def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.ndarray | None = None,
-             title: str = "") -> str:
-    """ModelCIF text (mmCIF with the ModelCIF categories, read back by python-modelcif): the polymer entity
-    and its sequence, the software and protocol that made the model, the atoms (B_iso from `b_factors`), and
+             title: str = "", scores: dict[str, float] | None = None, method: str = "AlphaFold2 monomer") -> str:
+    """ModelCIF text (mmCIF with the ModelCIF categories, read back by python-modelcif): the polymer entities
+    and their sequences, the software and protocol that made the model, the atoms (B_iso from `b_factors`), and
     pLDDT per residue (`_ma_qa_metric_local`, with every parent category) and its mean (`_ma_qa_metric_global`).
+
+    Several chains (`prot.chain_index`): one `_struct_asym` per chain, one entity per distinct sequence (its
+    chains in `pdbx_strand_id`), residues numbered from 1 in each chain (`label_seq_id`).
 
     `plddt` `[N]`: the per-residue pLDDT (default: the CA B-factors, which hold pLDDT unless the B-factor
     column was given something else, such as 100 - pLDDT). `title`: free text added to the title (e.g. that the
-    weights were random)."""
+    weights were random). `scores`: further global QA metrics, "pTM" and "ipTM" (ModelCIF types of those names).
+    `method`: what made the model, in the title, software and protocol ("AlphaFold2 monomer" or
+    "AlphaFold-Multimer")."""
     n = len(prot.aatype)
     resnames = [rc.resnames[int(a)] for a in prot.aatype]
     if plddt is None:
         plddt = prot.b_factors[:, rc.atom_order["CA"]]
     plddt = np.asarray(plddt, dtype=np.float64).reshape(n)
-    sequence = "".join(rc.restype_3to1.get(r, "X") for r in resnames)
+    chains = prot.chain_of(chain_id)
+    order = list(dict.fromkeys(chains))  # chain IDs in the order written
+    residues = {c: [i for i in range(n) if chains[i] == c] for c in order}
+    seq_id = np.zeros(n, np.int64)
+    for c in order:
+        seq_id[residues[c]] = np.arange(1, len(residues[c]) + 1)
+    sequences = {c: "".join(rc.restype_3to1.get(resnames[i], "X") for i in residues[c]) for c in order}
+    entity_of: dict[str, int] = {}
+    entities: dict[str, int] = {}  # sequence -> entity id, by first appearance
+    for c in order:
+        entity_of[c] = entities.setdefault(sequences[c], len(entities) + 1)
+    strands = {e: [c for c in order if entity_of[c] == e] for e in entities.values()}
+    first = {e: strands[e][0] for e in strands}
+    several = len(order) > 1
     dict_name, dict_version, dict_location = MODELCIF_DICT
-    full_title = f"{name}: predicted structure (AlphaFold2 monomer)" + (f"; {title}" if title else "")
+    full_title = f"{name}: predicted structure ({method})" + (f"; {title}" if title else "")
     out = [f"data_{_cif(name)}", f"_entry.id {_cif(name)}", f"_struct.entry_id {_cif(name)}",
            f"_struct.title {_cif(full_title)}",
            "_struct.pdbx_structure_determination_methodology computational",
@@ -134,74 +192,92 @@ def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.
            f"_audit_conform.dict_location {dict_location}", "#"]
     out += _loop("software", ["pdbx_ordinal", "name", "classification", "description", "version", "type",
                               "location"],
-                 [(1, "lowmem-suite fold", "model building", "AlphaFold2 monomer inference (fastfold)",
+                 [(1, "lowmem-suite fold", "model building", f"{method} inference (fastfold)",
                    _software_version(), "program", "?")])
     out += _loop("ma_software_group", ["ordinal_id", "group_id", "software_id"], [(1, 1, 1)])
     comps = sorted(set(resnames))
     out += _loop("chem_comp", ["id", "type", "name", "ma_provenance"],
                  [(r, "peptide linking" if r == "GLY" else "L-peptide linking", _CHEM_COMP_NAMES.get(r, r),
                    "CCD Core") for r in comps])
+
+    def entity_name(e: int) -> str:
+        return f"{name} chain{'s' if len(strands[e]) > 1 else ''} {','.join(strands[e])}" if several else name
+
     out += _loop("entity", ["id", "type", "src_method", "pdbx_description", "pdbx_number_of_molecules"],
-                 [(1, "polymer", "man", name, 1)])
+                 [(e, "polymer", "man", entity_name(e), len(strands[e])) for e in strands])
     out += _loop("entity_poly", ["entity_id", "type", "nstd_linkage", "nstd_monomer", "pdbx_strand_id",
                                  "pdbx_seq_one_letter_code", "pdbx_seq_one_letter_code_can"],
-                 [(1, "polypeptide(L)", "no", "no", chain_id, sequence, sequence)])
+                 [(e, "polypeptide(L)", "no", "no", ",".join(strands[e]), sequences[first[e]], sequences[first[e]])
+                  for e in strands])
     out += _loop("entity_poly_seq", ["entity_id", "num", "mon_id", "hetero"],
-                 [(1, i, r, "n") for i, r in enumerate(resnames, start=1)])
-    out += _loop("struct_asym", ["id", "entity_id", "details"], [(chain_id, 1, f"{name} chain {chain_id}")])
+                 [(e, k, resnames[i], "n") for e in strands for k, i in enumerate(residues[first[e]], start=1)])
+    out += _loop("struct_asym", ["id", "entity_id", "details"], [(c, entity_of[c], f"{name} chain {c}") for c in order])
     out += _loop("pdbx_poly_seq_scheme", ["asym_id", "entity_id", "seq_id", "mon_id", "pdb_seq_num", "auth_seq_num",
                                           "pdb_mon_id", "auth_mon_id", "pdb_strand_id", "pdb_ins_code"],
-                 [(chain_id, 1, i, r, int(num), int(num), r, r, chain_id, ".")
-                  for i, (r, num) in enumerate(zip(resnames, prot.residue_index), start=1)])
-    out += _loop("ma_data", ["id", "name", "content_type"], [(1, f"{name} sequence", "target"),
-                                                             (2, "Model", "model coordinates")])
-    out += _loop("ma_data_group", ["ordinal_id", "group_id", "data_id"], [(1, 1, 1), (2, 2, 2)])
-    out += _loop("ma_target_entity", ["entity_id", "data_id", "origin"], [(1, 1, "designed")])
+                 [(c, entity_of[c], int(seq_id[i]), resnames[i], int(prot.residue_index[i]),
+                   int(prot.residue_index[i]), resnames[i], resnames[i], c, ".") for c in order for i in residues[c]])
+    targets = [(e, f"{name} sequence" + (f" {e}" if len(strands) > 1 else ""), "target") for e in strands]
+    model_data = len(targets) + 1
+    out += _loop("ma_data", ["id", "name", "content_type"], [*targets, (model_data, "Model", "model coordinates")])
+    out += _loop("ma_data_group", ["ordinal_id", "group_id", "data_id"],
+                 [*((e, 1, e) for e in strands), (model_data, 2, model_data)])
+    out += _loop("ma_target_entity", ["entity_id", "data_id", "origin"], [(e, e, "designed") for e in strands])
     out += _loop("ma_target_entity_instance", ["asym_id", "entity_id", "details"],
-                 [(chain_id, 1, f"{name} chain {chain_id}")])
+                 [(c, entity_of[c], f"{name} chain {c}") for c in order])
     out += _loop("ma_protocol_step", ["ordinal_id", "protocol_id", "step_id", "method_type", "step_name", "details",
                                       "software_group_id", "input_data_group_id", "output_data_group_id"],
-                 [(1, 1, 1, "modeling", "prediction", "AlphaFold2 monomer inference", 1, 1, 2)])
+                 [(1, 1, 1, "modeling", "prediction", f"{method} inference", 1, 1, 2)])
     out += _loop("ma_model_list", ["ordinal_id", "model_name", "data_id", "model_type"],
-                 [(1, "Model", 2, "Ab initio model")])
+                 [(1, "Model", model_data, "Ab initio model")])
     out += _loop("ma_model_group", ["id", "name"], [(1, "All models")])
     out += _loop("ma_model_group_link", ["group_id", "model_id"], [(1, 1)])
     out += ["loop_"] + [f"_atom_site.{f}" for f in (
         "group_PDB", "id", "type_symbol", "label_atom_id", "label_alt_id", "label_comp_id", "label_asym_id",
         "label_entity_id", "label_seq_id", "pdbx_PDB_ins_code", "Cartn_x", "Cartn_y", "Cartn_z", "occupancy",
         "B_iso_or_equiv", "auth_seq_id", "auth_comp_id", "auth_asym_id", "pdbx_PDB_model_num")]
-    seq_ids = {int(r): k for k, r in enumerate(prot.residue_index, start=1)}
     elements = set()
-    for serial, atom, resname, resnum, xyz, b in _atoms(prot):
+    serial = 0
+    for _, atom, resname, resnum, xyz, b, chain, i in _atoms(prot, chain_id):
+        serial += 1
         elements.add(_element(atom))
         out.append(
-            f"ATOM {serial} {_element(atom)} {atom} . {resname} {chain_id} 1 {seq_ids[resnum]} ? "
-            f"{xyz[0]:.3f} {xyz[1]:.3f} {xyz[2]:.3f} 1.00 {b:.2f} {resnum} {resname} {chain_id} 1"
+            f"ATOM {serial} {_element(atom)} {atom} . {resname} {chain} {entity_of[chain]} {seq_id[i]} ? "
+            f"{xyz[0]:.3f} {xyz[1]:.3f} {xyz[2]:.3f} 1.00 {b:.2f} {resnum} {resname} {chain} 1"
         )
     out.append("#")
     out += _loop("atom_type", ["symbol"], [(e,) for e in sorted(elements)])
     description = "Predicted accuracy according to the CA-only lDDT in [0,100]"
-    out += _loop("ma_qa_metric", ["id", "name", "description", "type", "mode", "software_group_id"],
-                 [(1, "pLDDT", description, "pLDDT", "global", 1), (2, "pLDDT", description, "pLDDT", "local", 1)])
+    metrics = [(1, "pLDDT", description, "pLDDT", "global", 1), (2, "pLDDT", description, "pLDDT", "local", 1)]
+    values = [(1, f"{plddt.mean():.2f}")]
+    about = {"pTM": "Predicted accuracy according to the TM-score score in [0,1]",
+             "ipTM": "Predicted protein-protein interface score based on TM-score in [0,1]"}
+    for key, value in (scores or {}).items():
+        if key not in about:
+            raise ValueError(f"to_mmcif: unknown score {key!r}; expected one of {', '.join(about)}")
+        metrics.append((len(metrics) + 1, key, about[key], key, "global", 1))
+        values.append((len(metrics), f"{float(value):.4f}"))
+    out += _loop("ma_qa_metric", ["id", "name", "description", "type", "mode", "software_group_id"], metrics)
     out += _loop("ma_qa_metric_global", ["ordinal_id", "model_id", "metric_id", "metric_value"],
-                 [(1, 1, 1, f"{plddt.mean():.2f}")])
+                 [(k, 1, m, v) for k, (m, v) in enumerate(values, start=1)])
     out += _loop("ma_qa_metric_local", ["ordinal_id", "model_id", "label_asym_id", "label_seq_id", "label_comp_id",
                                         "metric_id", "metric_value"],
-                 [(k, 1, chain_id, k, r, 2, f"{v:.2f}") for k, (r, v) in enumerate(zip(resnames, plddt), start=1)])
+                 [(k, 1, chains[i], int(seq_id[i]), resnames[i], 2, f"{plddt[i]:.2f}")
+                  for k, i in enumerate(range(n), start=1)])
     return "\n".join(out) + "\n"
 
 
 def from_pdb(text: str) -> Protein:
-    """Read the first chain of PDB text (heavy atoms of standard residues) back into a `Protein`."""
-    residues: dict[tuple[int, str], dict] = {}
-    order: list[tuple[int, str]] = []
+    """Read PDB text (heavy atoms of standard residues, first model) back into a `Protein`; several chains give
+    `chain_index` and `chain_ids` in the order they appear."""
+    residues: dict[tuple[str, int, str], dict] = {}
+    order: list[tuple[str, int, str]] = []
     for line in text.splitlines():
         if line.startswith("ENDMDL"):
             break
         if not line.startswith(("ATOM", "HETATM")):
             continue
         name, resname = line[12:16].strip(), line[17:20].strip()
-        key = (int(line[22:26]), line[26].strip())
+        key = (line[21], int(line[22:26]), line[26].strip())
         if key not in residues:
             residues[key] = {"resname": resname, "atoms": {}}
             order.append(key)
@@ -216,4 +292,9 @@ def from_pdb(text: str) -> Protein:
         for name, (xyz, bf) in res["atoms"].items():
             if name in rc.atom_order:
                 pos[i, rc.atom_order[name]], mask[i, rc.atom_order[name]], b[i, rc.atom_order[name]] = xyz, 1.0, bf
-    return Protein(pos, mask, aatype, np.array([k[0] for k in order]), b)
+    ids = tuple(dict.fromkeys(k[0] for k in order))
+    numbers = np.array([k[1] for k in order], np.int64)
+    if len(ids) < 2:
+        return Protein(pos, mask, aatype, numbers, b)
+    index = np.array([ids.index(k[0]) for k in order], np.int64)
+    return Protein(pos, mask, aatype, numbers, b, chain_index=index, chain_ids=ids)

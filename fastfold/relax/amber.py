@@ -157,7 +157,7 @@ def cis_peptides(p: Protein) -> np.ndarray:
     # every peptide bond i -> i+1 at once
     b0, b1, b2 = x[:-1, c] - x[:-1, ca], x[1:, n] - x[:-1, c], x[1:, ca] - x[1:, n]
     length = np.linalg.norm(b1, axis=-1)
-    ok = ((np.diff(p.residue_index) == 1) & m[:-1, ca] & m[:-1, c] & m[1:, n] & m[1:, ca]
+    ok = ((np.diff(p.peptide_numbers()) == 1) & m[:-1, ca] & m[:-1, c] & m[1:, n] & m[1:, ca]
           & (length > 0.5) & (length < 2.0))
     n0, n1 = np.cross(b0, b1), np.cross(b1, b2)
     unit_b1 = b1 / np.where(length > 0, length, 1.0)[:, None]
@@ -415,11 +415,12 @@ def _to_atom37(topology, positions, like: Protein) -> Protein:
                 pos[i, rc.atom_order[atom.name]] = xyz[atom.index]
                 mask[i, rc.atom_order[atom.name]] = 1.0
     b = np.repeat(like.b_factors.max(axis=1, keepdims=True), 37, axis=1)
-    return Protein(pos, mask, like.aatype, like.residue_index, b)
+    return dataclasses.replace(like, atom_positions=pos, atom_mask=mask, b_factors=b)
 
 
 def _violations(p: Protein) -> np.ndarray:
-    return find_violations(p.atom_positions, p.atom_mask, p.aatype, p.residue_index)
+    # chain k's residue numbers shifted past chain k-1's: a chain break is not a broken peptide bond
+    return find_violations(p.atom_positions, p.atom_mask, p.aatype, p.peptide_numbers())
 
 
 def _rmsd(a: Protein, b: Protein) -> float:

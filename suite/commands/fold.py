@@ -1,6 +1,8 @@
-"""`suite fold`: predict protein structures from FASTA (AlphaFold2 monomer, FastFold/OpenFold flag names).
+"""`suite fold`: predict protein structures from FASTA (AlphaFold2 monomer and AlphaFold-Multimer, FastFold/OpenFold
+flag names).
 
     suite fold targets.fasta [template_mmcif_dir] --output_dir out --use_precomputed_alignments alignments/
+    suite fold complexes.fasta --model_preset multimer   # ColabFold's A:B records or one FASTA file per complex
     suite fold                      # the bundled example, single-sequence mode, tiny random model
 
 Everything is validated before any work starts (bad input: one line, exit 2). The folding itself is
@@ -31,13 +33,17 @@ def _chunk_size(text: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("fasta_path", nargs="?", default=None,
-                        help="FASTA file, one target per record (default: the bundled example)")
+                        help="FASTA file (or folder of them), one target per record; multimer models: one complex "
+                             "per record with chains split by ':' (ColabFold) or one complex per file, a record per "
+                             "chain (OpenFold) (default: the bundled example)")
     parser.add_argument("template_mmcif_dir", nargs="?", default=None, help="folder of PDB mmCIF files (templates)")
     parser.add_argument("--template_mmcif_dir", dest="template_mmcif_dir_flag", default=None,
                         help="same as the positional template_mmcif_dir")
     parser.add_argument("--output_dir", default="fold_outputs", help="one sub-folder per target is written here")
     parser.add_argument("--model_name", default="model_1_ptm",
-                        help="model preset(s), comma-separated (model_1..model_5, _ptm); ranked as AlphaFold does")
+                        help="model preset(s), comma-separated (model_1..model_5, _ptm; AlphaFold-Multimer "
+                             "model_1_multimer_v3..model_5_multimer_v3, also _v2 and v1 names); ranked as AlphaFold "
+                             "does (multimer: 0.8 ipTM + 0.2 pTM)")
     parser.add_argument("--param_path", default=None,
                         help="parameter file (one model), comma-separated files (one per model) or a folder of "
                              "params_<model_name>.npz; without it the weights are RANDOM")
@@ -66,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
     parser.add_argument("--relax_max_passes", type=int, default=20,
                         help="relax budget: minimise-and-check passes (AlphaFold's 20); unconverged is reported")
-    parser.add_argument("--relax_max_minutes", type=float, default=None,
-                        help="relax budget per structure: no new pass after this many minutes (default: none)")
+    parser.add_argument("--relax_max_minutes", type=float, default=10.0,
+                        help="relax budget per structure: no new pass after this many minutes, a running "
+                             "minimisation is stopped; the relaxation is then reported unconverged ('time budget', "
+                             "RELAX FAILED, exit 1)")
     parser.add_argument("--ray_address", default=None, help="Ray cluster for the alignment/feature jobs")
     parser.add_argument("--num_workers", type=int, default=None,
                         help="local Ray CPUs for alignment/feature jobs; 0: no Ray (default: up to 4 when several "
@@ -112,12 +120,19 @@ def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--long_sequence_inference", action="store_true", help="OpenFold: = --chunk_size auto")
     add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
     add("--preset", choices=["full_dbs", "reduced_dbs"], default=None, help="full_dbs; reduced_dbs is refused")
-    add("--model_preset", default=None, help="FastFold: monomer (multimer is refused)")
+    add("--model_preset", choices=["monomer", "multimer"], default=None,
+        help="FastFold/OpenFold: multimer = AlphaFold-Multimer (default --model_name model_1_multimer_v3); monomer: "
+             "the monomer models")
     add("--gpus", type=int, default=None, help="FastFold: DAP size = --devices")
     add("--enable_workflow", action="store_true", help="FastFold: alignment jobs as Ray tasks (= --num_workers)")
-    for flag in ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearch_binary_path",
-                 "hmmbuild_binary_path", "obsolete_pdbs_path", "release_dates_path", "multimer_ri_gap",
-                 "experiment_config_json"):
+    add("--uniprot_database_path", default=None,
+        help="multimer: jackhmmer database (UniProt) of each chain's pairing MSA (uniprot_hits.sto); unused by monomers")
+    add("--pdb_seqres_database_path", default=None,
+        help="multimer hmmsearch template search: refused (not implemented; templates come from .hhr hits)")
+    for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
+        add(f"--{flag}", default=None, help="multimer hmmsearch template search: unused (see "
+                                             "--pdb_seqres_database_path)")
+    for flag in ("obsolete_pdbs_path", "release_dates_path", "multimer_ri_gap", "experiment_config_json"):
         add(f"--{flag}", default=None, help="refused or unused: see the error message")
     for flag in ("trace_model", "use_deepspeed_evoformer_attention", "use_custom_template"):
         add(f"--{flag}", action="store_true", help="refused: see the error message")
@@ -134,7 +149,9 @@ _REFUSED = {
     "use_custom_template": "is not supported: templates come from .hhr hits and template_mmcif_dir",
     "experiment_config_json": "cannot apply: OpenFold config overrides do not map onto this model; use "
                               "--config FILE with suite fold flags",
-    "multimer_ri_gap": "cannot apply: suite fold runs monomer models only (no chains to separate)",
+    "multimer_ri_gap": "cannot apply: OpenFold's residue-index gap folds a complex with a monomer model; here "
+                       "complexes run AlphaFold-Multimer (--model_preset multimer), whose chain-aware relative "
+                       "positions (asym_id) separate the chains without a gap",
     "obsolete_pdbs_path": "is not supported: obsolete template ids are not remapped (a hit without its mmCIF "
                           "file is skipped with a warning)",
     "release_dates_path": "is not needed: template release dates are read from each mmCIF file "
@@ -144,7 +161,8 @@ _REFUSED = {
 
 _MULTIMER_ONLY = ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearch_binary_path",
                   "hmmbuild_binary_path")
-"""Multimer-only inputs: OpenFold's monomer runs ignore them too; accepted with a warning."""
+"""Multimer-only inputs: monomer runs ignore them (as OpenFold's do), with a warning; multimer runs: see
+`_multimer_inputs`."""
 
 COMPAT_FLAGS = {
     "openfold": (
@@ -187,11 +205,6 @@ def _apply_compat(args: argparse.Namespace) -> None:
     for flag, why in _REFUSED.items():
         if getattr(args, flag, None) not in (None, False):
             raise _usage(f"--{flag} {why}")
-    for flag in _MULTIMER_ONLY:
-        if getattr(args, flag, None) is not None:
-            log.warning("--%s is used by multimer models only; suite fold runs monomer models, so it is unused", flag)
-    if args.model_preset not in (None, "monomer"):
-        raise _usage(f"--model_preset {args.model_preset!r}: only monomer models are supported (no multimer)")
     if args.preset == "reduced_dbs":
         raise _usage("--preset reduced_dbs: the small-BFD jackhmmer search is not implemented; give "
                      "--bfd_database_path and --uniref30_database_path (full_dbs) or precomputed alignments")
@@ -220,6 +233,55 @@ def _apply_compat(args: argparse.Namespace) -> None:
         import os
 
         args.num_workers = max(1, min(4, os.cpu_count() or 1))
+    _apply_model_preset(args)
+    _multimer_inputs(args, log)
+
+
+_MULTIMER_DEFAULT = "model_1_multimer_v3"
+"""--model_name of --model_preset multimer when no model is named (as the monomer default names one model)."""
+
+
+def _is_multimer(args: argparse.Namespace) -> bool:
+    return any("_multimer" in n for n in str(args.model_name).split(","))
+
+
+def _apply_model_preset(args: argparse.Namespace) -> None:
+    """--model_preset multimer|monomer (FastFold/OpenFold) agrees with --model_name, or picks its default."""
+    if args.model_preset is None:
+        return
+    names = [n.strip() for n in str(args.model_name).split(",") if n.strip()]
+    multimer = [n for n in names if "_multimer" in n]
+    if args.model_preset == "multimer":
+        if args.model_name == "model_1_ptm":  # the default: not named by the user
+            args.model_name = _MULTIMER_DEFAULT
+        elif len(multimer) != len(names):
+            other = ", ".join(n for n in names if n not in multimer)
+            raise _usage(f"--model_preset multimer contradicts --model_name {other} (a monomer model); name "
+                         "model_N_multimer_v3 models or leave --model_name out")
+    elif multimer:
+        raise _usage(f"--model_preset monomer contradicts --model_name {', '.join(multimer)} (AlphaFold-Multimer)")
+
+
+def _multimer_inputs(args: argparse.Namespace, log) -> None:
+    """The multimer-only inputs: unused by monomer models (a warning, as OpenFold's monomer runs ignore them);
+    with multimer models, the UniProt search is run per chain, the hmmsearch template search is refused."""
+    given = [f for f in _MULTIMER_ONLY if getattr(args, f, None) is not None]
+    if not _is_multimer(args):
+        for flag in given:
+            log.warning("--%s is used by multimer models only; --model_name %s is a monomer model, so it is unused",
+                        flag, args.model_name)
+        return
+    if args.pdb_seqres_database_path is not None and args.use_precomputed_alignments is None:
+        raise _usage("--pdb_seqres_database_path: the hmmsearch template search of AlphaFold-Multimer is not "
+                     "implemented; templates come from .hhr hits (--pdb70_database_path, or pdb70_hits.hhr in each "
+                     "chain's folder of --use_precomputed_alignments)")
+    for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path", "pdb_seqres_database_path"):
+        if getattr(args, flag) is not None:
+            log.warning("--%s is unused: templates come from .hhr hits (the hmmsearch template search is not "
+                        "implemented)", flag)
+    if args.uniprot_database_path is not None and args.use_precomputed_alignments is not None:
+        log.warning("--uniprot_database_path is unused with --use_precomputed_alignments: each chain's folder "
+                    "gives its pairing MSA (uniprot_hits.sto)")
 
 
 _RECIPE_ONLY = {"accelerator"}
@@ -299,6 +361,10 @@ def _read_targets(args: argparse.Namespace):
         args.fasta_path = str(EXAMPLE_FASTA)
         args.single_sequence = True
     try:
+        if _is_multimer(args):
+            from ...fastfold.pipeline import read_complex_targets
+
+            return read_complex_targets(args.fasta_path)
         return read_targets(args.fasta_path)
     except InputError as exc:
         raise _usage(str(exc)) from None
@@ -347,6 +413,9 @@ def _check_param_file(path: str, model_name: str) -> None:
     from ...fastfold.model.config import preset
 
     suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if suffix in ("pt", "pth", "ckpt") and "_multimer" in model_name:
+        raise _usage(f"--param_path: {path}: --model_name {model_name} reads AlphaFold-Multimer .npz files only "
+                     "(params_model_N_multimer_v3.npz), not PyTorch checkpoints")
     if suffix in ("pt", "pth", "ckpt"):
         if not zipfile.is_zipfile(path):
             raise _usage(f"--param_path: {path}: not a PyTorch checkpoint (not a zip archive: truncated or corrupt?)")
@@ -361,8 +430,16 @@ def _check_param_file(path: str, model_name: str) -> None:
     af = [k for k in keys if k.startswith(params.PREFIX)]
     if not af:
         raise _usage(f"--param_path: {path}: no AlphaFold parameters in this .npz (no '{params.PREFIX}...' arrays)")
-    if any("~_relative_encoding" in k or "template_embedding_iteration" in k for k in af):
-        raise _usage(f"--param_path: {path}: looks like an AlphaFold-Multimer file; suite fold runs monomer models")
+    multimer_file = any("~_relative_encoding" in k or "template_embedding_iteration" in k for k in af)
+    if multimer_file != ("_multimer" in model_name):
+        if multimer_file:
+            raise _usage(f"--param_path: {path}: looks like an AlphaFold-Multimer file, but --model_name {model_name} "
+                         "is a monomer model: name its model_N_multimer_v3 preset (or --model_preset multimer)")
+        raise _usage(f"--param_path: {path}: looks like a monomer AlphaFold file, but --model_name {model_name} "
+                     "needs AlphaFold-Multimer weights (params_model_N_multimer_v3.npz)")
+    if multimer_file:
+        _check_multimer_file(path, keys, model_name)
+        return
     has_tm = params.PREFIX + "predicted_aligned_error_head/logits//weights" in keys
     has_templates = any("/template_embedding/" in k for k in af)
     cfg = preset(model_name)
@@ -371,6 +448,21 @@ def _check_param_file(path: str, model_name: str) -> None:
         want = ("template" if cfg.template.enabled else "no template") + (" and pTM" if cfg.heads.tm else ", no pTM")
         raise _usage(f"--param_path: {path}: looks like a {looks} file, but --model_name {model_name} needs "
                      f"{want} weights")
+
+
+def _check_multimer_file(path: str, keys: list[str], model_name: str) -> None:
+    """v3 files fuse each triangle multiplication's projections, v1/v2 do not: the file must be the version
+    `model_name` names (the preset's MSA sizes differ)."""
+    from ...fastfold import params
+
+    fused = any(k.startswith(params.PREFIX) and "triangle_multiplication" in k and k.endswith("/projection//weights")
+                for k in keys)
+    wants_v3 = model_name.endswith("_v3")
+    if fused != wants_v3:
+        looks = "a v3" if fused else "a v1/v2"
+        raise _usage(f"--param_path: {path}: looks like {looks} AlphaFold-Multimer file (triangle projections "
+                     f"{'fused' if fused else 'split'}), but --model_name {model_name} is "
+                     f"{'v3' if wants_v3 else 'not v3'}")
 
 
 def _validate_alignments(args: argparse.Namespace, targets) -> None:
@@ -383,7 +475,9 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
     from ...fastfold.data.targets import alignment_files, check_text_file
 
     _existing(args.use_precomputed_alignments, "--use_precomputed_alignments", "dir")
-    if args.use_precomputed_alignments:
+    if args.use_precomputed_alignments and _is_multimer(args):
+        _validate_chain_folders(args, targets)
+    elif args.use_precomputed_alignments:
         for t in targets:
             folder = Path(args.use_precomputed_alignments) / t.name
             if not folder.is_dir():
@@ -403,17 +497,50 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
         return
     for db in _DATABASES:
         _existing(getattr(args, f"{db}_database_path"), f"--{db}_database_path")
+    if _is_multimer(args):
+        _existing(args.uniprot_database_path, "--uniprot_database_path")
     if args.use_precomputed_alignments is None:
         _check_binaries(args)
+
+
+def _validate_chain_folders(args: argparse.Namespace, targets) -> None:
+    """Complexes: `DIR/<chain name>/` of the first copy of every entity (copies reuse it), text files only; a
+    folder without any alignment is refused unless --single_sequence (as for a monomer target)."""
+    from pathlib import Path
+
+    from ...core_parallel.errors import InputError
+    from ...fastfold.data.targets import alignment_files, check_text_file
+
+    for t in targets:
+        seen = set()
+        for chain in t.complex.chains:
+            if chain.entity_id in seen:
+                continue
+            seen.add(chain.entity_id)
+            folder = Path(args.use_precomputed_alignments) / chain.name
+            if not folder.is_dir():
+                raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: no folder for chain "
+                             f"{chain.name!r} (chain {chain.chain_id} of complex {t.name!r})")
+            msas, hits, ignored = alignment_files(folder)
+            if not msas and not args.single_sequence:
+                holds = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
+                raise _usage(f"--use_precomputed_alignments: {folder}: no alignment file (.sto/.a3m, optionally .gz) "
+                             f"for chain {chain.name!r} of complex {t.name!r}, it holds {holds}; add "
+                             "--single_sequence to fold it from the sequences alone")
+            for p in [*msas, *hits]:
+                try:
+                    check_text_file(p)
+                except InputError as exc:
+                    raise _usage(f"--use_precomputed_alignments: {exc}") from None
 
 
 def _check_binaries(args: argparse.Namespace) -> None:
     """The tools the given databases need must be runnable before any work starts."""
     from ...fastfold.data.tools import ToolError, find_binary
 
-    needs = {"jackhmmer": ("uniref90", "mgnify"), "hhblits": ("bfd",), "hhsearch": ("pdb70",)}
+    needs = {"jackhmmer": ("uniref90", "mgnify", "uniprot"), "hhblits": ("bfd",), "hhsearch": ("pdb70",)}
     for tool, dbs in needs.items():
-        if any(getattr(args, f"{db}_database_path") for db in dbs):
+        if any(getattr(args, f"{db}_database_path", None) for db in dbs):
             try:
                 find_binary(getattr(args, f"{tool}_binary_path"), tool)
             except ToolError as exc:
@@ -422,16 +549,22 @@ def _check_binaries(args: argparse.Namespace) -> None:
 
 def _model_specs(args: argparse.Namespace):
     from ...fastfold.model.config import model_names
+    from ...fastfold.model.multimer import multimer_model_names
     from ...fastfold.pipeline import ModelSpec
 
+    known = [*model_names(), *multimer_model_names()]
     names = [n.strip() for n in str(args.model_name).split(",") if n.strip()]
     if not names:
-        raise _usage(f"--model_name {args.model_name!r}: names no model; expected one of {', '.join(model_names())}")
+        raise _usage(f"--model_name {args.model_name!r}: names no model; expected one of {', '.join(known)}")
     for n in names:
-        if n not in model_names():
-            raise _usage(f"--model_name {n!r}: unknown model; expected one of {', '.join(model_names())}")
+        if n not in known:
+            raise _usage(f"--model_name {n!r}: unknown model; expected one of {', '.join(known)}")
     if len(set(names)) != len(names):
         raise _usage(f"--model_name {args.model_name!r} names a model twice")
+    multimer = [n for n in names if "_multimer" in n]
+    if multimer and len(multimer) != len(names):
+        raise _usage(f"--model_name {args.model_name!r} mixes monomer and AlphaFold-Multimer models (they fold "
+                     "different targets: chains or complexes); run them separately")
     paths = _param_paths(args, names)
     tiny = args.random_model_size == "tiny"
     device = args.model_device
@@ -563,6 +696,7 @@ def _build_config(args: argparse.Namespace, targets):
         template_mmcif_dir=mmcif_dir, max_template_date=args.max_template_date, cpus=args.cpus,
         **{f"{db}_database_path": getattr(args, f"{db}_database_path") for db in _DATABASES},
         **{f"{t}_binary_path": getattr(args, f"{t}_binary_path") for t in _TOOLS},
+        uniprot_database_path=args.uniprot_database_path if _is_multimer(args) else None,
     )
     workers = args.num_workers
     if workers is None:
@@ -644,9 +778,17 @@ def _summary(results, output_dir: str) -> None:
         status = r.status
         if r.relax_problem:
             status, files = f"{status}, RELAX FAILED", f"{files}; {r.relax_problem}"
-        table.add_row(r.target.name, str(len(r.target.sequence)), status, plddt, f"{r.seconds:.1f}", r.inputs,
+        table.add_row(r.target.name, _length(r.target), status, plddt, f"{r.seconds:.1f}", r.inputs,
                       files)
     Console(width=200).print(table)
+
+
+def _length(target) -> str:
+    """Residues of a target; a complex's per chain (A 16 + B 11)."""
+    cplx = getattr(target, "complex", None)
+    if cplx is None:
+        return str(len(target.sequence))
+    return " + ".join(f"{c.chain_id} {len(c.sequence)}" for c in cplx.chains)
 
 
 def run(args: argparse.Namespace) -> int:

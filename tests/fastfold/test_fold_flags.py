@@ -121,7 +121,9 @@ def test_every_openfold_and_fastfold_flag_is_accepted_with_its_meaning_or_refuse
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--model_preset", "multimer"], "only monomer models"),
+    (["--model_preset", "multimer", "--model_name", "model_2_ptm"], "--model_preset multimer contradicts"),
+    (["--model_preset", "monomer", "--model_name", "model_1_multimer_v3"], "--model_preset monomer contradicts"),
+    (["--model_preset", "multimer", "--pdb_seqres_database_path", "x"], "hmmsearch template search"),
     (["--preset", "reduced_dbs"], "reduced_dbs"),
     (["--config_preset", "model_3", "--model_name", "model_2"], "--config_preset model_3 contradicts --model_name"),
     (["--skip_relaxation", "--relaxation"], "--skip_relaxation contradicts --relaxation"),
