@@ -11,6 +11,14 @@ set just before the timed passes. The CPU measurement is made the same way for b
 - then `malloc_trim(0)` hands freed heap pages back, the baseline is the resident set, and the high-water
   mark is reset (`/proc/self/clear_refs`) before the timed passes.
 Random weights (the timing and memory do not depend on their values); MSA and extra-MSA sizes are flags.
+
+`--multimer` (issue 22): AlphaFold-Multimer at the released model_1_multimer_v3 widths (Evoformer, extra-MSA and
+template blocks from the flags) on one complex of `--chains` (default 2 x 256 residues, two entities, `--n_templ`
+templates, one pass): unchunked and chunked as above, then the unchunked model on each of `--dap_ranks` DAP rank
+counts (fresh processes, one thread per rank, each pinned to its own core where there are enough, as
+`suite bench dap`): per-rank peak (largest over the ranks; the resident-set growth of one pass) and time per pass
+(slowest rank; the memory pass is the first timed pass, after `--warmup` untimed ones). The first rank count is
+the baseline of the DAP ratios.
 """
 
 from __future__ import annotations
@@ -46,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--repeat", type=int, default=2, help="timed passes (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed full-size passes before the timed ones")
+    parser.add_argument("--multimer", action="store_true",
+                        help="AlphaFold-Multimer (model_1_multimer_v3 widths) on a complex of --chains; DAP rows too")
+    parser.add_argument("--chains", type=_int_list, default=[256, 256],
+                        help="--multimer: chain lengths of the complex, e.g. 256,256")
+    parser.add_argument("--n_templ", type=int, default=4, help="--multimer: templates")
+    parser.add_argument("--template_blocks", type=int, default=2, help="--multimer: template pair blocks (released: 2)")
+    parser.add_argument("--dap_ranks", type=_int_list, default=[1, 2],
+                        help="--multimer: DAP rank counts, the first the baseline (one count: no DAP rows)")
+    parser.add_argument("--parts", choices=["all", "chunk", "dap"], default="all",
+                        help="--multimer: which comparisons to run")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -71,6 +89,31 @@ def _rss_baseline() -> int:
     return rss_bytes()
 
 
+def _multimer_model(args: argparse.Namespace, device, dtype):
+    """AlphaFold-Multimer at model_1_multimer_v3 widths (blocks from the flags, random weights, seed 0, no early
+    stop) and a function chain lengths -> one-pass batch (seed 0) on `device`."""
+    import dataclasses
+
+    import torch
+
+    from ...fastfold.model.multimer import AlphaFoldMultimer, multimer_preset
+    from ...fastfold.model.testing import random_multimer_batch, randomize_parameters
+
+    cfg = multimer_preset("model_1_multimer_v3")
+    cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=args.blocks)
+    cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=args.extra_blocks)
+    cfg.template = dataclasses.replace(cfg.template, num_blocks=args.template_blocks)
+    cfg.recycle_early_stop_tolerance = -1.0
+    model = randomize_parameters(AlphaFoldMultimer(cfg), seed=0).to(device=device, dtype=dtype).eval()
+
+    def batch_of(chains: list[int]) -> dict[str, torch.Tensor]:
+        batch = random_multimer_batch(chains, n_seq=args.n_seq, n_extra=args.n_extra, n_templ=args.n_templ,
+                                      n_recycle=0, seed=0)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    return model, batch_of
+
+
 def _child(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -86,20 +129,26 @@ def _child(args: argparse.Namespace) -> int:
         "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
     )
     dtype = getattr(torch, args.dtype)
-    cfg = config.preset("model_3_ptm")
-    cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=args.blocks)
-    cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=args.extra_blocks)
-    model = AlphaFold(cfg).to(device=device, dtype=dtype).eval()
     options = _options(variant, args)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
+    if args.multimer:
+        model, batch_of = _multimer_model(args, device, dtype)
+        warm = [16] * len(args.chains)
+        n_res = sum(args.chains)
+    else:
+        cfg = config.preset("model_3_ptm")
+        cfg.evoformer = dataclasses.replace(cfg.evoformer, num_blocks=args.blocks)
+        cfg.extra_msa = dataclasses.replace(cfg.extra_msa, num_blocks=args.extra_blocks)
+        model = AlphaFold(cfg).to(device=device, dtype=dtype).eval()
+        warm = 32
 
-    def batch_of(n: int) -> dict[str, torch.Tensor]:
-        batch = random_batch(cfg, n_res=n, n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
-        return {k: v.to(device) for k, v in batch.items()}
+        def batch_of(n: int) -> dict[str, torch.Tensor]:
+            batch = random_batch(cfg, n_res=n, n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
+            return {k: v.to(device) for k, v in batch.items()}
 
     with torch.no_grad():
-        model(batch_of(32), options)  # warm-up: library initialisation, not counted
-    batch = batch_of(int(n_res))
+        model(batch_of(warm), options)  # warm-up: library initialisation, not counted
+    batch = batch_of(args.chains if args.multimer else int(n_res))
     if device.type == "cuda":
         sync()
         base = torch.cuda.memory_allocated()
@@ -143,6 +192,9 @@ def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
         "warmup",
     ):
         argv += [f"--{flag}", str(getattr(args, flag))]
+    if args.multimer:
+        argv += ["--multimer", "--chains", ",".join(map(str, args.chains)), "--n_templ", str(args.n_templ),
+                 "--template_blocks", str(args.template_blocks)]
     # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
     done = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"})
     if done.returncode != 0:
@@ -162,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("fold-model: --warmup must not be negative")
     if args.chunk_size != "auto" and not (args.chunk_size.isdigit() and int(args.chunk_size) > 0):
         raise UsageError(f"fold-model: --chunk_size must be a positive int or 'auto', got {args.chunk_size!r}")
+    if args.multimer:
+        return _run_multimer(args)
     rows = []
     for n_res in args.n_res:
         result = {v: _run_child(args, n_res, v) for v in ("unchunked", "chunked")}
@@ -187,6 +241,146 @@ def run(args: argparse.Namespace) -> int:
         args.json,
         {
             "benchmark": "fold-model",
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+def _dap_rank(rank: int, world: int, opts: dict) -> dict:
+    """One DAP rank of the multimer comparison: the model and batch built alike on every rank (seed 0), split
+    across the group when there is more than one rank; peak of one pass, then the time per pass."""
+    import argparse as _argparse
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ...core_parallel import Axis, Topology
+    from ...fastfold.dap import parallelize_dap
+    from ...fastfold.model import InferenceOptions
+    from .common import hwm_bytes, reset_peak_rss, rss_bytes
+    from .dap import _pin
+
+    device = torch.device("cpu")
+    core = _pin(rank, world) if opts["affinity"] == "pin" else None
+    args = _argparse.Namespace(**opts)
+    model, batch_of = _multimer_model(args, device, getattr(torch, opts["dtype"]))
+    topo = group = None
+    if world > 1:
+        topo = Topology(world_size=world, rank=rank, dap=world, backend="gloo")
+        group = topo.init().group(Axis.DAP)
+        parallelize_dap(model, group)
+    options = InferenceOptions()
+
+    def run(batch) -> None:
+        with torch.no_grad():
+            model(batch, options)
+
+    run(batch_of([16] * len(opts["chains"])))  # every code path once: one-time costs stay out of the peak
+    batch = batch_of(opts["chains"])
+    for _ in range(opts["warmup"]):
+        run(batch)
+    reset_peak_rss()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    run(batch)  # the memory pass, also the first timed one
+    times = [time.perf_counter() - t0]
+    peak = torch.tensor([(hwm_bytes() - before) / 2**20], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    for _ in range(opts["repeat"] - 1):
+        t0 = time.perf_counter()
+        run(batch)
+        times.append(time.perf_counter() - t0)
+    if topo is not None:
+        topo.destroy()
+    return {"seconds": sorted(times)[len(times) // 2], "peak_mib": float(peak.item()), "core": core}
+
+
+def _run_dap(args: argparse.Namespace, world: int) -> dict:
+    import os
+
+    from ...core_parallel import run_on_ranks
+
+    opts = {k: getattr(args, k) for k in ("blocks", "extra_blocks", "n_seq", "n_extra", "n_templ", "template_blocks",
+                                          "chains", "dtype", "repeat", "warmup")}
+    opts["affinity"] = "pin"
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed large tensors leave the resident set (as bench dap)
+    try:
+        per_rank = run_on_ranks(_dap_rank, world, opts, timeout=3600.0, backend="none")
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return {
+        "seconds": max(r["seconds"] for r in per_rank),
+        "peak_mib": max(r["peak_mib"] for r in per_rank),
+        "cores": ",".join(str(r["core"]) for r in per_rank),
+    }
+
+
+def _run_multimer(args: argparse.Namespace) -> int:
+    import datetime
+
+    from ..errors import UsageError
+    from .common import print_table, write_json
+
+    if args.n_templ <= 0 or args.template_blocks < 0:
+        raise UsageError("fold-model --multimer: --n_templ must be positive and --template_blocks not negative")
+    if args.parts == "dap" and len(args.dap_ranks) < 2:
+        raise UsageError("fold-model --multimer --parts dap: give two or more --dap_ranks, e.g. 1,2")
+    if args.device == "cuda" and args.parts != "chunk":
+        raise UsageError("fold-model --multimer: the DAP rows run on CPU (gloo); use --parts chunk with --device cuda")
+    complex_ = "+".join(map(str, args.chains))
+    rows = []
+    if args.parts in ("all", "chunk"):
+        result = {v: _run_child(args, sum(args.chains), v) for v in ("unchunked", "chunked")}
+        u, c = result["unchunked"], result["chunked"]
+        rows.append({
+            "comparison": "chunked vs unchunked",
+            "complex": complex_,
+            "device": u["device"],
+            "baseline_s": u["seconds"],
+            "s": c["seconds"],
+            "time_ratio": c["seconds"] / u["seconds"],
+            "baseline_peak_mib": u["peak_bytes"] / 2**20,
+            "peak_mib": c["peak_bytes"] / 2**20,
+            "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1),
+            "settings": f"chunk_size={args.chunk_size}, in_place",
+        })
+    if args.parts in ("all", "dap") and len(args.dap_ranks) > 1:
+        if args.device == "cuda":
+            raise UsageError("fold-model --multimer: the DAP rows run on CPU (gloo)")
+        base = _run_dap(args, args.dap_ranks[0])
+        for world in args.dap_ranks[1:]:
+            got = _run_dap(args, world)
+            rows.append({
+                "comparison": f"DAP {world} ranks vs {args.dap_ranks[0]}",
+                "complex": complex_,
+                "device": "cpu",
+                "baseline_s": base["seconds"],
+                "s": got["seconds"],
+                "time_ratio": got["seconds"] / base["seconds"],
+                "baseline_peak_mib": base["peak_mib"],
+                "peak_mib": got["peak_mib"],
+                "memory_ratio": got["peak_mib"] / max(base["peak_mib"], 1e-9),
+                "settings": f"unchunked, 1 thread per rank, cores {base['cores']} / {got['cores']}",
+            })
+    title = (
+        f"AlphaFold-Multimer pass (model_1_multimer_v3 widths), complex {complex_}, {args.blocks} Evoformer + "
+        f"{args.extra_blocks} extra-MSA + {args.template_blocks} template blocks, {args.n_seq} MSA rows, "
+        f"{args.n_extra} extra rows, {args.n_templ} templates, {args.dtype}"
+    )
+    print_table(rows, title=title)
+    write_json(
+        args.json,
+        {
+            "benchmark": "fold-model --multimer",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             "rows": rows,
         },
