@@ -2,9 +2,12 @@
 
 gemmi's CIF reader handles the whole syntax (quoted values, `;` text fields, loops); this module only picks
 the tables template features need. Only the first model and the first alternate location of each atom are
-read. Modified residues become their parent amino acid through gemmi's chemical-component table
-(MSE -> MET, SEP -> SER, TPO -> THR, MLY -> LYS, ...), keeping the parent's atoms (selenomethionine's SE is
-MET's SD), as AlphaFold's template featuriser does; a residue gemmi does not know is unknown (X).
+read. Where the sequence scheme lists two residues for one position (microheterogeneity: two residue types
+modelled at one place), the first is the chain's residue and only its atoms are read, so the SEQRES keeps one
+letter per position and matches the template hit's sequence. Modified residues become their parent amino acid
+through gemmi's chemical-component table (MSE -> MET, SEP -> SER, TPO -> THR, MLY -> LYS, ...), keeping the
+parent's atoms (selenomethionine's SE is MET's SD), as AlphaFold's template featuriser does; a residue gemmi
+does not know is unknown (X).
 """
 
 from __future__ import annotations
@@ -76,17 +79,25 @@ def _column(table, k: int) -> list[str]:
     return [gemmi.cif.as_string(row[k]) for row in table]
 
 
-def _seqres(block) -> dict[str, list[tuple[int, str]]]:
-    """author chain -> [(label seq id, residue name)] from the polymer sequence scheme."""
+def _seqres(block, source: str) -> dict[str, list[tuple[int, str]]]:
+    """author chain -> [(label seq id, residue name)] from the polymer sequence scheme, one residue per seq id
+    (the first listed where there are several: microheterogeneity)."""
     table = block.find("_pdbx_poly_seq_scheme.", ["pdb_strand_id", "seq_id", "mon_id"])
     out: dict[str, list[tuple[int, str]]] = {}
+    seen: set[tuple[str, int]] = set()
     for strand, seq_id, mon in zip(_column(table, 0), _column(table, 1), _column(table, 2)):
-        out.setdefault(strand, []).append((int(seq_id), mon))
+        try:
+            key = (strand, int(seq_id))
+        except ValueError:
+            raise InputError(f"{source}: _pdbx_poly_seq_scheme.seq_id {seq_id!r} is not a number") from None
+        if key not in seen:
+            seen.add(key)
+            out.setdefault(strand, []).append((key[1], mon))
     return out
 
 
-_ChainWork = tuple[dict[int, int], list[str], np.ndarray, np.ndarray]
-"""label seq id -> row, parent residue per row, positions, mask."""
+_ChainWork = tuple[dict[int, int], list[str], np.ndarray, np.ndarray, list[str]]
+"""label seq id -> row, parent residue per row, positions, mask, residue name per row (as the scheme has it)."""
 
 
 def _fill_atoms(block, chains: dict[str, _ChainWork], source: str) -> None:
@@ -100,7 +111,7 @@ def _fill_atoms(block, chains: dict[str, _ChainWork], source: str) -> None:
         chain = chains.get(row.str(0))
         if chain is None or model != first_model or row[1] in (".", "?"):
             continue
-        index, parents, pos, mask = chain
+        index, parents, pos, mask, names = chain
         try:
             seq_row = index.get(int(row.str(1)))
         except ValueError:
@@ -108,6 +119,8 @@ def _fill_atoms(block, chains: dict[str, _ChainWork], source: str) -> None:
         if seq_row is None:
             continue
         comp, name = row.str(3), row.str(2)
+        if comp != names[seq_row]:
+            continue  # the other residue of a microheterogeneous position
         name = _ATOM_RENAMES.get((comp, name), name)
         parent = parents[seq_row]
         if (name != "OXT" and name not in rc.residue_atoms.get(parent, ())) or mask[seq_row, rc.atom_order[name]]:
@@ -132,7 +145,7 @@ def parse_mmcif(text: str, source: str = "<mmcif>") -> MmcifFile:
     if not block.find_mmcif_category("_atom_site."):
         raise InputError(f"{source}: not an mmCIF coordinate file (no _atom_site table)")
     chains, work = {}, {}
-    for chain, residues in _seqres(block).items():
+    for chain, residues in _seqres(block, source).items():
         parents = [parent_residue(name) for _, name in residues]
         if not any(parents):
             continue  # DNA/RNA
@@ -140,7 +153,7 @@ def parse_mmcif(text: str, source: str = "<mmcif>") -> MmcifFile:
         index = {seq_id: row for row, (seq_id, _) in enumerate(residues)}
         pos = np.zeros((len(seq), rc.atom_type_num, 3), dtype=np.float32)
         mask = np.zeros((len(seq), rc.atom_type_num), dtype=np.float32)
-        work[chain] = (index, [p or "UNK" for p in parents], pos, mask)
+        work[chain] = (index, [p or "UNK" for p in parents], pos, mask, [name for _, name in residues])
         chains[chain] = MmcifChain(seq, pos, mask)
     _fill_atoms(block, work, source)
     return MmcifFile(chains, _release_date(block))

@@ -148,6 +148,25 @@ def test_mmcif_quoted_values_that_look_like_names():
     assert f.chains["A"].positions[0, rc.atom_order["CA"]].tolist() == [1.0, 2.0, 3.0]
 
 
+def test_mmcif_microheterogeneity_keeps_one_residue_per_position():
+    """Two residue types modelled at seq id 2 (SER listed first, then ALA, each with its own atoms in alternate
+    locations): the SEQRES keeps one letter per position (the first listed) and only that residue's atoms."""
+    text = (
+        "data_x\nloop_\n_pdbx_poly_seq_scheme.pdb_strand_id\n_pdbx_poly_seq_scheme.seq_id\n"
+        "_pdbx_poly_seq_scheme.mon_id\nA 1 GLY\nA 2 SER\nA 2 ALA\nA 3 MET\n#\n"
+        "loop_\n_atom_site.id\n_atom_site.auth_asym_id\n_atom_site.label_seq_id\n_atom_site.label_atom_id\n"
+        "_atom_site.label_comp_id\n_atom_site.label_alt_id\n_atom_site.Cartn_x\n_atom_site.Cartn_y\n"
+        "_atom_site.Cartn_z\n"
+        "1 A 1 CA GLY . 1.0 0 0\n2 A 2 CA ALA B 9.0 0 0\n3 A 2 CB ALA B 9.0 0 0\n4 A 2 CA SER A 2.0 0 0\n"
+        "5 A 2 OG SER A 2.5 0 0\n6 A 3 CA MET . 3.0 0 0\n#\n"
+    )
+    chain = parse_mmcif(text, "hetero.cif").chains["A"]
+    assert chain.sequence == "GSM"
+    assert chain.positions[1, rc.atom_order["CA"], 0] == 2.0  # SER's CA, not ALA's (listed before it)
+    assert {rc.atom_types[j] for j in np.nonzero(chain.mask[1])[0]} == {"CA", "OG"}
+    assert chain.positions[2, rc.atom_order["CA"], 0] == 3.0
+
+
 def test_templates_from_hits_with_missing_files_and_date_cutoff(caplog):
     hits = parse_hhr((ALIGN / "pdb70_hits.hhr").read_text())
     feats = TemplateFeaturizer(TemplateConfig(mmcif_dir=str(ASSETS / "mmcifs"), max_template_date="2021-01-01"))
