@@ -21,10 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from ..core_parallel.config import assemble, read_yaml, section, settings
+from ..core_parallel.gemini.config import GeminiConfig
+from ..core_parallel.loss_scaler import LossScalerConfig
+from ..core_parallel.zero.config import ZeroConfig
 from .data import DataConfig
 from .training import LossConfig
 
-__all__ = ["INTERPOLATION_MODES", "LR_SCHEDULERS", "MIXED_PRECISION", "REPORT_TO", "VALIDATION_SCHEDULERS",
+__all__ = ["INTERPOLATION_MODES", "LR_SCHEDULERS", "MIXED_PRECISION", "PARALLEL_KINDS", "REPORT_TO",
+           "VALIDATION_SCHEDULERS", "parallel_from_mapping",
            "DatasetSection", "EmaSection", "FineTuneConfig", "LaunchSection", "ModelSection", "OptimizerSection",
            "OutputSection", "RaySection", "TrainSection", "ValidationSection", "load_yaml_config"]
 
@@ -267,14 +271,52 @@ class OutputSection:
         _one_of("report_to", self.report_to, REPORT_TO)
 
 
+PARALLEL_KINDS = {"zero": ZeroConfig, "gemini": GeminiConfig}
+"""The keys of the `parallel` setting's YAML form: `parallel: {gemini: {offload_tier: nvme, offload_dir: /x}}`."""
+
+
+def parallel_from_mapping(value: Any) -> ZeroConfig | GeminiConfig | None:
+    """A `parallel` setting as written in YAML (one key, `zero` or `gemini`, holding the config's fields; null
+    for no sharding) as the config object; a config object is returned as is. `ValueError` naming `parallel`
+    for any other form or a field the config refuses."""
+    if value is None or isinstance(value, (ZeroConfig, GeminiConfig)):
+        return value
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in PARALLEL_KINDS:
+        raise ValueError(f"parallel must be null or a mapping with one key, zero or gemini (e.g. "
+                         f"{{gemini: {{offload_tier: nvme, offload_dir: /x}}}}), got {value!r}")
+    (kind, fields), = value.items()
+    fields = dict(fields or {})
+    if not all(isinstance(k, str) for k in fields):
+        raise ValueError(f"parallel: {kind}: expected a mapping of field names, got {fields!r}")
+    if isinstance(fields.get("loss_scaler"), dict):
+        try:
+            fields["loss_scaler"] = LossScalerConfig(**fields["loss_scaler"])
+        except TypeError as exc:
+            raise ValueError(f"parallel: {kind}.loss_scaler: {exc}") from None
+    if "precision" in fields:
+        raise ValueError(f"parallel: {kind}.precision: the precision is --mixed_precision's; leave it out")
+    try:
+        return PARALLEL_KINDS[kind](**fields)
+    except TypeError as exc:
+        known = ", ".join(f.name for f in dataclasses.fields(PARALLEL_KINDS[kind]) if f.name != "precision")
+        raise ValueError(f"parallel: {kind}: {str(exc).split('() ', 1)[-1]} (fields: {known})") from None
+    except ValueError as exc:  # the config's own refusal (an InputError)
+        raise ValueError(f"parallel: {kind}: {exc}") from None
+
+
 @dataclass(kw_only=True)
 class LaunchSection:
     """Processes, nodes and the Lightning strategy (what `accelerate launch` and its config set for diffusers)."""
 
     strategy: str = "auto"
-    """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ..."""
+    """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, gemini_nvme,
+    gemini_auto (each names a `parallel` config), or another strategy Lightning registers."""
     offload_dir: str | None = None
     """Folder of the NVMe tier (gemini_nvme, gemini_auto); passed to the strategy object, local and on Ray."""
+    parallel: ZeroConfig | GeminiConfig | None = None
+    """The sharding config itself, instead of --strategy (config files and code): `{zero: {stage: 2, ...}}`
+    (core_parallel.ZeroConfig's fields) or `{gemini: {placement: auto, offload_tier: nvme, offload_dir: /x,
+    ...}}` (GeminiConfig's); null: from --strategy and --offload_dir."""
     devices: int = 1
     """Processes (devices) per node."""
     num_nodes: int = 1
@@ -282,6 +324,15 @@ class LaunchSection:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, ("devices", "num_nodes"))
+        self.parallel = parallel_from_mapping(self.parallel)
+        if self.parallel is not None:
+            if self.strategy != "auto":
+                raise ValueError(f"strategy {self.strategy!r} and parallel both name the strategy; give one "
+                                 "(an explicit --strategy replaces a config file's parallel)")
+            if self.offload_dir is not None:
+                raise ValueError("offload_dir goes inside parallel (gemini: {offload_tier: nvme, offload_dir: ...})")
+            if self.parallel.precision != "fp32":
+                raise ValueError("parallel: precision is --mixed_precision's; leave the config's at fp32")
 
 
 @dataclass(kw_only=True)
@@ -341,7 +392,7 @@ class FineTuneConfig:
 
     def __post_init__(self) -> None:
         # the checks that need two sections; each section checks its own fields
-        if self.use_ema and self.strategy.startswith("gemini"):
+        if self.use_ema and (self.strategy.startswith("gemini") or isinstance(self.parallel, GeminiConfig)):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
         if self.with_prior_preservation:

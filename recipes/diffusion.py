@@ -36,6 +36,7 @@ from ..diffusion.data import (
 )
 from ..diffusion.errors import InputError
 from ..diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
+from .strategies import parallel_for_strategy, strategy_from_config, strategy_kind
 
 __all__ = ["ImageCaptionData", "StableDiffusionFineTune", "check_run", "find_checkpoint", "fit_finetune",
            "fit_with_ray"]
@@ -98,7 +99,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         half = None if dtype == torch.float32 else dtype
         trains_text_encoder = cfg.train_text_encoder and not cfg.lora
         return {"vae_dtype": half, "text_encoder_dtype": None if trains_text_encoder else half,
-                "stream_unet": not cfg.lora and not cfg.use_ema and _is_gemini(cfg.strategy)}
+                "stream_unet": not cfg.lora and not cfg.use_ema and _is_gemini(cfg)}
 
     def setup(self, stage: str) -> None:
         if not isinstance(self.trainer.strategy, _gemini_strategy_class()):
@@ -719,7 +720,8 @@ def check_run(cfg: FineTuneConfig) -> None:
         close = difflib.get_close_matches(cfg.strategy, names, n=1)
         hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(names)})"
         raise InputError(f"--strategy {cfg.strategy}: no such strategy{hint}")
-    strategy_arguments(cfg)  # --offload_dir with a strategy that has no NVMe tier: one line, before any loading
+    if cfg.offload_dir is not None:  # --offload_dir with a strategy that has no NVMe tier: one line, before loading
+        parallel_for_strategy(cfg.strategy, cfg.offload_dir)
     cuda = torch.cuda.is_available()
     if cfg.mixed_precision == "fp16" and not cuda:
         raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
@@ -795,43 +797,24 @@ def _gemini_strategy_class() -> type:
     return GeminiStrategy
 
 
-def _is_gemini(strategy: str) -> bool:
-    """Whether the registered strategy `strategy` is a Gemini one (its chunks can be filled from a file)."""
-    from lightning.pytorch.strategies import StrategyRegistry
+def _is_gemini(cfg: FineTuneConfig) -> bool:
+    """Whether the run shards with Gemini (its chunks can be filled from a file); makes no folder."""
+    from ..core_parallel import GeminiConfig
 
-    from .. import recipes  # noqa: F401 - registers the strategy names
-
-    entry = dict.get(StrategyRegistry, strategy)
-    return entry is not None and issubclass(entry["strategy"], _gemini_strategy_class())
+    return isinstance(cfg.parallel, GeminiConfig) or (cfg.parallel is None and strategy_kind(cfg.strategy) == "gemini")
 
 
-def strategy_arguments(cfg: FineTuneConfig) -> dict[str, Any]:
-    """Constructor arguments the run's flags add to its registered strategy: `offload_dir` for the Gemini
-    strategies with an NVMe tier (passed to the strategy object, never through an environment variable)."""
-    if not cfg.offload_dir:
-        return {}
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from .strategies import GeminiStrategy
-
-    entry = dict.get(StrategyRegistry, cfg.strategy)  # the entry (the registry's own get() builds a strategy)
-    params = (entry or {}).get("init_params", {})
-    has_nvme = params.get("offload") == "nvme" or params.get("placement") == "auto"
-    if entry is None or not issubclass(entry["strategy"], GeminiStrategy) or not has_nvme:
-        raise InputError(f"--offload_dir {cfg.offload_dir}: only the strategies with an NVMe tier use it "
-                         f"(gemini_nvme, gemini_auto), not --strategy {cfg.strategy}")
-    return {"offload": "nvme", "offload_dir": str(cfg.offload_dir)}
+def parallel_config(cfg: FineTuneConfig) -> Any:
+    """The run's sharding config: `parallel` when given, else the one `--strategy` (and `--offload_dir`) name
+    (`recipes.strategies.parallel_for_strategy`); None for strategies that shard nothing here (auto, ddp, ...)."""
+    return cfg.parallel if cfg.parallel is not None else parallel_for_strategy(cfg.strategy, cfg.offload_dir)
 
 
-def _strategy(cfg: FineTuneConfig) -> Any:
-    """The Trainer's `strategy`: the registered name, or the registered strategy built with the run's arguments."""
-    extra = strategy_arguments(cfg)
-    if not extra:
-        return cfg.strategy
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    entry = StrategyRegistry[cfg.strategy]
-    return entry["strategy"](**{**entry["init_params"], **extra})
+def build_strategy(cfg: FineTuneConfig) -> Any:
+    """The Trainer's `strategy`, built directly from the run's config (`strategy_from_config`): no registry
+    lookup, no environment variable; a strategy name that shards nothing here (auto, ddp, Lightning's own) as is."""
+    parallel = parallel_config(cfg)
+    return cfg.strategy if parallel is None else strategy_from_config(parallel)
 
 
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
@@ -845,7 +828,7 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
     # a progress bar only where a terminal shows it; elsewhere PlainProgress writes lines
     bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
     kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
-    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=_strategy(cfg))
+    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=build_strategy(cfg))
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
 
@@ -936,9 +919,9 @@ def _ray_job(cfg: FineTuneConfig, max_steps: int, ckpt: str | None, resumed_step
 
     module = StableDiffusionFineTune(cfg)
     data = ImageCaptionData(cfg, module.tokenizer)
-    strategy = "ddp" if cfg.strategy == "auto" else cfg.strategy
+    parallel = parallel_config(cfg)
+    strategy = parallel if parallel is not None else "ddp" if cfg.strategy == "auto" else cfg.strategy
     return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
-                  strategy_kwargs=strategy_arguments(cfg),
                   trainer_kwargs=trainer_kwargs(cfg, max_steps, None, resumed_step, progress_bar=False))
 
 
@@ -956,6 +939,9 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
                                       if getattr(cfg, k) and os.path.exists(getattr(cfg, k))})
     if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
         cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
+    if getattr(cfg.parallel, "offload_dir", None):  # a Gemini config's NVMe folder
+        folder = os.path.abspath(cfg.parallel.offload_dir)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_dir=folder))
     check_run(cfg)
     workers = cfg.num_workers or cfg.devices * cfg.num_nodes
     _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)

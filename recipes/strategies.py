@@ -14,11 +14,13 @@ trainer = Trainer(strategy=recipes.GeminiStrategy(placement="auto", device_memor
 | `zero2_offload` | `ZeroStrategy(stage=2, offload="cpu")`: master weights and optimizer state in CPU memory |
 | `gemini` | `GeminiStrategy()`: ZeRO-3 chunks, everything on the device |
 | `gemini_offload` | `GeminiStrategy(offload="cpu")`: optimizer state and master weights in CPU memory |
-| `gemini_nvme` | `GeminiStrategy(offload="nvme")`: those on NVMe, in `$SUITE_OFFLOAD_DIR` or a temporary folder |
+| `gemini_nvme` | `GeminiStrategy(offload="nvme")`: those on NVMe, in a temporary folder (or `offload_dir`) |
 | `gemini_auto` | `GeminiStrategy(placement="auto")`: placement traced in the first step, within a budget |
 
 An app that holds a `core_parallel.ZeroConfig` / `GeminiConfig` builds the strategy from it directly, with no
-name lookup and no environment variable: `strategy_from_config(config, collective_timeout_s=600)`.
+name lookup and no environment variable: `strategy_from_config(config, collective_timeout_s=600)`; an app that
+takes a name (`--strategy`) turns it into that config first: `parallel_for_strategy("gemini_nvme",
+offload_dir=...)` (the same config the registered name's strategy builds; None for `auto` and `ddp`).
 
 Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parallel.setup(model,
 optimizer, config, group)`, the group being the default process group that Lightning's cluster
@@ -77,22 +79,22 @@ from .precision import ShardedPrecision
 
 __all__ = [
     "LIGHTNING_STATE",
-    "OFFLOAD_DIR_ENV",
     "SIGTERM_EXIT_CODE",
     "GEMINI_OFFLOADS",
+    "STRATEGY_NAMES",
     "GeminiStrategy",
     "PeerFailureError",
     "ZeroStrategy",
+    "parallel_for_strategy",
     "register_strategies",
     "strategy_from_config",
+    "strategy_kind",
 ]
 
 logger = logging.getLogger(__name__)
 
 LIGHTNING_STATE = "lightning_state.pt"
 """File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
-OFFLOAD_DIR_ENV = "SUITE_OFFLOAD_DIR"
-"""Environment variable naming the NVMe folder of `gemini_nvme` when no `offload_dir` is given."""
 GEMINI_OFFLOADS = ("none", "cpu", "nvme")
 """Values of `GeminiStrategy(offload=...)`."""
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
@@ -424,7 +426,7 @@ class GeminiStrategy(_ShardedStrategy):
             on the device (auto placement spills to CPU memory). None (default): "none", or the tier named by
             `offload_tier=` (as `strategy_from_config` passes it).
         offload_dir: folder of the NVMe tier, only with offload="nvme" (or offload_tier="nvme"); there without a
-            folder: `$SUITE_OFFLOAD_DIR` or a temporary folder. Given with offload="none"/"cpu" it is an error;
+            folder: a temporary folder. Given with offload="none"/"cpu" it is an error;
             given alone it selects the NVMe tier as before, with a DeprecationWarning.
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
     """
@@ -452,8 +454,7 @@ class GeminiStrategy(_ShardedStrategy):
     def offload_dir(self) -> str | None:
         """The NVMe folder in use (resolved on first use for the NVMe tier without a folder)."""
         if self._offload_dir is None and self.offload_tier == "nvme":
-            env = os.environ.get(OFFLOAD_DIR_ENV)
-            self._offload_dir = env or tempfile.mkdtemp(prefix="suite-offload-")
+            self._offload_dir = tempfile.mkdtemp(prefix="suite-offload-")
             logger.info("gemini NVMe tier in %s", self._offload_dir)
         return self._offload_dir
 
@@ -508,6 +509,51 @@ def strategy_from_config(config: Any, **kwargs: Any) -> ZeroStrategy | GeminiStr
     if clash:
         raise TypeError(f"strategy_from_config: {clash} come from the config, not from keyword arguments")
     return cls(**fields, **kwargs)
+
+
+STRATEGY_NAMES = ("auto", "ddp", "zero1", "zero2", "zero2_offload", "gemini", "gemini_offload", "gemini_nvme",
+                  "gemini_auto")
+"""The strategy names the apps' `--strategy` takes (the sharded ones registered below, plus Lightning's)."""
+_NVME_NAMES = ("gemini_nvme", "gemini_auto")
+
+
+def strategy_kind(name: str) -> str | None:
+    """"zero" or "gemini" for the names of this module's strategies, None for the others (auto, ddp, ...)."""
+    if name.startswith("zero") and name in STRATEGY_NAMES:
+        return "zero"
+    if name.startswith("gemini") and name in STRATEGY_NAMES:
+        return "gemini"
+    return None
+
+
+def parallel_for_strategy(name: str, offload_dir: str | os.PathLike | None = None) -> Any:
+    """The `ZeroConfig` / `GeminiConfig` a strategy name stands for (what `StrategyRegistry[name]`'s strategy
+    builds, precision fp32), with `offload_dir` as its NVMe folder; None for names that shard nothing here
+    (auto, ddp, Lightning's own). gemini_nvme without a folder gets a new temporary one (made now).
+
+    One `InputError` for `offload_dir` with a name that has no NVMe tier.
+    """
+    from ..core_parallel import GeminiConfig, ZeroConfig
+
+    if offload_dir is not None and name not in _NVME_NAMES:
+        raise InputError(f"--offload_dir {offload_dir}: only the strategies with an NVMe tier use it "
+                         f"({', '.join(_NVME_NAMES)}), not --strategy {name}")
+    folder = os.fspath(offload_dir) if offload_dir is not None else None
+    if name == "gemini_nvme" and folder is None:
+        folder = tempfile.mkdtemp(prefix="suite-offload-")
+        logger.info("gemini NVMe tier in %s", folder)
+    off = {"offload_param_frac": 1.0, "offload_optim_frac": 1.0}
+    table = {
+        "zero1": lambda: ZeroConfig(stage=1),
+        "zero2": lambda: ZeroConfig(stage=2),
+        "zero2_offload": lambda: ZeroConfig(stage=2, offload="cpu"),
+        "gemini": lambda: GeminiConfig(),
+        "gemini_offload": lambda: GeminiConfig(offload_tier="cpu", **off),
+        "gemini_nvme": lambda: GeminiConfig(offload_tier="nvme", offload_dir=folder, **off),
+        "gemini_auto": lambda: GeminiConfig(placement="auto", offload_tier="nvme" if folder else "cpu",
+                                            offload_dir=folder),
+    }
+    return table[name]() if name in table else None
 
 
 def _gemini_tier(offload: str | None, tier: str | None, offload_dir: str | None) -> str:
@@ -613,7 +659,7 @@ _REGISTRY: tuple[tuple[str, type, str, dict[str, Any]], ...] = (
     (
         "gemini_nvme",
         GeminiStrategy,
-        f"Gemini, optimizer state and master weights on NVMe (${OFFLOAD_DIR_ENV} or a temporary folder)",
+        "Gemini, optimizer state and master weights on NVMe (a temporary folder)",
         {"offload": "nvme"},
     ),
     ("gemini_auto", GeminiStrategy, "Gemini with auto placement within the device budget", {"placement": "auto"}),

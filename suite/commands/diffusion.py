@@ -88,7 +88,11 @@ def build_config(args: argparse.Namespace) -> object:
         return script_config(args.diffusion_command, values, launch)
     path = resolve_config_path(args.config) if getattr(args, "config", None) else None
     file_values = load_yaml_config(path) if path else {}
-    return build(FineTuneConfig, *merge(FineTuneConfig, args, file_values, str(path)))
+    values, origin = merge(FineTuneConfig, args, file_values, str(path))
+    if "parallel" in values and {origin.get("strategy"), origin.get("offload_dir")} & {"--strategy", "--offload_dir"}:
+        # the file's `parallel` and an explicit --strategy name the same thing: the flag wins (flag > file)
+        del values["parallel"]
+    return build(FineTuneConfig, values, origin)
 
 
 def _summary(cfg: object) -> str:

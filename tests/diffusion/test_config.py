@@ -36,7 +36,7 @@ def test_every_setting_has_one_generated_flag_with_its_docstring():
     table = settings(FineTuneConfig)
     flags = {a.option_strings[0]: a for a in _finetune_parser()._actions if a.option_strings}
     assert set(flags) == {"-h", "--config"} | {f"--{name}" for name, s in table.items() if s.flaggable}
-    assert [name for name, s in table.items() if not s.flaggable] == ["extra"]  # free-form, YAML only
+    assert [name for name, s in table.items() if not s.flaggable] == ["parallel", "extra"]  # YAML and code only
     for name, s in table.items():
         assert s.help, f"{s.key} has no docstring"
         if s.flaggable:
@@ -44,7 +44,7 @@ def test_every_setting_has_one_generated_flag_with_its_docstring():
     assert not hasattr(command, "FLAGS") and not hasattr(command, "LAUNCH_FLAGS")  # no hand-written flag table
     source = inspect.getsource(command)
     assert source.count("add_argument(") == 2, "only --config and the scripts' frozen tables are written by hand"
-    assert len(table) == 85 and FineTuneConfig.field_names() == list(table)
+    assert len(table) == 86 and FineTuneConfig.field_names() == list(table)
 
 
 def test_sections_are_the_owners_dataclasses_and_flat_names_read_through():
@@ -114,3 +114,54 @@ def test_bad_flag_value_names_the_flag(capsys, tmp_path):
     rc = main(["diffusion", "finetune", "--config", str(recipe), "--resolution", "30"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["suite diffusion: error: --resolution must be a positive multiple of 8, got 30"]
+
+
+# -- the parallel section (issue 20) --------------------------------------------------------------------------
+def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
+    from lowmem.core_parallel import GeminiConfig, ZeroConfig
+    from lowmem.core_parallel.loss_scaler import LossScalerConfig
+    from lowmem.recipes.diffusion import build_strategy, parallel_config
+    from lowmem.recipes.strategies import GeminiStrategy, ZeroStrategy
+    from lowmem.suite.commands.diffusion import build_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"parallel:\n  gemini: {{offload_tier: nvme, offload_dir: {tmp_path / 'nvme'}, "
+                      "offload_optim_frac: 0.5}\n")
+    cfg = build_config(_args("--config", str(recipe)))
+    want = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_optim_frac=0.5)
+    assert cfg.parallel == cfg.launch.parallel == want and parallel_config(cfg) == want
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, GeminiStrategy) and strategy.core_config("fp32") == want
+    # nested under its section, a zero config, loss-scaler settings as a mapping
+    recipe.write_text("launch:\n  parallel: {zero: {stage: 1, offload: cpu, loss_scaler: {hysteresis: 3}}}\n")
+    cfg = build_config(_args("--config", str(recipe)))
+    assert cfg.parallel == ZeroConfig(stage=1, offload="cpu", loss_scaler=LossScalerConfig(hysteresis=3))
+    assert isinstance(build_strategy(cfg), ZeroStrategy)
+    # an explicit --strategy replaces the file's parallel (flag > file); in code both at once are refused
+    cfg = build_config(_args("--config", str(recipe), "--strategy", "gemini_offload"))
+    assert cfg.parallel is None and parallel_config(cfg) == GeminiConfig(offload_tier="cpu", offload_param_frac=1.0,
+                                                                        offload_optim_frac=1.0)
+    with pytest.raises(ValueError, match="give one"):
+        FineTuneConfig(strategy="zero2", parallel=ZeroConfig())
+    assert FineTuneConfig(parallel={"zero": {"stage": 1}}).parallel == ZeroConfig(stage=1)
+    assert parallel_config(FineTuneConfig()) is None and build_strategy(FineTuneConfig(strategy="ddp")) == "ddp"
+    with pytest.raises(ValueError, match="use_ema is not supported with the gemini"):
+        FineTuneConfig(use_ema=True, parallel=GeminiConfig())
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("parallel: {fsdp: {}}\n", "parallel must be null or a mapping with one key, zero or gemini"),
+    ("parallel: {gemini: {tier: nvme}}\n", "parallel: gemini: got an unexpected keyword argument 'tier'"),
+    ("parallel: {gemini: {offload_tier: nvme}}\n", "parallel: gemini: offload_tier='nvme' needs offload_dir"),
+    ("parallel: {zero: {stage: 3}}\n", "parallel: zero: "),
+    ("parallel: {zero: {precision: bf16}}\n", "parallel: zero.precision: the precision is --mixed_precision's"),
+    ("strategy: zero2\nparallel: {zero: {}}\n", "strategy 'zero2' and parallel both name the strategy"),
+    ("offload_dir: /x\nparallel: {gemini: {}}\n", "offload_dir goes inside parallel"),
+])
+def test_bad_parallel_is_one_line_naming_the_file(tmp_path, capsys, text, expect):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+    rc = main(["diffusion", "finetune", "--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"suite diffusion: error: {recipe}: ") and expect in err[0], err

@@ -38,6 +38,28 @@ def test_ray_strategy_passes_rays_check():
         ray_strategy("zero3")
 
 
+def test_ray_strategy_from_a_config_and_the_diffusion_job_keeps_offload_dir(tmp_path):
+    """The Ray path builds the strategy from the run's config: every field (the NVMe folder included) arrives."""
+    from ray.train.lightning import RayDDPStrategy
+
+    from lowmem.core_parallel import GeminiConfig
+    from lowmem.diffusion.config import FineTuneConfig
+    from lowmem.recipes import GeminiStrategy
+    from lowmem.recipes.diffusion import _ray_job
+    from lowmem.recipes.ray import ray_strategy
+
+    config = GeminiConfig(placement="auto", offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), prefetch=2)
+    strategy = ray_strategy(config, collective_timeout_s=60)
+    assert isinstance(strategy, GeminiStrategy) and isinstance(strategy, RayDDPStrategy)
+    assert strategy.core_config("fp32") == config and strategy.collective_timeout_s == 60
+    cfg = FineTuneConfig(output_dir=str(tmp_path / "out"), strategy="gemini_nvme", offload_dir=str(tmp_path / "d"),
+                         max_train_steps=1)
+    job = _ray_job(cfg, 1, None, None)
+    assert job.strategy == GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "d"),
+                                        offload_param_frac=1.0, offload_optim_frac=1.0)
+    assert _ray_job(FineTuneConfig(output_dir=str(tmp_path / "o2")), 1, None, None).strategy == "ddp"
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):

@@ -241,7 +241,7 @@ def assert_close(actual: dict, expected: dict, label: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("strategies")
-    env = {"SUITE_OFFLOAD_DIR": str(root / "nvme"), "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     results = run_on_ranks(_train_all_on_2, 2, str(root), backend="none", timeout=150, env=env)
     logger.info("2-rank strategies run took %.1fs", time.perf_counter() - t0)
@@ -460,8 +460,10 @@ def test_configs_behind_the_names(monkeypatch, tmp_path):
     assert (config("gemini").offload_param_frac, config("gemini").offload_dir) == (0.0, None)
     off = config("gemini_offload")
     assert (off.offload_param_frac, off.offload_optim_frac, off.offload_dir) == (1.0, 1.0, None)
-    monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path))
-    assert config("gemini_nvme").offload_dir == str(tmp_path)
+    monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path))  # no environment variable is a channel any more
+    nvme_dir = Path(config("gemini_nvme").offload_dir)
+    assert nvme_dir.is_dir() and nvme_dir != tmp_path and nvme_dir.name.startswith("suite-offload-")
+    nvme_dir.rmdir()
     assert config("gemini_auto").placement == "auto"
     with pytest.raises(ValueError, match="Trainer\\(precision"):
         recipes_strategies().ZeroStrategy(precision="bf16")
@@ -520,8 +522,9 @@ def test_gemini_strategy_tiers(tmp_path, monkeypatch):
     assert (cpu.offload_tier, cpu.offload_dir, cpu.offload_optim_frac) == ("cpu", None, 1.0)
     # auto placement: the shorthand names the tier only (the static fractions do not apply)
     auto = strategies.GeminiStrategy(placement="auto", offload="nvme").core_config("fp32")
-    assert (auto.placement, auto.offload_tier, auto.offload_dir, auto.offload_param_frac) == (
-        "auto", "nvme", str(tmp_path / "env"), 0.0)
+    assert (auto.placement, auto.offload_tier, auto.offload_param_frac) == ("auto", "nvme", 0.0)
+    assert Path(auto.offload_dir).name.startswith("suite-offload-")  # a temporary folder, not the environment's
+    Path(auto.offload_dir).rmdir()
     # a folder alone: the NVMe tier as before (same fractions), with a DeprecationWarning at the caller
     with pytest.warns(DeprecationWarning, match="offload='nvme'") as record:
         old = strategies.GeminiStrategy(offload_dir=tmp_path / "old")
@@ -551,3 +554,32 @@ def test_strategy_from_config_takes_every_field_and_no_environment(tmp_path, mon
         strategies.strategy_from_config(ZeroConfig(precision="bf16"))
     with pytest.raises(TypeError, match="ZeroConfig or GeminiConfig"):
         strategies.strategy_from_config({"stage": 2})
+
+
+def test_every_strategy_name_maps_onto_the_config_its_registered_strategy_builds(tmp_path):
+    """`--strategy NAME` (and `--offload_dir`) become the same `ZeroConfig` / `GeminiConfig` that
+    `Trainer(strategy=NAME)` builds, so building the strategy from the config changes no number."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lowmem.core_parallel.errors import InputError
+
+    strategies = recipes_strategies()
+    assert set(strategies.STRATEGY_NAMES) - {"auto", "ddp"} == set(SHARDED)
+    for name in strategies.STRATEGY_NAMES:
+        for folder in ((None, str(tmp_path / "nvme")) if name in ("gemini_nvme", "gemini_auto") else (None,)):
+            config = strategies.parallel_for_strategy(name, folder)
+            if name in ("auto", "ddp"):
+                assert config is None and strategies.strategy_kind(name) is None
+                continue
+            entry = StrategyRegistry[name]
+            extra = {"offload": "nvme", "offload_dir": folder} if folder else {}
+            if name == "gemini_nvme" and folder is None:  # the same temporary folder on both sides
+                extra = {"offload_dir": config.offload_dir}
+            registered = entry["strategy"](**{**entry["init_params"], **extra})
+            assert registered.core_config("bf16") == dataclasses.replace(config, precision="bf16"), (name, folder)
+            built = strategies.strategy_from_config(config)
+            assert type(built) is type(registered) and built.core_config("fp32") == config
+            assert strategies.strategy_kind(name) == name.split("_")[0].rstrip("12")
+    for name in ("gemini", "zero2", "ddp", "auto"):
+        with pytest.raises(InputError, match=f"--offload_dir /x: only the strategies with an NVMe tier .*{name}$"):
+            strategies.parallel_for_strategy(name, "/x")
