@@ -3,6 +3,8 @@
 A hit `1ABC_A` names PDB entry `1abc`, author chain `A`. A hit is skipped (with a warning) when its mmCIF
 file is missing, it was released after the cut-off date, its chain is absent, or the hit's residues
 cannot be placed on the chain's SEQRES. The hit's alignment maps query residues to template residues.
+With the PDB's list of obsolete entries (`obsolete.dat`, OpenFold's and AlphaFold's `--obsolete_pdbs_path`), a hit
+on an obsolete entry uses its successor, and a hit on an entry removed without one is skipped, as AlphaFold does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .features import empty_template_features
 from .mmcif import MmcifFile, parse_mmcif
 from .parsers import InputError, TemplateHit
 
-__all__ = ["TemplateConfig", "TemplateFeaturizer"]
+__all__ = ["TemplateConfig", "TemplateFeaturizer", "read_obsolete_pdbs"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class TemplateConfig:
     """Templates kept per target, best `sum_probs` first."""
     kalign_binary_path: str | None = "kalign"
     """kalign, to realign a hit whose residues differ from the chain's SEQRES; None: skip such hits."""
+    obsolete_pdbs_path: str | None = None
+    """The PDB's `obsolete.dat`: hits on obsolete entries use the successor's file (see `read_obsolete_pdbs`)."""
 
     def __post_init__(self) -> None:
         try:
@@ -48,11 +52,36 @@ class TemplateConfig:
             raise ValueError(f"TemplateConfig.max_hits must be >= 0, got {self.max_hits}")
 
 
+def read_obsolete_pdbs(path: str | Path) -> dict[str, str | None]:
+    """Obsolete PDB id -> its successor (lower case), or None for an entry removed without one, from the PDB's
+    `obsolete.dat` (`OBSLTE    31-JUL-94 116L     216L`; with several successors, the first). `InputError`
+    naming the file when it cannot be read or holds no OBSLTE line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file (not the PDB's obsolete.dat)") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    out: dict[str, str | None] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        fields = line.split()
+        if not fields or fields[0] != "OBSLTE":
+            continue
+        if len(fields) < 3 or len(fields[2]) != 4:
+            raise InputError(f"{path}: line {lineno}: expected 'OBSLTE date id [successor ...]', got {line.strip()!r}")
+        out[fields[2].lower()] = fields[3].lower() if len(fields) > 3 else None
+    if not out:
+        raise InputError(f"{path}: no OBSLTE lines (not the PDB's obsolete.dat)")
+    return out
+
+
 class TemplateFeaturizer:
     """Builds `template_*` raw features `[T, N, ...]` for a query from its hits."""
 
     def __init__(self, config: TemplateConfig) -> None:
         self.config = config
+        self._obsolete = read_obsolete_pdbs(config.obsolete_pdbs_path) if config.obsolete_pdbs_path else {}
         self._cache: dict[str, MmcifFile | None] = {}
         self.report: list[dict] = []
         """What the last `get` did with each hit it considered (used: PDB id, chain, columns, date; else why)."""
@@ -76,8 +105,16 @@ class TemplateFeaturizer:
 
     def _one(self, query: str, hit: TemplateHit) -> dict[str, np.ndarray] | None:
         pdb_id, _, chain_id = hit.name.partition("_")
+        pdb_id, replaces = pdb_id.lower(), None
+        if pdb_id in self._obsolete:
+            successor = self._obsolete[pdb_id]
+            if successor is None:
+                self._skip(hit, f"{pdb_id} is obsolete, removed from the PDB without a successor", logging.INFO)
+                return None
+            logger.info("template %s: %s is obsolete, using its successor %s", hit.name, pdb_id, successor)
+            pdb_id, replaces = successor, pdb_id
         try:
-            mmcif = self._load(pdb_id.lower())
+            mmcif = self._load(pdb_id)
         except InputError as exc:
             self._skip(hit, str(exc))
             return None
@@ -96,9 +133,10 @@ class TemplateFeaturizer:
             self.report.append({"hit": hit.name, "used": False, "reason": "hit residues not placed on the SEQRES"})
             return None
         columns = int((feats["template_all_atom_mask"].sum(-1) > 0).sum())
-        self.report.append({"hit": hit.name, "used": True, "pdb_id": pdb_id.lower(), "chain": chain_id,
+        self.report.append({"hit": hit.name, "used": True, "pdb_id": pdb_id, "chain": chain_id,
                             "aligned_cols": hit.aligned_cols, "query_residues_with_atoms": columns,
-                            "sum_probs": hit.sum_probs, "release_date": mmcif.release_date})
+                            "sum_probs": hit.sum_probs, "release_date": mmcif.release_date,
+                            **({"replaces": replaces} if replaces else {})})
         return feats
 
     def _kalign(self) -> str | None:
