@@ -60,7 +60,10 @@ def _pair_bias(
     if options.chunk_size is None:
         return layout.gather(linear(layer_norm(z)).movedim(-1, -3), -2, full).unsqueeze(-4)
     heads, n = linear.out_features, z.shape[-3]
-    bias = z.new_empty(*z.shape[:-3], heads, n, z.shape[-2])
+    if layout.world > 1:  # rows outermost in memory: the gather sends the buffer as it is, no transposed copy
+        bias = z.new_empty(n, *z.shape[:-3], heads, z.shape[-2]).movedim(0, -2)
+    else:
+        bias = z.new_empty(*z.shape[:-3], heads, n, z.shape[-2])
     chunk = _row_chunk(options, z, z.shape[-2] * (2 * z.shape[-1] + 2 * heads))
     for r0, r1 in row_blocks(n, chunk):
         bias[..., r0:r1, :] = linear(layer_norm(z[..., r0:r1, :, :])).movedim(-1, -3)
@@ -360,7 +363,10 @@ class TriangleMultiplication(nn.Module):
         chunk = options.rows_per_chunk(n, zz.shape[-2] * (4 * c_h + 5 * c_z) * z.element_size())
         if chunk is not None:  # blocks as large as the shared buffer below: no higher peak, fewer small GEMMs
             chunk = max(chunk, 1 << max(0, (c_h * zz.shape[-2] // (4 * c_h + 5 * c_z)).bit_length() - 1))
-        shared = zz.new_empty(*zz.shape[:-3], c_h, n, zz.shape[-2])  # [*, C, J, K]
+        if layout.world > 1:  # rows outermost in memory: the gather sends the buffer as it is, no transposed copy
+            shared = zz.new_empty(n, *zz.shape[:-3], c_h, zz.shape[-2]).movedim(0, -2)  # [*, C, J, K] view
+        else:
+            shared = zz.new_empty(*zz.shape[:-3], c_h, n, zz.shape[-2])  # [*, C, J, K]
         for r0, r1 in row_blocks(n, chunk):
             x = self.layer_norm_in(zz[..., r0:r1, :, :])
             shared[..., r0:r1, :] = self._gated(x, mm[..., r0:r1, :, :], all_proj).movedim(-1, -3)
