@@ -24,6 +24,7 @@ from ..core_parallel.config import assemble, read_yaml, section, settings
 from ..core_parallel.gemini.config import GeminiConfig
 from ..core_parallel.loss_scaler import LossScalerConfig
 from ..core_parallel.zero.config import ZeroConfig
+from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
 from .data import DataConfig
 from .training import LossConfig
 
@@ -87,8 +88,7 @@ class ModelSection:
         _at_least(self, 1, ("rank",), optional=True)
         if self.tokenizer_max_length is not None and self.tokenizer_max_length < 2:
             raise ValueError(f"tokenizer_max_length must be >= 2, got {self.tokenizer_max_length}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        _one_of("attention_backend", self.attention_backend, KERNEL_BACKENDS)
 
 
 @dataclass(kw_only=True)

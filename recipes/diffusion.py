@@ -36,7 +36,7 @@ from ..diffusion.data import (
 )
 from ..diffusion.errors import InputError
 from ..diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
-from .strategies import parallel_for_strategy, strategy_from_config, strategy_kind
+from .strategies import STRATEGY_NAMES, parallel_for_strategy, strategy_from_config, strategy_kind
 
 __all__ = ["ImageCaptionData", "StableDiffusionFineTune", "check_run", "find_checkpoint", "fit_finetune",
            "fit_with_ray"]
@@ -80,8 +80,8 @@ class StableDiffusionFineTune(pl.LightningModule):
         self._freeze_and_cast()
         # the EMA starts from the UNet at --revision, the trained UNet from --non_ema_revision (diffusers' script)
         ema_start = comps.get("ema_unet")
-        self.ema = (EMA(self.unet.parameters(), cfg.ema_decay, foreach=cfg.foreach_ema, offload=cfg.offload_ema,
-                        start=None if ema_start is None else ema_start.parameters())
+        self.ema = (EMA(self.unet.parameters(), cfg.ema.ema_decay, foreach=cfg.ema.foreach_ema,
+                        offload=cfg.ema.offload_ema, start=None if ema_start is None else ema_start.parameters())
                     if uses_ema else None)
         del ema_start
         self.strict_loading = False
@@ -227,23 +227,23 @@ class StableDiffusionFineTune(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         from diffusers.optimization import get_scheduler
 
-        cfg = self.config
-        lr = cfg.learning_rate
-        if cfg.scale_lr:
-            lr *= cfg.gradient_accumulation_steps * cfg.train_batch_size * self.trainer.world_size
+        o, train = self.config.optimizer, self.config.train
+        lr = o.learning_rate
+        if o.scale_lr:
+            lr *= train.gradient_accumulation_steps * train.train_batch_size * self.trainer.world_size
         params = [p for p in self.parameters() if p.requires_grad]
         adamw = torch.optim.AdamW
-        if cfg.use_8bit_adam:
+        if o.use_8bit_adam:
             import bitsandbytes as bnb  # check_run made sure it is importable and CUDA is there
 
             adamw = bnb.optim.AdamW8bit
-        opt = adamw(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
-                    eps=cfg.adam_epsilon)
+        opt = adamw(params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
+                    eps=o.adam_epsilon)
         # diffusers' scripts count warm-up and total steps in optimizer steps times processes; Lightning steps
         # the scheduler once per optimizer step, so optimizer steps are the unit here.
-        sched = get_scheduler(cfg.lr_scheduler, optimizer=opt, num_warmup_steps=cfg.lr_warmup_steps,
-                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=cfg.lr_num_cycles,
-                              power=cfg.lr_power)
+        sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
+                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=o.lr_num_cycles,
+                              power=o.lr_power)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoint state -----------------------------------------------------------------------------------
@@ -711,9 +711,8 @@ def check_run(cfg: FineTuneConfig) -> None:
     """Refuse, with one line, settings that cannot run here; called before any data or model is loaded."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .. import recipes  # noqa: F401 - registers the strategy names
-
-    names = sorted({"auto", *StrategyRegistry.available_strategies()})
+    # ours by their table (no registration needed), Lightning's from its registry
+    names = sorted({*STRATEGY_NAMES, *StrategyRegistry.available_strategies()})
     if cfg.strategy not in names:
         import difflib
 
@@ -784,7 +783,7 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
     return dict(
         precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
         accumulate_grad_batches=cfg.gradient_accumulation_steps,
-        gradient_clip_val=cfg.max_grad_norm or None, logger=_loggers(cfg, resumed_step), callbacks=cbs,
+        gradient_clip_val=cfg.optimizer.max_grad_norm or None, logger=_loggers(cfg, resumed_step), callbacks=cbs,
         enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg.output_dir,
         enable_progress_bar=progress_bar,
@@ -820,8 +819,6 @@ def build_strategy(cfg: FineTuneConfig) -> Any:
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
                   resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
-    from .. import recipes  # noqa: F401 - registers the strategy names
-
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
