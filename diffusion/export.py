@@ -41,6 +41,27 @@ def move_into(src: Path, dest_dir: Path, names: Sequence[str]) -> None:
     fsync_dir(dest_dir)
 
 
+def _copy_uncached(src: str, dst: str) -> str:
+    """`shutil.copy2`, then the copy written back and both files' pages dropped from the page cache: a memory
+    cgroup charges the pages a job reads and writes, and a copied component is not read again here."""
+    shutil.copy2(src, dst)
+    if hasattr(os, "posix_fadvise"):
+        for path, flags in ((dst, os.O_RDWR), (src, os.O_RDONLY)):
+            try:
+                fd = os.open(path, flags)
+            except OSError:
+                continue
+            try:
+                if path == dst:
+                    os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return dst
+
+
 def save_pipeline(pipeline: Any, folder: str | Path) -> Path:
     """`pipeline.save_pretrained` into `folder` without ever leaving a half-written component there."""
     folder = Path(folder)
@@ -77,7 +98,7 @@ def save_over_base(base: str | Path, trained: dict[str, Any], folder: str | Path
             if name in drop:
                 index[name] = [None, None]
             elif value[0] is not None and (base / name).is_dir():
-                shutil.copytree(base / name, tmp / name)
+                shutil.copytree(base / name, tmp / name, copy_function=_copy_uncached)
         for name, module in trained.items():
             if isinstance(module, (str, os.PathLike)):
                 shutil.move(os.fspath(module), tmp / name)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..core_parallel.gemini.lazy import SafetensorsSource, hollow_parameters
+from ..core_parallel.gemini.storage import WriteBehind
 
 __all__ = ["SafetensorsWriter", "gemini_of", "load_unet_hollow", "save_unet_streaming", "unet_weight_files"]
 
@@ -95,7 +96,10 @@ class SafetensorsWriter:
     """One safetensors file written tensor by tensor, in any order, into its place (`pwrite`).
 
     `entries`: (name, dtype, shape) of every tensor; `write(name, tensor)` each exactly once, then `close()`
-    (checks all were written, fsyncs, and drops the written pages from the page cache)."""
+    (checks all were written, fsyncs, and drops the written pages from the page cache). The file's pages do not
+    pile up in the page cache meanwhile: each tensor written starts its writeback and leaves the page cache
+    once written back (`core_parallel.gemini.storage.WriteBehind`), so writing a UNet adds at most a few tens of
+    MiB to what a memory cgroup charges, not the file's size."""
 
     def __init__(self, path: str | Path, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> None:
@@ -117,6 +121,7 @@ class SafetensorsWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         os.ftruncate(self._fd, self._data + offset)
         _pwrite_all(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        self._behind = WriteBehind(self._fd)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         offset, nbytes, dtype, shape = self._where[name]
@@ -125,6 +130,7 @@ class SafetensorsWriter:
         data = tensor.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1)
         if nbytes:
             _pwrite_all(self._fd, memoryview(data.view(torch.uint8).numpy()), self._data + offset)
+            self._behind.written(self._data + offset, nbytes)
         self._left.discard(name)
 
     def close(self) -> None:

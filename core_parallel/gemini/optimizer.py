@@ -46,6 +46,25 @@ def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return ("momentum_buffer",) if any(g.get("momentum", 0) for g in optimizer.param_groups) else ()
 
 
+STEP_PIECE = 1 << 20
+"""Elements of an NVMe shard staged at a time by `step()` (4 MiB per buffer). A run is split only at multiples of
+this from its start, so torch's fused kernel sees the same element positions and the numbers do not change."""
+
+
+def _pieces(runs: list[tuple[int, int, int, int]], piece: int) -> list[tuple[int, int, list]]:
+    """(lo, hi, runs) spans of at most `piece` elements covering `runs` (lo, hi, group, step) in order; a run
+    longer than `piece` is cut at multiples of `piece` from its own start."""
+    spans: list[tuple[int, int, list]] = []
+    for lo, hi, *key in runs:
+        for a in range(lo, hi, piece):
+            b = min(a + piece, hi)
+            if spans and b - spans[-1][0] <= piece:
+                spans[-1] = (spans[-1][0], b, [*spans[-1][2], (a, b, *key)])
+            else:
+                spans.append((a, b, [(a, b, *key)]))
+    return spans
+
+
 def _hyper(kind: str, group: dict, decoupled: bool) -> AdamHyper | SgdHyper:
     if kind == "adam":
         b1, b2 = group["betas"]
@@ -206,35 +225,47 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if run:
             yield run
 
-    def _staged(self, name: str, buf: TieredBuffer) -> torch.Tensor:
-        """`buf` (on NVMe) read into this step's scratch buffer `name`: updating through the file mapping would
-        take a write fault per page; the result goes back with one pwrite (`_step_chunk`)."""
+    def _staged(self, name: str, buf: TieredBuffer, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `buf` (on NVMe) read into this step's scratch buffer `name`: updating through the
+        file mapping would take a write fault per page; the result goes back with one pwrite (`_step_chunk`)."""
         pages = self._scratch.get(name)
-        if pages is None:  # sized for the largest shard, reused for every chunk
-            pages = self._scratch[name] = HostPages(max(c.shard_nbytes for c in self.manager.trainable_chunks))
-        return buf.read_into(pages.tensor(torch.float32, buf.numel))
+        if pages is None:  # one piece, reused for every piece of every chunk
+            pages = self._scratch[name] = HostPages(STEP_PIECE * 4)
+        return buf.read_into(pages.tensor(torch.float32, hi - lo), lo)
 
     def _step_chunk(self, c: Chunk, used: set[int], hypers: list) -> None:
-        """Update one chunk's shard where its optimizer state lives (NVMe shards: in scratch memory, then written
-        back)."""
+        """Update one chunk's shard where its optimizer state lives. NVMe shards are staged in scratch memory a
+        piece of at most `STEP_PIECE` elements at a time and written back, so the step holds four pieces, not
+        four shards."""
         bufs = {"master": c.master, "grad": c.grad, **c.states}
-        views = {k: self._staged(k, b) if b.tier == "nvme" else b.view() for k, b in bufs.items()}
-        grad, master = views["grad"], views["master"]
-        states = {k: views[k] for k in c.states}
-        param = master if master.device == grad.device else master.to(grad.device)
-        for lo, hi, gi, step in self._runs(c, used):
-            if self.kind == "adam":
-                adam_update_(param[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
-                             step, hypers[gi])
-            else:
-                buf = states["momentum_buffer"][lo:hi] if "momentum_buffer" in states else None
-                sgd_update_(param[lo:hi], grad[lo:hi], buf, step, hypers[gi])
-        if param is not master:
-            master.copy_(param)
+        runs = list(self._runs(c, used))
+        if any(b.tier == "nvme" for b in bufs.values()):
+            spans = _pieces(runs, STEP_PIECE)
+        else:
+            spans = [(0, c.shard_numel, runs)] if runs else []
+        moved = False
+        for span_lo, span_hi, span_runs in spans:
+            views = {k: self._staged(k, b, span_lo, span_hi) if b.tier == "nvme" else b.view()[span_lo:span_hi]
+                     for k, b in bufs.items()}
+            grad, master = views["grad"], views["master"]
+            states = {k: views[k] for k in c.states}
+            param = master if master.device == grad.device else master.to(grad.device)
+            for lo, hi, gi, step in span_runs:
+                lo, hi = lo - span_lo, hi - span_lo
+                if self.kind == "adam":
+                    adam_update_(param[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
+                                 step, hypers[gi])
+                else:
+                    buf = states["momentum_buffer"][lo:hi] if "momentum_buffer" in states else None
+                    sgd_update_(param[lo:hi], grad[lo:hi], buf, step, hypers[gi])
+            if param is not master:
+                master.copy_(param)
+                moved = True
+            for k in ("master", *c.states):
+                if bufs[k].tier == "nvme":
+                    bufs[k].write_from(views[k], span_lo)
+        if moved:
             self.manager.ledger.transfer(c.grad.tier, c.master.tier, c.master.nbytes)
-        for k in ("master", *c.states):
-            if bufs[k].tier == "nvme":
-                bufs[k].write_from(views[k])
         for b in bufs.values():
             b.done()
 

@@ -46,7 +46,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["TIERS", "WRITEBACK_LAG", "HostHeap", "HostPages", "NvmeFile", "NvmeTierError", "PageRecycler",
-           "TieredBuffer", "remove_stale_files", "write_back_and_drop"]
+           "TieredBuffer", "WriteBehind", "remove_stale_files", "write_back_and_drop"]
 
 TIERS = ("device", "cpu", "nvme")
 _PAGE = mmap.PAGESIZE
@@ -57,9 +57,11 @@ WRITEBACK_LAG = 32 << 20
 waited for and dropped: the disk writes them back while compute goes on."""
 
 
-def _pages(nbytes: int) -> int:
-    """`nbytes` rounded up to whole pages (regions are page-aligned; the kernel drops whole pages only)."""
-    return -(-nbytes // _PAGE) * _PAGE
+def _page_span(offset: int, nbytes: int) -> tuple[int, int]:
+    """(start, length) of the whole pages covering bytes [offset, offset + nbytes): the kernel writes back and
+    drops whole pages only, and a region's pages are its own (regions are page-aligned)."""
+    start = offset // _PAGE * _PAGE
+    return start, -(-(offset + nbytes) // _PAGE) * _PAGE - start
 
 
 def _sync_file_range():
@@ -91,6 +93,37 @@ def write_back_and_drop(fd: int, offset: int, nbytes: int) -> None:
     _advise(fd, offset, nbytes, getattr(os, "POSIX_FADV_DONTNEED", 4))
 
 
+class WriteBehind:
+    """Keeps what is written to a file out of the page cache: `written(offset, nbytes)` starts writing those bytes
+    back to disk (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, no waiting) and, once more than `lag` bytes wait behind
+    it, waits for the oldest and drops them (`posix_fadvise(DONTNEED)`); `flush()` does so for all of them."""
+
+    def __init__(self, fd: int, lag: int = WRITEBACK_LAG) -> None:
+        self.fd, self.lag = fd, lag
+        self._pending: list[tuple[int, int]] = []
+        self.pending_bytes = 0
+
+    def written(self, offset: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        offset, nbytes = _page_span(offset, nbytes)
+        if _SFR is not None:
+            _SFR(self.fd, offset, nbytes, _SYNC_WRITE)
+        self._pending.append((offset, nbytes))
+        self.pending_bytes += nbytes
+        while self._pending and self.pending_bytes > self.lag:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        offset, nbytes = self._pending.pop(0)
+        self.pending_bytes -= nbytes
+        write_back_and_drop(self.fd, offset, nbytes)
+
+    def flush(self) -> None:
+        while self._pending:
+            self._drop_oldest()
+
+
 class NvmeTierError(RuntimeError):
     """The NVMe offload folder is full, missing or was removed while training."""
 
@@ -105,8 +138,7 @@ class NvmeFile:
         self.folder = Path(folder)
         self.rank = rank
         self.writeback_lag = writeback_lag
-        self._pending: list[tuple[int, int]] = []  # (offset, nbytes) written, under writeback, still cached
-        self._pending_bytes = 0
+        self._behind: WriteBehind | None = None  # the regions written, under writeback, still in the page cache
         self.path = self.folder / self._new_name()  # the name is final once `open()` succeeds
         self.size = 0
         self._fd: int | None = None
@@ -150,6 +182,7 @@ class NvmeFile:
                 f"tier ({exc.strerror}); free space there or choose another folder"
             ) from exc
         self._fd = fd
+        self._behind = WriteBehind(fd, self.writeback_lag)
         _advise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))  # regions are read whole: no readahead
         st = os.fstat(fd)
         self._ino = (st.st_dev, st.st_ino)
@@ -204,7 +237,7 @@ class NvmeFile:
         read leave the page cache (those still being written back leave when `flush` waits for them)."""
         self.check()
         _rw(os.preadv, self._fd, out, offset)
-        _advise(self._fd, offset, _pages(out.numel() * out.element_size()), getattr(os, "POSIX_FADV_DONTNEED", 4))
+        _advise(self._fd, *_page_span(offset, out.numel() * out.element_size()), getattr(os, "POSIX_FADV_DONTNEED", 4))
         return out
 
     def write(self, offset: int, src: torch.Tensor) -> None:
@@ -213,7 +246,7 @@ class NvmeFile:
         fault per page (4 ms per 4 MiB here, against 0.8 ms for pwrite)."""
         self.check()
         _rw(os.pwritev, self._fd, src, offset)
-        self._retire(offset, _pages(src.numel() * src.element_size()))
+        self._behind.written(offset, src.numel() * src.element_size())
 
     def drop_pages(self, offset: int, numel: int) -> None:
         """Let the kernel drop this region from our resident memory and, once written back, from the page
@@ -221,37 +254,20 @@ class NvmeFile:
         if self._mm is not None and numel > 0:
             nbytes = -(-numel * _F32 // _PAGE) * _PAGE
             self._mm.madvise(mmap.MADV_DONTNEED, offset, nbytes)
-            self._retire(offset, nbytes)
-
-    def _retire(self, offset: int, nbytes: int) -> None:
-        """Start writing back a region just written; wait for and drop the oldest beyond `writeback_lag`."""
-        if self._fd is None or nbytes <= 0:
-            return
-        if _SFR is not None:
-            _SFR(self._fd, offset, nbytes, _SYNC_WRITE)  # starts the writeback; does not wait
-        self._pending.append((offset, nbytes))
-        self._pending_bytes += nbytes
-        while self._pending and self._pending_bytes > self.writeback_lag:
-            self._drop_oldest()
-
-    def _drop_oldest(self) -> None:
-        offset, nbytes = self._pending.pop(0)
-        self._pending_bytes -= nbytes
-        write_back_and_drop(self._fd, offset, nbytes)
+            if self._behind is not None:  # what was stored through the mapping goes to disk, then out
+                self._behind.written(offset, nbytes)
 
     def flush(self) -> None:
         """Wait for every region written to be on disk and drop it from the page cache."""
-        if self._fd is None:
-            return
-        while self._pending:
-            self._drop_oldest()
+        if self._behind is not None:
+            self._behind.flush()
 
     def close(self, remove: bool = True) -> None:
         """Unmap, unlock and close; remove the file unless `remove=False`."""
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        self._pending, self._pending_bytes = [], 0  # the file goes (or stays, written back by the kernel)
+        self._behind = None  # the file goes (or stays, written back by the kernel)
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -463,18 +479,19 @@ class TieredBuffer:
             return self._nvme.view(self._offset, self.numel)
         return self._tensor
 
-    def read_into(self, out: torch.Tensor) -> torch.Tensor:
-        """The data copied into `out` ([numel] fp32 CPU, contiguous); from NVMe without mapping its pages."""
+    def read_into(self, out: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        """Elements [lo, lo + out.numel()) copied into `out` (fp32 CPU, contiguous; all of them by default); from
+        NVMe without mapping its pages."""
         if self.tier == "nvme":
-            return self._nvme.read(self._offset, out)
-        return out.copy_(self.view())
+            return self._nvme.read(self._offset + lo * _F32, out)
+        return out.copy_(self.view()[lo : lo + out.numel()])
 
-    def write_from(self, src: torch.Tensor) -> None:
-        """Overwrite the data with `src` ([numel] fp32 CPU, contiguous)."""
+    def write_from(self, src: torch.Tensor, lo: int = 0) -> None:
+        """Overwrite elements [lo, lo + src.numel()) with `src` (fp32 CPU, contiguous; all of them by default)."""
         if self.tier == "nvme":
-            self._nvme.write(self._offset, src)
+            self._nvme.write(self._offset + lo * _F32, src)
         else:
-            self.view().copy_(src)
+            self.view()[lo : lo + src.numel()].copy_(src)
 
     def done(self) -> None:
         """Finished touching the data for now: NVMe pages may leave resident memory."""

@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no_gemini", action="store_true", help="ours without Gemini (attention + checkpointing)")
     parser.add_argument("--attention_backend", choices=["auto", "triton", "torch"], default="auto")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
+    parser.add_argument("--whole_command", action="store_true",
+                        help="compare whole commands instead, as a user runs them: a pipeline folder of these shapes "
+                             "is written, then the plain diffusers loop (fp32 UNet, bf16 encoders, fused AdamW, bf16 "
+                             "autocast, checkpointing, save) and `suite diffusion finetune --strategy gemini_nvme "
+                             "--mixed_precision bf16 --gradient_checkpointing` (the CLI's streaming load and export) "
+                             "each run --steps steps start to exit in its own memory cgroup (page cache counted; "
+                             "else tree RSS + offload files' resident pages)")
 
 
 # ---- models ------------------------------------------------------------------------------------------------
@@ -425,6 +432,88 @@ def _defaults(args: argparse.Namespace) -> dict:
     return opts
 
 
+def _drop_cached(folder: str) -> None:
+    """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
+    for top, _, names in os.walk(folder):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def whole_commands(opts: dict, work: str) -> list[dict]:
+    """The plain loop and `suite diffusion finetune` (Gemini on NVMe), each as a whole process tree in its own
+    memory cgroup (`suite.bench.memory.run_command`), on a pipeline folder of `opts`' shapes written in `work`.
+    Every input file is dropped from the page cache before each side, so each reads (and is charged for) its own."""
+    import subprocess
+    import sys
+
+    from ...diffusion.sample_data import write_sample_data
+    from .memory import run_command
+
+    base, data = os.path.join(work, "base"), os.path.join(work, "data")
+    write_pipeline(base, opts)
+    write_sample_data(data)
+    py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
+    sides = {
+        "plain": [py, "-m", "lowmem.suite.bench.diffusion", "plain_loop", base, os.path.join(work, "out-plain"),
+                  "--steps", steps, "--batch", batch, "--resolution", res],
+        "ours": [py, "-m", "lowmem.suite", "diffusion", "finetune", "--pretrained_model_name_or_path", base,
+                 "--train_data_dir", data, "--resolution", res, "--train_batch_size", batch, "--max_train_steps",
+                 steps, "--strategy", "gemini_nvme", "--offload_dir", os.path.join(work, "nvme"),
+                 "--mixed_precision", "bf16", "--gradient_checkpointing", "--output_dir", os.path.join(work, "out")],
+    }
+    rows = []
+    for side, argv in sides.items():
+        _drop_cached(work)
+        # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
+        log = os.path.join(work, f"{side}.log")
+        with open(log, "w") as f:
+            out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
+                              stdout=f, stderr=subprocess.STDOUT)
+        if out["returncode"] != 0:
+            with open(log) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
+        rows.append({"variant": side, "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"],
+                     "method": out["method"], "command": " ".join(argv)})
+    rows[1]["peak_ratio"] = rows[1]["peak_mib"] / rows[0]["peak_mib"]
+    rows[1]["wall_ratio"] = rows[1]["wall_s"] / rows[0]["wall_s"]
+    return rows
+
+
+def _run_whole(opts: dict, args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .common import print_table, write_json
+
+    work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
+    try:
+        rows = whole_commands(opts, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
+             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, torch {torch.__version__}")
+    print_table(rows, ["variant", "peak_mib", "peak_ratio", "wall_s", "wall_ratio", "method"], title=title)
+    for r in rows:
+        print(f"{r['variant']}: {r['command']}")
+    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); "
+          "target peak_ratio <= 0.33")
+    write_json(args.json, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
@@ -432,6 +521,8 @@ def run(args: argparse.Namespace) -> int:
     from .common import fast_optimizer, print_table, write_json
 
     opts = _defaults(args)
+    if opts.get("whole_command"):
+        return _run_whole(opts, args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
     ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
         "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"

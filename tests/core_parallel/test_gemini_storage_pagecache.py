@@ -138,3 +138,25 @@ def test_gemini_steps_on_the_nvme_tier_leave_its_file_out_of_the_page_cache(fold
         assert torch.equal(on_nvme[name], want), name  # the tier moves data, not numbers
     _needs_dropping(folder)
     assert resident <= 4 * PAGE, f"{resident / MIB:.1f} MiB of the 16 MiB tier stayed in the page cache"
+
+
+def test_the_step_stages_nvme_shards_piece_by_piece_with_the_same_numbers(folder, monkeypatch):
+    from lowmem.core_parallel.gemini import optimizer
+
+    on_cpu, _ = _train("cpu", None)
+    monkeypatch.setattr(optimizer, "STEP_PIECE", 4096)  # 64 pieces per 1 MiB chunk
+    on_nvme, _ = _train("nvme", folder)
+    for name, want in on_cpu.items():
+        assert torch.equal(on_nvme[name], want), name
+
+
+def test_pieces_cover_the_runs_and_cut_them_from_their_own_start():
+    from lowmem.core_parallel.gemini.optimizer import _pieces
+
+    runs = [(0, 10, 0, 1), (10, 13, 1, 1), (20, 45, 0, 2), (45, 46, 0, 1)]
+    spans = _pieces(runs, 8)
+    covered = [(a, b, *k) for _, _, rs in spans for a, b, *k in rs]
+    assert [r[:2] for r in covered] == [(0, 8), (8, 10), (10, 13), (20, 28), (28, 36), (36, 44), (44, 45), (45, 46)]
+    assert [r[2:] for r in covered] == [(0, 1), (0, 1), (1, 1)] + [(0, 2)] * 4 + [(0, 1)]
+    for lo, hi, rs in spans:
+        assert hi - lo <= 8 and lo == rs[0][0] and hi == rs[-1][1]
