@@ -367,7 +367,10 @@ def _read_targets(args: argparse.Namespace):
             return read_complex_targets(args.fasta_path)
         return read_targets(args.fasta_path)
     except InputError as exc:
-        raise _usage(str(exc)) from None
+        hint = ""
+        if "':' is not an amino-acid letter" in str(exc):
+            hint = "; chains split by ':' make a complex: fold it with --model_preset multimer"
+        raise _usage(f"{exc}{hint}") from None
 
 
 def _existing(path: str | None, flag: str, kind: str = "path") -> None:

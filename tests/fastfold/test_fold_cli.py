@@ -197,3 +197,17 @@ def test_relax_budget_flags_reach_the_relax_config():
     assert (cfg.max_outer_iterations, cfg.max_seconds) == (3, 90.0)
     default = _relax_config(build_parser(["fold", "x.fasta"]).parse_args(["fold", "x.fasta"]))
     assert (default.max_outer_iterations, default.max_seconds) == (20, 600.0)  # AlphaFold's pass limit, 10 min
+
+
+def test_relax_budget_stop_gives_exit_code_1(tmp_path, capsys):
+    """Issue 21: a relaxation stopped by --relax_max_minutes is reported unconverged ('time budget'), the table
+    says RELAX FAILED and the exit code is 1 (docs/fold.md); the unrelaxed outputs are all written."""
+    fasta = _fasta(tmp_path, ">pep\nMKTAYIAKQR\n")
+    argv = ["fold", fasta, "--output_dir", str(tmp_path / "o"), "--single_sequence", "--relax_platform", "CPU",
+            "--relax_max_minutes", "0.00001"]
+    assert _exit_code(argv) == 1
+    assert "RELAX FAILED" in capsys.readouterr().out
+    record = json.loads((tmp_path / "o" / "pep" / "timings.json").read_text())
+    assert record["relax"]["stopped"] == "time budget" and not record["relax"]["converged"]
+    assert record["relax"]["problem"]  # unconverged (or, cut short this early, refused): never passed as good
+    assert (tmp_path / "o" / "pep" / "pep_unrelaxed.pdb").exists()
