@@ -12,6 +12,10 @@
 - `AlphaFoldPredictor` holds the model `fastfold.pipeline.load_model` builds and runs `fastfold.pipeline.predict`.
 - `FoldPredictionWriter` writes the files `suite fold` writes (`fastfold.pipeline.write_target_outputs`).
 
+Complexes: `AlphaFoldPredictor(model_name="model_1_multimer_v3")` (or a `params_model_N_multimer_v3.npz`) with
+`FoldDataModule(fasta, multimer=True)` (ColabFold's `A:B` records or one FASTA file per complex; one alignment
+folder per chain); the writer writes the complex's files as `suite fold --model_preset multimer` does.
+
 `load_recipe(path)` reads a YAML recipe (`recipes/configs/fold.yaml`: keys are `suite fold`'s flag names) and
 returns the three objects' keyword arguments.
 """
@@ -50,7 +54,7 @@ _RANDOM_REMARK = "RANDOM WEIGHTS: structure is meaningless"
 
 
 def _model_name_from_path(path: str | None) -> str | None:
-    match = re.search(r"(model_[1-5](?:_ptm)?)", Path(path).name) if path else None
+    match = re.search(r"(model_[1-5](?:_multimer(?:_v2|_v3)?|_ptm)?)", Path(path).name) if path else None
     return match.group(1) if match else None
 
 
@@ -134,7 +138,9 @@ class FoldDataModule(pl.LightningDataModule):
     `alignments_dir` is `--use_precomputed_alignments` (one sub-folder per target); `single_sequence`
     uses the query alone. Further keywords take `suite fold`'s flag names: `template_mmcif_dir`,
     `max_template_date`, `uniref90_database_path`, ..., `jackhmmer_binary_path`, ..., `cpus`, `seed`,
-    `num_workers` (Ray CPUs; 0: no Ray), `ray_address`. `failures` maps target name -> error afterwards.
+    `num_workers` (Ray CPUs; 0: no Ray), `ray_address`, `uniprot_database_path` (complexes). `multimer`: the
+    FASTA holds complexes (`pipeline.read_complex_targets`) for an AlphaFold-Multimer predictor. `failures` maps
+    target name -> error afterwards.
     """
 
     def __init__(
@@ -147,10 +153,13 @@ class FoldDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         ray_address: str | None = None,
         output_dir: str | Path | None = None,
+        multimer: bool = False,
         **alignment: Any,
     ) -> None:
         super().__init__()
-        self.targets = pipeline.read_targets(fasta)  # InputError naming the record, before any model work
+        # InputError naming the record, before any model work
+        self.multimer = multimer
+        self.targets = pipeline.read_complex_targets(fasta) if multimer else pipeline.read_targets(fasta)
         if not single_sequence and alignments_dir is None and not any(k.endswith("_database_path") for k in alignment):
             logger.warning("FoldDataModule: no alignments and no databases: single-sequence mode")
             single_sequence = True
@@ -185,6 +194,11 @@ class FoldDataModule(pl.LightningDataModule):
         if skipped:
             logger.info("FoldDataModule: %d target(s) already complete, skipped", skipped)
         feature_config = self.trainer.lightning_module.feature_config
+        spec = getattr(self.trainer.lightning_module, "spec", None)
+        if spec is not None and spec.multimer != self.multimer:
+            raise ValueError(f"FoldDataModule(multimer={self.multimer}) with the {spec.model_name} predictor: "
+                             f"{'complexes need' if self.multimer else 'single chains need'} "
+                             f"{'an AlphaFold-Multimer' if self.multimer else 'a monomer'} model")
         stream = _TargetStream(self, todo, feature_config, self.trainer.global_rank)
         return DataLoader(stream, batch_size=None, num_workers=0)
 
@@ -213,7 +227,10 @@ class FoldPredictionWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
         if prediction is None or trainer.global_rank != 0:
             return
-        target, label = pipeline.Target(prediction["name"], prediction["sequence"]), prediction["label"]
+        datamodule = getattr(trainer, "datamodule", None)
+        known = {t.name: t for t in getattr(datamodule, "targets", [])}
+        target = known.get(prediction["name"]) or pipeline.Target(prediction["name"], prediction["sequence"])
+        label = prediction["label"]
         folder = Path(self.output_dir) / target.name
         folder.mkdir(parents=True, exist_ok=True)
         prediction["prediction"].save(folder / f"{target.name}_{label}_prediction.npz")
@@ -250,8 +267,15 @@ def load_recipe(path: str | Path) -> dict[str, dict[str, Any]]:
             out["data"]["fasta"] = value
         elif key == "use_precomputed_alignments":
             out["data"]["alignments_dir"] = value
+        elif key == "model_preset":
+            if value == "multimer":
+                out["data"]["multimer"] = True
+                out["predictor"].setdefault("model_name", "model_1_multimer_v3")
         else:
             out["data"][key] = value
     if "seed" in out["predictor"]:
         out["data"]["seed"] = out["predictor"]["seed"]
+    if "_multimer" in str(out["predictor"].get("model_name") or "") or "_multimer" in str(
+            out["predictor"].get("param_path") or ""):
+        out["data"]["multimer"] = True
     return out

@@ -246,3 +246,33 @@ def test_auto_chunk_size_uses_the_models_device_budget(monkeypatch):
     assert auto.chunk_size == "auto" and auto.memory_budget_bytes == 20 * 2**30
     fixed = pipeline._inference_options(pipeline.ModelSpec(chunk_size=4), torch.device("cuda", 0))
     assert fixed.chunk_size == 4
+
+
+def test_recipe_folds_a_complex_as_suite_fold_does(tmp_path):
+    """recipes.fold: `FoldDataModule(multimer=True)` with a multimer predictor writes the complex's files; same
+    coordinates as `suite fold` with the same seed."""
+    import lightning.pytorch as pl
+
+    from lowmem.recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
+    from lowmem.recipes.fold import load_recipe
+
+    fasta = tmp_path / "c.fasta"
+    fasta.write_text(f">c\n{HETERO[0]}:{HETERO[1]}\n")
+    assert main(["fold", str(fasta), "--model_preset", "multimer", "--output_dir", str(tmp_path / "cli"),
+                 "--no-relax"]) == 0
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[FoldPredictionWriter(tmp_path / "r", relax=False)],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.predict(AlphaFoldPredictor(model_name="model_1_multimer_v3", seed=0),
+                    datamodule=FoldDataModule(fasta, single_sequence=True, multimer=True))
+    a = json.loads((tmp_path / "cli" / "c" / "c_confidence.json").read_text())
+    b = json.loads((tmp_path / "r" / "c" / "c_confidence.json").read_text())
+    assert [c["chain_id"] for c in b["chains"]] == ["A", "B"] and b["iptm"] == pytest.approx(a["iptm"], abs=1e-3)
+    np.testing.assert_allclose(b["plddt"], a["plddt"], atol=0.05)
+    assert " B   1" in (tmp_path / "r" / "c" / "c_unrelaxed.pdb").read_text()
+    with pytest.raises(ValueError, match="multimer"):
+        pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False).predict(
+            AlphaFoldPredictor(model_name="model_1_ptm"), datamodule=FoldDataModule(fasta, multimer=True))
+    recipe = tmp_path / "fold.yaml"
+    recipe.write_text("model_preset: multimer\nfasta_path: c.fasta\n")
+    loaded = load_recipe(recipe)
+    assert loaded["data"]["multimer"] and loaded["predictor"]["model_name"] == "model_1_multimer_v3"
