@@ -17,7 +17,8 @@ and chain-pair PAE in the confidence JSON, ranking by 0.8 ipTM + 0.2 pTM.
 
 Output layout, per target `<output_dir>/<name>/`: `<name>_<model>_unrelaxed.pdb` and
 `<name>_<model>_prediction.npz` per model (the npz lets an interrupted run resume), then for the best
-model (AlphaFold's ranking: pTM for `_ptm` models, else mean pLDDT) `<name>_unrelaxed.pdb|.cif`,
+model (AlphaFold's ranking: mean pLDDT for monomer models, `_ptm` ones too; 0.8 ipTM + 0.2 pTM for
+multimer) `<name>_unrelaxed.pdb|.cif`,
 `<name>_relaxed.pdb|.cif`, `<name>_confidence.json`, `<name>_plddt.png`, `<name>_pae.png` (pTM models),
 `ranking.json` and, written last, `timings.json`: a target is complete when `timings.json` lists files
 that all exist.
@@ -224,8 +225,8 @@ class Prediction:
     ranking_confidence: float | None = None
 
     def ranking_score(self, metric: str) -> float:
-        """AlphaFold's ranking: `metric` "iptm+ptm" (multimer: 0.8 ipTM + 0.2 pTM), "ptm" (all models are `_ptm`)
-        or "mean_plddt"."""
+        """AlphaFold's ranking: `metric` "iptm+ptm" (multimer: 0.8 ipTM + 0.2 pTM) or "mean_plddt" (every monomer
+        model, `_ptm` ones too, as AlphaFold's `ranking_confidence`); "ptm" is kept for callers that ask for it."""
         if metric == "iptm+ptm":
             return float(self.ranking_confidence)
         return float(self.ptm) if metric == "ptm" else float(self.plddt.mean())
@@ -553,10 +554,8 @@ def write_target_outputs(
         files += _write_confidence(folder, stem, pred, mark, plots=several, chains=chains)
     if all(p.iptm is not None for p in predictions.values()):
         metric = "iptm+ptm"  # AlphaFold-Multimer's ranking confidence, 0.8 ipTM + 0.2 pTM
-    elif all(p.ptm is not None for p in predictions.values()):
-        metric = "ptm"
     else:
-        metric = "mean_plddt"
+        metric = "mean_plddt"  # AlphaFold ranks monomer models, `_ptm` ones too, by mean pLDDT
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]
     unrelaxed = protein(best)
@@ -584,7 +583,7 @@ def write_target_outputs(
     _write_text(folder / "ranking.json", json.dumps(ranking, indent=2))
     # AlphaFold's file: mean pLDDT per model and the order the outputs were ranked in
     debug: dict[str, Any] = {"plddts": {k: float(predictions[k].plddt.mean()) for k in ranked}}
-    if metric in ("ptm", "iptm+ptm"):
+    if all(p.ptm is not None for p in predictions.values()):  # extra information; not the ranking of monomers
         debug["ptms"] = {k: float(predictions[k].ptm) for k in ranked}
     if metric == "iptm+ptm":  # AlphaFold-Multimer's ranking_debug.json: the ranking confidence under "iptm+ptm"
         debug["iptms"] = {k: float(predictions[k].iptm) for k in ranked}
@@ -660,6 +659,8 @@ def target_fingerprint(target: Target, cfg: FoldConfig) -> dict[str, Any]:
     if a.template_mmcif_dir:
         templates = {"mmcif_dir": str(Path(a.template_mmcif_dir).resolve()), "max_template_date": a.max_template_date,
                      "kalign": a.kalign_binary_path}
+        if a.obsolete_pdbs_path:
+            templates["obsolete"] = fp.file_digest(a.obsolete_pdbs_path)
     relax = None
     if cfg.relax is not None:  # the OpenMM platform is left out: where it runs, not what it computes
         relax = dataclasses.asdict(cfg.relax) if dataclasses.is_dataclass(cfg.relax) else {"config": repr(cfg.relax)}

@@ -287,7 +287,8 @@ def _templates(sequence: str, hits: list[TemplateHit], cfg: AlignmentConfig, mcf
     from .templates import TemplateConfig, TemplateFeaturizer
 
     tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date,
-                          max_hits=mcfg.max_templates, kalign_binary_path=cfg.kalign_binary_path)
+                          max_hits=mcfg.max_templates, kalign_binary_path=cfg.kalign_binary_path,
+                          obsolete_pdbs_path=cfg.obsolete_pdbs_path)
     return TemplateFeaturizer(tcfg).get(sequence, hits)
 
 

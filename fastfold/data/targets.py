@@ -75,6 +75,8 @@ class AlignmentConfig:
     """Latest template release date, YYYY-MM-DD."""
     cpus: int = 2
     """Threads per alignment tool."""
+    obsolete_pdbs_path: str | None = None
+    """The PDB's `obsolete.dat`: template hits on obsolete entries use their successor (`templates.TemplateConfig`)."""
 
     def __post_init__(self) -> None:
         try:
@@ -301,7 +303,7 @@ def target_raw_features(
         from .templates import TemplateConfig, TemplateFeaturizer
 
         tcfg = TemplateConfig(mmcif_dir=cfg.template_mmcif_dir, max_template_date=cfg.max_template_date,
-                              kalign_binary_path=cfg.kalign_binary_path)
+                              kalign_binary_path=cfg.kalign_binary_path, obsolete_pdbs_path=cfg.obsolete_pdbs_path)
         featurizer = TemplateFeaturizer(tcfg)
         raw.update(featurizer.get(target.sequence, hits))
         info["templates"] = [r for r in featurizer.report if r["used"]]

@@ -48,6 +48,10 @@ __all__ = ["add_arguments", "run"]
 _MMAP_THRESHOLD = "65536"
 
 
+_MODULE = __spec__.name if __spec__ is not None else __name__
+"""This module's import name (also under `python -m`): the namespace is named in one place only."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that size the models and the run."""
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models train")
@@ -464,9 +468,10 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
     write_sample_data(data)
     py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
     sides = {
-        "plain": [py, "-m", "lowmem.suite.bench.diffusion", "plain_loop", base, os.path.join(work, "out-plain"),
+        "plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
                   "--steps", steps, "--batch", batch, "--resolution", res],
-        "ours": [py, "-m", "lowmem.suite", "diffusion", "finetune", "--pretrained_model_name_or_path", base,
+        "ours": [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune",
+                 "--pretrained_model_name_or_path", base,
                  "--train_data_dir", data, "--resolution", res, "--train_batch_size", batch, "--max_train_steps",
                  steps, "--strategy", "gemini_nvme", "--offload_dir", os.path.join(work, "nvme"),
                  "--mixed_precision", "bf16", "--gradient_checkpointing", "--output_dir", os.path.join(work, "out")],

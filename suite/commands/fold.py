@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
     parser.add_argument("--relax_max_passes", type=int, default=20,
                         help="relax budget: minimise-and-check passes (AlphaFold's 20); unconverged is reported")
+    parser.add_argument("--relax_max_iterations", type=int, default=0,
+                        help="relax budget: iteration cap of each minimisation (0: none, as AlphaFold); a capped "
+                             "last pass is reported unconverged ('iteration cap')")
     parser.add_argument("--relax_max_minutes", type=float, default=10.0,
                         help="relax budget per structure: no new pass after this many minutes, a running "
                              "minimisation is stopped; the relaxation is then reported unconverged ('time budget', "
@@ -132,7 +135,10 @@ def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
         add(f"--{flag}", default=None, help="multimer hmmsearch template search: unused (see "
                                              "--pdb_seqres_database_path)")
-    for flag in ("obsolete_pdbs_path", "release_dates_path", "multimer_ri_gap", "experiment_config_json"):
+    add("--obsolete_pdbs_path", default=None,
+        help="the PDB's obsolete.dat: a template hit on an obsolete entry uses its successor's mmCIF, one removed "
+             "without a successor is skipped (as AlphaFold)")
+    for flag in ("release_dates_path", "multimer_ri_gap", "experiment_config_json"):
         add(f"--{flag}", default=None, help="refused or unused: see the error message")
     for flag in ("trace_model", "use_deepspeed_evoformer_attention", "use_custom_template"):
         add(f"--{flag}", action="store_true", help="refused: see the error message")
@@ -152,8 +158,6 @@ _REFUSED = {
     "multimer_ri_gap": "cannot apply: OpenFold's residue-index gap folds a complex with a monomer model; here "
                        "complexes run AlphaFold-Multimer (--model_preset multimer), whose chain-aware relative "
                        "positions (asym_id) separate the chains without a gap",
-    "obsolete_pdbs_path": "is not supported: obsolete template ids are not remapped (a hit without its mmCIF "
-                          "file is skipped with a warning)",
     "release_dates_path": "is not needed: template release dates are read from each mmCIF file "
                           "(_pdbx_audit_revision_history)",
 }
@@ -681,6 +685,8 @@ def _build_config(args: argparse.Namespace, targets):
             raise _usage(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.relax_max_passes < 1:
         raise _usage(f"--relax_max_passes must be >= 1, got {args.relax_max_passes}")
+    if args.relax_max_iterations < 0:
+        raise _usage(f"--relax_max_iterations must be >= 0, got {args.relax_max_iterations}")
     if args.relax_max_minutes is not None and not args.relax_max_minutes > 0:
         raise _usage(f"--relax_max_minutes must be > 0, got {args.relax_max_minutes}")
     if args.num_workers is not None and args.num_workers < 0:
@@ -700,6 +706,7 @@ def _build_config(args: argparse.Namespace, targets):
         **{f"{db}_database_path": getattr(args, f"{db}_database_path") for db in _DATABASES},
         **{f"{t}_binary_path": getattr(args, f"{t}_binary_path") for t in _TOOLS},
         uniprot_database_path=args.uniprot_database_path if _is_multimer(args) else None,
+        obsolete_pdbs_path=_obsolete_pdbs(args.obsolete_pdbs_path),
     )
     workers = args.num_workers
     if workers is None:
@@ -812,4 +819,23 @@ def _relax_config(args: argparse.Namespace):
 
     minutes = args.relax_max_minutes
     return RelaxConfig(platform=args.relax_platform, max_outer_iterations=args.relax_max_passes,
+                       max_iterations=args.relax_max_iterations,
                        max_seconds=None if minutes is None else 60.0 * minutes)
+
+
+def _obsolete_pdbs(path: str | None) -> str | None:
+    """--obsolete_pdbs_path read once up front, so a bad file is one line (naming it and the line), exit 2."""
+    if path is None:
+        return None
+    import os
+
+    from ...core_parallel.errors import InputError
+    from ...fastfold.data.templates import read_obsolete_pdbs
+
+    if not os.path.isfile(path):
+        raise _usage(f"--obsolete_pdbs_path {path}: no such file")
+    try:
+        read_obsolete_pdbs(path)
+    except InputError as err:
+        raise _usage(f"--obsolete_pdbs_path {err}") from None
+    return path

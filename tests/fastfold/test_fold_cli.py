@@ -181,6 +181,7 @@ def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, caps
 @pytest.mark.parametrize(("flags", "message"), [
     (["--relax_max_passes", "0"], "--relax_max_passes must be >= 1, got 0"),
     (["--relax_max_minutes", "-1"], "--relax_max_minutes must be > 0, got -1.0"),
+    (["--relax_max_iterations", "-1"], "--relax_max_iterations must be >= 0, got -1"),
 ])
 def test_relax_budget_flags_are_checked_up_front(tmp_path, capsys, flags, message):
     assert _exit_code(["fold", _fasta(tmp_path, ">pep\nMK\n"), "--output_dir", str(tmp_path / "o"), *flags]) == 2
@@ -192,11 +193,12 @@ def test_relax_budget_flags_reach_the_relax_config():
     from lowmem.suite.cli import build_parser
     from lowmem.suite.commands.fold import _relax_config
 
-    argv = ["fold", "x.fasta", "--relax_max_passes", "3", "--relax_max_minutes", "1.5"]
+    argv = ["fold", "x.fasta", "--relax_max_passes", "3", "--relax_max_minutes", "1.5", "--relax_max_iterations", "50"]
     cfg = _relax_config(build_parser(argv).parse_args(argv))
-    assert (cfg.max_outer_iterations, cfg.max_seconds) == (3, 90.0)
+    assert (cfg.max_outer_iterations, cfg.max_seconds, cfg.max_iterations) == (3, 90.0, 50)
     default = _relax_config(build_parser(["fold", "x.fasta"]).parse_args(["fold", "x.fasta"]))
-    assert (default.max_outer_iterations, default.max_seconds) == (20, 600.0)  # AlphaFold's pass limit, 10 min
+    # AlphaFold's pass limit, 10 min, no iteration cap (AlphaFold's max_iterations=0)
+    assert (default.max_outer_iterations, default.max_seconds, default.max_iterations) == (20, 600.0, 0)
 
 
 def test_relax_budget_stop_gives_exit_code_1(tmp_path, capsys):
@@ -211,3 +213,33 @@ def test_relax_budget_stop_gives_exit_code_1(tmp_path, capsys):
     assert record["relax"]["stopped"] == "time budget" and not record["relax"]["converged"]
     assert record["relax"]["problem"]  # unconverged (or, cut short this early, refused): never passed as good
     assert (tmp_path / "o" / "pep" / "pep_unrelaxed.pdb").exists()
+
+
+def test_obsolete_pdbs_path_is_read_up_front_and_reaches_the_templates(tmp_path, capsys):
+    """Issue 21: --obsolete_pdbs_path is OpenFold's/AlphaFold's obsolete.dat; a bad file is one line, exit 2, before
+    any work; a good one reaches the template featurizer's config and the target's fingerprint."""
+    from lowmem.suite.cli import build_parser
+    from lowmem.suite.commands.fold import _obsolete_pdbs
+
+    fasta = _fasta(tmp_path, ">pep\nMK\n")
+    bad = tmp_path / "obsolete.dat"
+    bad.write_text("not the PDB's list\n")
+    assert _exit_code(["fold", fasta, "--output_dir", str(tmp_path / "o"), "--obsolete_pdbs_path", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--obsolete_pdbs_path" in err[0] and str(bad) in err[0]
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    assert _exit_code(["fold", fasta, "--output_dir", str(tmp_path / "o"), "--obsolete_pdbs_path",
+                       str(tmp_path / "missing.dat")]) == 2
+    good = tmp_path / "good.dat"
+    good.write_text("OBSLTE    31-JUL-94 116L     216L\n")
+    assert _obsolete_pdbs(str(good)) == str(good)
+    from lowmem.fastfold.data.targets import AlignmentConfig
+    from lowmem.fastfold.pipeline import FoldConfig, ModelSpec, target_fingerprint
+    from lowmem.fastfold.data.targets import Target
+
+    def fingerprint(path):
+        a = AlignmentConfig(single_sequence=True, template_mmcif_dir=str(tmp_path), obsolete_pdbs_path=path)
+        cfg = FoldConfig(output_dir=str(tmp_path / "o"), models=[ModelSpec(tiny=True)], alignment=a)
+        return target_fingerprint(Target("pep", "MK"), cfg)
+
+    assert fingerprint(str(good))["templates"]["obsolete"] != fingerprint(None)["templates"].get("obsolete")

@@ -71,6 +71,7 @@ ACCEPTED = {
                                                                                "bfd")},
     **{f"--{tool}_binary_path": ("x", {f"{tool}_binary_path": "x"}) for tool in ("jackhmmer", "hhblits",
                                                                                 "hhsearch", "kalign")},
+    "--obsolete_pdbs_path": ("obsolete.dat", {"obsolete_pdbs_path": "obsolete.dat"}),
     # multimer-only inputs: OpenFold's monomer runs ignore them too (a warning says so)
     **{f"--{f}": ("x", {}) for f in ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearch_binary_path",
                                      "hmmbuild_binary_path")},
@@ -83,7 +84,6 @@ REFUSED = {  # flag -> (value, words the one line must hold)
     "--use_custom_template": (None, "not supported"),
     "--experiment_config_json": ("c.json", "cannot apply"),
     "--multimer_ri_gap": ("200", "monomer"),
-    "--obsolete_pdbs_path": ("obsolete.dat", "not supported"),
     "--release_dates_path": ("dates.txt", "not needed"),
 }
 

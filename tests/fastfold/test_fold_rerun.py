@@ -123,8 +123,11 @@ def test_seeds_models_and_ranking_debug(tmp_path):
             assert (folder / f"pep_{label}{suffix}").exists(), label + suffix
     debug = json.loads((folder / "ranking_debug.json").read_text())
     assert sorted(debug["order"]) == sorted(labels) and set(debug["plddts"]) == set(labels)
-    ptms = debug["ptms"]
-    assert [ptms[k] for k in debug["order"]] == sorted(ptms.values(), reverse=True)  # ranked by pTM
+    plddts = debug["plddts"]  # AlphaFold ranks monomer models (`_ptm` too) by mean pLDDT
+    assert [plddts[k] for k in debug["order"]] == sorted(plddts.values(), reverse=True)
+    assert set(debug["ptms"]) == set(labels)  # pTM kept as extra information
+    ranking = json.loads((folder / "ranking.json").read_text())
+    assert ranking["metric"] == "mean_plddt" and ranking["order"] == debug["order"]
     a, b = (Prediction.load(folder / f"pep_model_1_ptm_seed_{s}_prediction.npz") for s in (4, 5))
     assert not np.allclose(a.positions, b.positions)  # other MSA sampling seed, other structure
     best = Prediction.load(folder / f"pep_{debug['order'][0]}_prediction.npz")
