@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_dir", "fsync_dir", "fsync_file", "replace_dir", "stale_copies", "umask"]
+__all__ = ["atomic_write", "atomic_dir", "drop_page_cache", "fsync_dir", "fsync_file", "replace_dir", "stale_copies",
+           "umask"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,26 @@ def fsync_file(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache(path: str | os.PathLike, write_back: bool = False) -> None:
+    """Drop `path`'s pages from the page cache (a memory cgroup charges the pages a job reads and writes); with
+    `write_back`, its dirty pages are written first (dirty pages cannot be dropped). Best effort: a file that
+    cannot be opened, or a platform without `posix_fadvise`, is left as it is."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if write_back:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..core_parallel.fileio import atomic_write, fsync_dir
+from ..core_parallel.fileio import atomic_write, drop_page_cache, fsync_dir
 
 __all__ = ["generate_images", "image_grid", "save_grid", "save_over_base", "save_pipeline", "move_into"]
 
@@ -45,20 +45,8 @@ def _copy_uncached(src: str, dst: str) -> str:
     """`shutil.copy2`, then the copy written back and both files' pages dropped from the page cache: a memory
     cgroup charges the pages a job reads and writes, and a copied component is not read again here."""
     shutil.copy2(src, dst)
-    if hasattr(os, "posix_fadvise"):
-        for path, flags in ((dst, os.O_RDWR), (src, os.O_RDONLY)):
-            try:
-                fd = os.open(path, flags)
-            except OSError:
-                continue
-            try:
-                if path == dst:
-                    os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+    drop_page_cache(dst, write_back=True)
+    drop_page_cache(src)
     return dst
 
 

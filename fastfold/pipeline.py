@@ -601,7 +601,8 @@ def write_target_outputs(
         plot_msa_coverage(folder / f"{target.name}_coverage.png", msa, f"{target.name}: sequence coverage ({depth})")
         files.append(f"{target.name}_coverage.png")
     record = {"target": target.name, "description": target.description, "length": len(target.sequence),
-              **({"chains": chains} if chains is not None else {}), "timings": timings, "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
+              **({"chains": chains} if chains is not None else {}), "timings": timings,
+              "mean_plddt": float(best.plddt.mean()), "relax": relax_summary,
               "inputs": features_info, "fingerprint": fingerprint, "files": files}
     _write_text(folder / "timings.json", json.dumps(record, indent=2))
     return [*files, "timings.json"]

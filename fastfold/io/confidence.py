@@ -12,8 +12,8 @@ import numpy as np
 
 from ...core_parallel.fileio import atomic_write
 
-__all__ = ["MAX_PAE", "chain_confidences", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae", "plot_plddt",
-           "write_confidence_json"]
+__all__ = ["MAX_PAE", "chain_confidences", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae",
+           "plot_plddt", "write_confidence_json"]
 
 MSA_GAP = 21
 """The gap's index in the `msa` feature (AlphaFold's HHblits order mapped to ours)."""

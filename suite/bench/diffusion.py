@@ -47,7 +47,6 @@ __all__ = ["add_arguments", "run"]
 
 _MMAP_THRESHOLD = "65536"
 
-
 _MODULE = __spec__.name if __spec__ is not None else __name__
 """This module's import name (also under `python -m`): the namespace is named in one place only."""
 
@@ -438,19 +437,11 @@ def _defaults(args: argparse.Namespace) -> dict:
 
 def _drop_cached(folder: str) -> None:
     """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
+    from ...core_parallel.fileio import drop_page_cache
+
     for top, _, names in os.walk(folder):
         for name in names:
-            try:
-                fd = os.open(os.path.join(top, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            drop_page_cache(os.path.join(top, name), write_back=True)
 
 
 def whole_commands(opts: dict, work: str) -> list[dict]:

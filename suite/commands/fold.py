@@ -129,7 +129,8 @@ def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=None, help="FastFold: DAP size = --devices")
     add("--enable_workflow", action="store_true", help="FastFold: alignment jobs as Ray tasks (= --num_workers)")
     add("--uniprot_database_path", default=None,
-        help="multimer: jackhmmer database (UniProt) of each chain's pairing MSA (uniprot_hits.sto); unused by monomers")
+        help="multimer: jackhmmer database (UniProt) of each chain's pairing MSA (uniprot_hits.sto); unused by "
+             "monomers")
     add("--pdb_seqres_database_path", default=None,
         help="multimer hmmsearch template search: refused (not implemented; templates come from .hhr hits)")
     for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
@@ -478,28 +479,13 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
     files (refused when empty or holding only unknown files, unless --single_sequence), text files only."""
     from pathlib import Path
 
-    from ...core_parallel.errors import InputError
-    from ...fastfold.data.targets import alignment_files, check_text_file
-
     _existing(args.use_precomputed_alignments, "--use_precomputed_alignments", "dir")
     if args.use_precomputed_alignments and _is_multimer(args):
         _validate_chain_folders(args, targets)
     elif args.use_precomputed_alignments:
         for t in targets:
-            folder = Path(args.use_precomputed_alignments) / t.name
-            if not folder.is_dir():
-                raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: "
-                             f"no folder for target {t.name!r}")
-            msas, hits, ignored = alignment_files(folder)
-            if not msas and not args.single_sequence:
-                holds = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
-                raise _usage(f"--use_precomputed_alignments: {folder}: no alignment file (.sto/.a3m, optionally .gz) "
-                             f"for target {t.name!r}, it holds {holds}; add --single_sequence to fold it alone")
-            for p in [*msas, *hits]:
-                try:
-                    check_text_file(p)
-                except InputError as exc:
-                    raise _usage(f"--use_precomputed_alignments: {exc}") from None
+            _check_alignment_folder(args, Path(args.use_precomputed_alignments) / t.name, f"target {t.name!r}",
+                                    "fold it alone")
     if args.single_sequence:
         return
     for db in _DATABASES:
@@ -515,30 +501,35 @@ def _validate_chain_folders(args: argparse.Namespace, targets) -> None:
     folder without any alignment is refused unless --single_sequence (as for a monomer target)."""
     from pathlib import Path
 
-    from ...core_parallel.errors import InputError
-    from ...fastfold.data.targets import alignment_files, check_text_file
-
     for t in targets:
         seen = set()
         for chain in t.complex.chains:
             if chain.entity_id in seen:
                 continue
             seen.add(chain.entity_id)
-            folder = Path(args.use_precomputed_alignments) / chain.name
-            if not folder.is_dir():
-                raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: no folder for chain "
-                             f"{chain.name!r} (chain {chain.chain_id} of complex {t.name!r})")
-            msas, hits, ignored = alignment_files(folder)
-            if not msas and not args.single_sequence:
-                holds = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
-                raise _usage(f"--use_precomputed_alignments: {folder}: no alignment file (.sto/.a3m, optionally .gz) "
-                             f"for chain {chain.name!r} of complex {t.name!r}, it holds {holds}; add "
-                             "--single_sequence to fold it from the sequences alone")
-            for p in [*msas, *hits]:
-                try:
-                    check_text_file(p)
-                except InputError as exc:
-                    raise _usage(f"--use_precomputed_alignments: {exc}") from None
+            _check_alignment_folder(args, Path(args.use_precomputed_alignments) / chain.name,
+                                    f"chain {chain.name!r} (chain {chain.chain_id} of complex {t.name!r})",
+                                    "fold it from the sequences alone")
+
+
+def _check_alignment_folder(args: argparse.Namespace, folder, what: str, alone: str) -> None:
+    """One target's (or chain's) alignment folder: it exists, holds an alignment file unless --single_sequence,
+    and every file it will read is text; else one line naming `what`."""
+    from ...core_parallel.errors import InputError
+    from ...fastfold.data.targets import alignment_files, check_text_file
+
+    if not folder.is_dir():
+        raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: no folder for {what}")
+    msas, hits, ignored = alignment_files(folder)
+    if not msas and not args.single_sequence:
+        holds = f"only {', '.join(p.name for p in ignored)}" if ignored else "nothing"
+        raise _usage(f"--use_precomputed_alignments: {folder}: no alignment file (.sto/.a3m, optionally .gz) "
+                     f"for {what}, it holds {holds}; add --single_sequence to {alone}")
+    for p in [*msas, *hits]:
+        try:
+            check_text_file(p)
+        except InputError as exc:
+            raise _usage(f"--use_precomputed_alignments: {exc}") from None
 
 
 def _check_binaries(args: argparse.Namespace) -> None:

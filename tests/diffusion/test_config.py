@@ -97,6 +97,14 @@ def test_explicit_flag_beats_the_file_which_beats_the_default(tmp_path):
     ("use_ema: yes please\n", "use_ema: expected true or false, got 'yes please'"),
     ("resolution: 30\n", "resolution must be a positive multiple of 8, got 30"),
     ("data:\n  interpolation: cubic\n", "image_interpolation_mode must be one of"),
+    # the parallel section (issue 20)
+    ("parallel: {fsdp: {}}\n", "parallel must be null or a mapping with one key, zero or gemini"),
+    ("parallel: {gemini: {tier: nvme}}\n", "parallel: gemini: got an unexpected keyword argument 'tier'"),
+    ("parallel: {gemini: {offload_tier: nvme}}\n", "parallel: gemini: offload_tier='nvme' needs offload_dir"),
+    ("parallel: {zero: {stage: 3}}\n", "parallel: zero: "),
+    ("parallel: {zero: {precision: bf16}}\n", "parallel: zero.precision: the precision is --mixed_precision's"),
+    ("strategy: zero2\nparallel: {zero: {}}\n", "strategy 'zero2' and parallel both name the strategy"),
+    ("offload_dir: /x\nparallel: {gemini: {}}\n", "offload_dir goes inside parallel"),
 ])
 def test_bad_recipe_is_one_line_naming_the_key_and_the_file_exit_2(tmp_path, capsys, text, expect):
     recipe = tmp_path / "bad.yaml"
@@ -147,21 +155,3 @@ def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
     assert parallel_config(FineTuneConfig()) is None and build_strategy(FineTuneConfig(strategy="ddp")) == "ddp"
     with pytest.raises(ValueError, match="use_ema is not supported with the gemini"):
         FineTuneConfig(use_ema=True, parallel=GeminiConfig())
-
-
-@pytest.mark.parametrize("text, expect", [
-    ("parallel: {fsdp: {}}\n", "parallel must be null or a mapping with one key, zero or gemini"),
-    ("parallel: {gemini: {tier: nvme}}\n", "parallel: gemini: got an unexpected keyword argument 'tier'"),
-    ("parallel: {gemini: {offload_tier: nvme}}\n", "parallel: gemini: offload_tier='nvme' needs offload_dir"),
-    ("parallel: {zero: {stage: 3}}\n", "parallel: zero: "),
-    ("parallel: {zero: {precision: bf16}}\n", "parallel: zero.precision: the precision is --mixed_precision's"),
-    ("strategy: zero2\nparallel: {zero: {}}\n", "strategy 'zero2' and parallel both name the strategy"),
-    ("offload_dir: /x\nparallel: {gemini: {}}\n", "offload_dir goes inside parallel"),
-])
-def test_bad_parallel_is_one_line_naming_the_file(tmp_path, capsys, text, expect):
-    recipe = tmp_path / "bad.yaml"
-    recipe.write_text(text)
-    rc = main(["diffusion", "finetune", "--config", str(recipe), "--output_dir", str(tmp_path / "out")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith(f"suite diffusion: error: {recipe}: ") and expect in err[0], err

@@ -217,8 +217,9 @@ def test_relax_budget_stop_gives_exit_code_1(tmp_path, capsys):
 
 def test_obsolete_pdbs_path_is_read_up_front_and_reaches_the_templates(tmp_path, capsys):
     """Issue 21: --obsolete_pdbs_path is OpenFold's/AlphaFold's obsolete.dat; a bad file is one line, exit 2, before
-    any work; a good one reaches the template featurizer's config and the target's fingerprint."""
-    from lowmem.suite.cli import build_parser
+    any work; a good one is kept and is part of the target's fingerprint (a changed file redoes the target)."""
+    from lowmem.fastfold.data.targets import AlignmentConfig, Target
+    from lowmem.fastfold.pipeline import FoldConfig, ModelSpec, target_fingerprint
     from lowmem.suite.commands.fold import _obsolete_pdbs
 
     fasta = _fasta(tmp_path, ">pep\nMK\n")
@@ -233,9 +234,6 @@ def test_obsolete_pdbs_path_is_read_up_front_and_reaches_the_templates(tmp_path,
     good = tmp_path / "good.dat"
     good.write_text("OBSLTE    31-JUL-94 116L     216L\n")
     assert _obsolete_pdbs(str(good)) == str(good)
-    from lowmem.fastfold.data.targets import AlignmentConfig
-    from lowmem.fastfold.pipeline import FoldConfig, ModelSpec, target_fingerprint
-    from lowmem.fastfold.data.targets import Target
 
     def fingerprint(path):
         a = AlignmentConfig(single_sequence=True, template_mmcif_dir=str(tmp_path), obsolete_pdbs_path=path)

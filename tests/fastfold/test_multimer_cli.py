@@ -209,7 +209,6 @@ def test_chain_break_is_not_a_broken_peptide_bond():
     from lowmem.fastfold.io.protein import Protein, from_pdb, to_pdb
     from lowmem.fastfold.relax.amber import _violations, cis_peptides
 
-    rng = np.random.default_rng(1)
     n = 4
     pos = np.zeros((2 * n, 37, 3))
     mask = np.zeros((2 * n, 37))
