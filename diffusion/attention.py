@@ -8,34 +8,24 @@ It does what diffusers' `AttnProcessor2_0` does around the attention itself (gro
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
+from ..kernels.attention import attention as _kernel_attention
+from ..kernels.backend import BACKENDS, use_backend
+
 __all__ = ["ATTENTION_BACKENDS", "KernelsAttnProcessor", "set_kernels_attention"]
 
-logger = logging.getLogger(__name__)
-
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
-_warned: set[str] = set()
+ATTENTION_BACKENDS = BACKENDS
+"""The kernel backends (`kernels.backend.BACKENDS`), the values of `--attention_backend`."""
 
 
 def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
                     backend: str) -> torch.Tensor:
-    """`kernels.attention` under `backend`; PyTorch's SDPA (logged once) until the kernels module exists."""
-    try:
-        from .. import kernels
-        from ..kernels.backend import use_backend
-
-        attention = kernels.attention
-    except (ImportError, AttributeError) as exc:
-        if "kernels" not in _warned:
-            _warned.add("kernels")
-            logger.warning("kernels.attention is not available (%s); using torch scaled_dot_product_attention", exc)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    """`kernels.attention` under `backend` (the project's own kernels: a relative import, never shadowed)."""
     with use_backend(backend):
-        return attention(q, k, v, bias=bias, scale=scale)
+        return _kernel_attention(q, k, v, bias=bias, scale=scale)
 
 
 class KernelsAttnProcessor:

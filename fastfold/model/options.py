@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.backend import BACKENDS
+
 __all__ = ["SINGLE_PROCESS", "InferenceOptions", "Layout", "device_budget_bytes"]
 
-_BACKENDS = ("auto", "triton", "torch")
 CPU_BUDGET_BYTES = 256 * 2**20
 """The `chunk_size="auto"` budget on CPU (and the default of `InferenceOptions.memory_budget_bytes`)."""
 CUDA_BUDGET_FRACTION = 0.25
@@ -62,9 +63,9 @@ class InferenceOptions:
             raise ValueError(f"InferenceOptions.chunk_size must be None, 'auto' or a positive int, got {c!r}")
         if not isinstance(self.memory_budget_bytes, int) or self.memory_budget_bytes <= 0:
             raise ValueError("InferenceOptions.memory_budget_bytes must be a positive int")
-        if self.attention_backend not in _BACKENDS:
+        if self.attention_backend not in BACKENDS:
             raise ValueError(
-                f"InferenceOptions.attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
+                f"InferenceOptions.attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
             )
         if self.residual not in _RESIDUALS:
             raise ValueError(f"InferenceOptions.residual must be one of {_RESIDUALS}, got {self.residual!r}")
