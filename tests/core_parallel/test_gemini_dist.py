@@ -176,6 +176,11 @@ class _SelectiveBlocks(torch.nn.Module):
 
 
 def _selective_train(rank: int, world: int, keep: int | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gemini-sac-") as folder:  # removed afterwards, files and all
+        return _selective_train_in(rank, world, keep, folder)
+
+
+def _selective_train_in(rank: int, world: int, keep: int | None, folder: str) -> dict:
     torch.manual_seed(0)
     model = _SelectiveBlocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -183,7 +188,6 @@ def _selective_train(rank: int, world: int, keep: int | None) -> dict:
         # three layers per chunk (a chunk spans two checkpointed regions), master shards on NVMe (read into a
         # new tensor, then all-gathered); a chunk kept gathered in forward is gathered again in the recompute,
         # so the gather's ops run inside the checkpointed region in one pass and not in the other
-        folder = tempfile.mkdtemp(prefix="gemini-sac-")
         config = GeminiConfig(chunk_mb=3 * 64 * 65 * 4 / 2**20, keep_gathered=keep, placement="static",
                               offload_param_frac=1.0, offload_optim_frac=1.0, offload_dir=folder)
         model, opt = core_parallel.setup(model, opt, config)
