@@ -48,6 +48,19 @@ def check_pipeline_folder(folder: Path) -> None:
             raise InputError(f"{folder / sub}: the '{sub}' component has none of {', '.join(files)}")
 
 
+def drop_folder_cache(folder: Path) -> None:
+    """Drop the page cache of the files directly in `folder` (a component's weights, once loaded and copied: a
+    memory cgroup charges the pages a job reads to it). Best effort; pages still mapped stay."""
+    from ..core_parallel.fileio import drop_page_cache
+
+    try:
+        files = [f for f in folder.iterdir() if f.is_file()]
+    except OSError:
+        return
+    for f in files:
+        drop_page_cache(f)
+
+
 def _scheduler_class(folder: Path) -> Any:
     """The scheduler class the base pipeline ships (its `_class_name`), DDPMScheduler when unknown."""
     import diffusers
@@ -109,6 +122,8 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
     for name, load in loaders.items():
         try:
             out[name] = load()
+            if name in ("vae", "text_encoder"):  # read whole by from_pretrained, copied: out of the page cache
+                drop_folder_cache(folder / name)
         except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             where = folder / name if name != "tokenizer" or not tokenizer_name else Path(tokenizer_name)

@@ -17,8 +17,11 @@ its shard covers), then drops what it read. A hollow parameter must not be used 
 gives the parameters their values in ordinary memory instead, for code paths without Gemini.
 
 `SafetensorsSource` reads the safetensors format with `pread` (no mapping of the file, so its pages never
-count towards the process's resident set) and asks the kernel to drop the file's pages it read from the page
-cache once copied: a container's memory limit charges page cache to the reader.
+count towards the process's resident set) with readahead off (`POSIX_FADV_RANDOM`: the load reads tensors in the
+model's order, not the file's, and pages read ahead past a tensor would stay), asks the kernel to drop the file's
+pages it read from the page cache once copied, and drops the whole file when closed (the pages a tensor shares
+with its neighbours): a container's memory limit charges page cache to the reader. `setup_gemini` closes the
+sources it filled from.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "SafetensorsSource", "TensorSource", "clear_source", "fill_hollow",
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsSource", "TensorSource", "clear_source", "close_sources", "fill_hollow",
            "hollow_parameters", "is_hollow", "read_safetensors_header", "source_of", "take_value"]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -62,18 +65,25 @@ class TensorSource(Protocol):
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """(header, byte offset of the data) of a safetensors file; `ValueError` naming the file when malformed."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
+    """(header, byte offset of the data) of a safetensors file; `ValueError` naming the file when malformed.
+
+    Read with readahead off: a buffered read would leave readahead marks on the pages after the header, and the
+    first whole-tensor read that meets them would read ahead into the tensors after it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _advise(fd, getattr(os, "POSIX_FADV_RANDOM", 1))
+        raw = _pread_all(fd, 8, 0)
         if len(raw) != 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20 or n > os.fstat(f.fileno()).st_size - 8:
+        if n > 100 << 20 or n > os.fstat(fd).st_size - 8:
             raise ValueError(f"{path}: not a safetensors file (header length {n})")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(_pread_all(fd, n, 8))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a safetensors file (header is not JSON: {exc})") from exc
+    finally:
+        os.close(fd)
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a safetensors file (header is not an object)")
     return header, 8 + n
@@ -82,8 +92,10 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
 class SafetensorsSource:
     """The tensors of one or more safetensors files (a sharded checkpoint's shards), read with `pread`.
 
-    `drop_cache` (default True): after each read, advise the kernel to drop the file's pages just read from the
-    page cache (they were copied; a memory cgroup would otherwise charge them to this process).
+    `drop_cache` (default True): readahead off for the file (`POSIX_FADV_RANDOM`: only the bytes asked for are
+    read), after each read advise the kernel to drop the file's pages just read from the page cache (they were
+    copied; a memory cgroup would otherwise charge them to this process), and on `close()` drop the whole file
+    (pages shared by two tensors, or read by someone else). A read after `close()` opens the file again.
     """
 
     def __init__(self, files: Sequence[str | os.PathLike], *, drop_cache: bool = True) -> None:
@@ -118,7 +130,10 @@ class SafetensorsSource:
 
     def _fd(self, i: int) -> int:
         if i not in self._fds:
-            self._fds[i] = os.open(self.files[i], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self.files[i], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if self.drop_cache:
+                _advise(fd, getattr(os, "POSIX_FADV_RANDOM", 1))
+            self._fds[i] = fd
         return self._fds[i]
 
     def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
@@ -142,14 +157,40 @@ class SafetensorsSource:
         return out
 
     def close(self) -> None:
+        """Close the files; with `drop_cache`, first drop all their pages from the page cache."""
         for fd in self._fds.values():
-            os.close(fd)
+            try:
+                if self.drop_cache:
+                    _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", 4))
+            finally:
+                os.close(fd)
         self._fds = {}
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    """Up to `n` bytes at `offset` (fewer only at the end of the file)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _advise(fd: int, advice: int) -> None:
+    """`posix_fadvise` over the whole file, where the platform and filesystem take it (advice only)."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        except OSError:
             pass
 
 
@@ -205,17 +246,27 @@ def take_value(p: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Ten
 def fill_hollow(module: torch.nn.Module) -> int:
     """Give every hollow parameter of `module` its value in ordinary memory (where no Gemini setup follows);
     returns how many were filled."""
-    n = 0
+    n, sources = 0, {}
     for p in module.parameters():
         if not is_hollow(p):
             continue
+        sources[id(source_of(p)[0])] = source_of(p)[0]
         storage = p.data.untyped_storage()
         storage.resize_(p.numel() * p.element_size())
         with torch.no_grad():
             p.data.view(-1).copy_(take_value(p))
         delattr(p, _ATTR)
         n += 1
+    close_sources(sources.values())
     return n
+
+
+def close_sources(sources: Iterable[TensorSource]) -> None:
+    """Close the sources that have a `close()` (a `SafetensorsSource` drops its files from the page cache)."""
+    for source in sources:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
 
 
 def clear_source(p: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from ..host_comm import HostCollectives
 from .chunk import Chunk, Reduction
 from .config import GeminiConfig
 from .layout import ChunkSpec, Slot
-from .lazy import clear_source, is_hollow, take_value
+from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from .state import ChunkState
 from .storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
@@ -201,7 +201,9 @@ class ChunkManager(_StateDictIO):
             self.nvme.open()
 
     def load_params(self) -> None:
-        """Copy the parameters' current values into the master shards and point them into the chunks."""
+        """Copy the parameters' current values into the master shards and point them into the chunks; the
+        sources of hollow parameters are closed once read (a file source leaves the page cache)."""
+        sources = {}
         for c in self.chunks:
             local = torch.zeros(c.shard_numel, dtype=torch.float32)
             for s in c.spec.slots:
@@ -210,6 +212,7 @@ class ChunkManager(_StateDictIO):
                 if lo >= hi:
                     continue
                 if is_hollow(p):  # read from its source, only this rank's part; dropped once copied
+                    sources.setdefault(id(source_of(p)[0]), source_of(p)[0])
                     local[lo - c.lo : hi - c.lo] = take_value(p, lo - s.offset, hi - s.offset).float()
                 else:
                     flat = p.detach().reshape(-1)
@@ -223,6 +226,7 @@ class ChunkManager(_StateDictIO):
             for s in c.spec.slots:
                 clear_source(self.params[s.param])
             self._storage_keys[c.index] = c.full.untyped_storage()._cdata
+        close_sources(sources.values())
         if self.nvme is not None:
             self.nvme.flush()  # the tier's file on disk, none of it left in the page cache
 

@@ -52,7 +52,7 @@ TIERS = ("device", "cpu", "nvme")
 _PAGE = mmap.PAGESIZE
 _F32 = 4
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
-WRITEBACK_LAG = 32 << 20
+WRITEBACK_LAG = 16 << 20
 """Bytes written to the NVMe tier that may still be in the page cache (under writeback) before the oldest are
 waited for and dropped: the disk writes them back while compute goes on."""
 

@@ -87,6 +87,26 @@ def test_pages_written_and_not_yet_flushed_stay_below_the_lag(folder):
         f.close()
 
 
+def test_the_default_lag_keeps_at_most_16_mib_of_the_tier_cached(folder):
+    """The default write-behind lag (issue 18: 16 MiB, half the first one) bounds what a step leaves cached."""
+    from lowmem.core_parallel.gemini.storage import WRITEBACK_LAG
+
+    _needs_dropping(folder)
+    f = NvmeFile(folder, rank=0)
+    n = MIB  # 4 MiB of fp32
+    offsets = [f.reserve(n) for _ in range(10)]
+    f.open()
+    try:
+        assert f.writeback_lag == WRITEBACK_LAG <= 16 * MIB
+        most = 0
+        for i, off in enumerate(offsets):
+            f.write(off, torch.full((n,), float(i)))
+            most = max(most, file_resident_bytes(str(f.path)))
+        assert most <= 16 * MIB + 4 * MIB + 4 * PAGE, f"{most / MIB:.1f} MiB of the tier cached at once"
+    finally:
+        f.close()
+
+
 def test_tiered_buffer_moves_keep_values_and_leave_no_pages(folder):
     _needs_dropping(folder)
     f = NvmeFile(folder, rank=0)
