@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import datetime
 import difflib
 import functools
 import inspect
@@ -166,7 +167,39 @@ def _flag_form(tp: Any) -> tuple[str, Any, tuple | None] | None:
     if typing.get_origin(tp) is list:
         (elem,) = typing.get_args(tp) or (str,)
         return ("list", elem, None) if elem in (int, float, str) else None
+    args = _union_args(tp)
+    if args is not None and all(a in (int, float, str) or _scalar_literal(a) for a in args):
+        return "scalar", _text_parser(tp), None  # e.g. `int | Literal["auto"]`: a chunk size or "auto"
     return None
+
+
+def _scalar_literal(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Literal and all(
+        type(c) in (int, float, str) for c in typing.get_args(tp))
+
+
+@functools.cache
+def _text_parser(tp: Any) -> Callable[[str], Any]:
+    """The argparse `type` of a union of scalars and literals: a literal's text first, then each scalar type in
+    the union's order; else argparse's one-line error naming the flag."""
+    members = _union_args(tp) or (tp,)
+    literals = [c for a in members if _scalar_literal(a) for c in typing.get_args(a)]
+    scalars = [a for a in members if a in (int, float, str)]
+
+    def parse(text: str) -> Any:
+        for c in literals:
+            if str(c) == text:
+                return c
+        for a in scalars:
+            try:
+                return a(text)
+            except ValueError:
+                continue
+        raise argparse.ArgumentTypeError(f"expected {_describe(tp)}, got {text!r}")
+
+    parse.__name__ = " | ".join(a.__name__ if a in scalars else " | ".join(map(repr, typing.get_args(a)))
+                                for a in members)
+    return parse
 
 
 def _describe(tp: Any) -> str:
@@ -178,7 +211,8 @@ def _describe(tp: Any) -> str:
     if args is not None:
         return " or ".join(_describe(a) for a in args)
     if typing.get_origin(tp) is typing.Literal:
-        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+        choices = typing.get_args(tp)
+        return repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(repr(c) for c in choices)
     if typing.get_origin(tp) is list:
         (elem,) = typing.get_args(tp) or (Any,)
         return f"a list of {_describe(elem)}" if elem is not Any else "a list"
@@ -222,6 +256,8 @@ def coerce(tp: Any, value: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, datetime.date):  # YAML reads 2021-10-14 as a date: a text setting takes its ISO text
+            return value.isoformat()
     elif typing.get_origin(tp) is typing.Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
@@ -280,7 +316,7 @@ def read_yaml(path: str | Path, cls: type) -> dict[str, Any]:
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_loader())  # noqa: S506 - a SafeLoader
     except OSError as exc:
         raise InputError(f"{path}: cannot read the config ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
@@ -292,6 +328,19 @@ def read_yaml(path: str | Path, cls: type) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of setting names, got {type(data).__name__}")
     return from_mapping(data, cls, str(path))
+
+
+@functools.cache
+def _loader() -> type:
+    """`yaml.SafeLoader` that reads a date (`2021-10-14`) as its text: the setting's own check judges it (YAML
+    would refuse `2021-13-01` with a bare "month must be in 1..12")."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
+    return Loader
 
 
 def from_mapping(data: Mapping[str, Any], cls: type, source: str) -> dict[str, Any]:
@@ -412,8 +461,9 @@ def explain(cls: type, exc: BaseException, origin: Mapping[str, str]) -> str:
     """The one line for a config's refusal `exc`: its leading field name in the user's spelling and source."""
     msg = str(exc)
     head = msg.split(" ", 1)[0].rstrip(":,")
+    field = head.rsplit(".", 1)[-1]  # an owner's own message names `Owner.field` (AlignmentConfig.cpus)
     table = settings(cls)
-    name = head if head in table else next((n for n, s in table.items() if s.path[-1] == head), None)
+    name = head if head in table else next((n for n, s in table.items() if s.path[-1] == field), None)
     if name is None:
         return msg if isinstance(exc, ValueError) else f"bad setting: {msg}"
     msg = name + msg[len(head):]

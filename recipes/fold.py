@@ -16,12 +16,14 @@ Complexes: `AlphaFoldPredictor(model_name="model_1_multimer_v3")` (or a `params_
 `FoldDataModule(fasta, multimer=True)` (ColabFold's `A:B` records or one FASTA file per complex; one alignment
 folder per chain); the writer writes the complex's files as `suite fold --model_preset multimer` does.
 
-`load_recipe(path)` reads a YAML recipe (`recipes/configs/fold.yaml`: keys are `suite fold`'s flag names) and
-returns the three objects' keyword arguments.
+`load_recipe(path)` reads a YAML recipe (`recipes/configs/fold.yaml`) through `suite fold`'s own settings class
+(`fastfold.settings.FoldSettings`: the same keys, checks and one-line errors as `suite fold --config`) and returns
+the objects' keyword arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -39,7 +41,7 @@ from ..fastfold import pipeline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AlphaFoldPredictor", "FoldDataModule", "FoldPredictionWriter", "load_recipe"]
+__all__ = ["AlphaFoldPredictor", "FoldDataModule", "FoldPredictionWriter", "load_recipe", "recipe_settings"]
 
 _NAME, _SEQUENCE, _SECONDS, _ERROR = "_target_name", "_target_sequence", "_features_seconds", "_error"
 _INFO, _MSA = "_features_info", "_msa"
@@ -244,35 +246,64 @@ class FoldPredictionWriter(BasePredictionWriter):
 _PREDICTOR_KEYS = ("param_path", "model_name", "precision", "chunk_size", "seed")
 _WRITER_KEYS = ("output_dir", "relax", "overwrite")
 _TRAINER_KEYS = ("devices", "accelerator")
+_RELAX_BUDGET = ("relax_platform", "relax_max_passes", "relax_max_iterations", "relax_max_minutes")
+_CLI_ONLY = ("model_device", "inplace", "num_recycle", "num_seeds", "subtract_plddt")
+"""`suite fold` settings the recipe's objects have no argument for: a recipe that sets one is refused (one line)
+rather than silently run without it."""
+
+
+def recipe_settings(path: str | Path) -> tuple[Any, set[str]]:
+    """The fold recipe YAML `path` read as `suite fold --config` reads it (`fastfold.settings.FoldSettings`: the
+    same keys, flat or in sections, the same checks and one-line errors naming the file and the key); and the
+    flat names the file sets."""
+    from ..core_parallel.config import build, read_yaml
+    from ..fastfold.settings import FoldSettings
+
+    values = read_yaml(path, FoldSettings)
+    return build(FoldSettings, values, dict.fromkeys(values, str(path))), set(values)
 
 
 def load_recipe(path: str | Path) -> dict[str, dict[str, Any]]:
-    """A fold recipe YAML (`suite fold` flag names as keys) -> keyword arguments of `AlphaFoldPredictor`
-    ("predictor"), `FoldDataModule` ("data"), `FoldPredictionWriter` ("writer") and `Trainer` ("trainer")."""
-    import yaml
+    """A fold recipe YAML (`suite fold`'s settings as keys, `recipe_settings`) -> keyword arguments of
+    `AlphaFoldPredictor` ("predictor"), `FoldDataModule` ("data"), `FoldPredictionWriter` ("writer") and `Trainer`
+    ("trainer"). Only the keys the file sets are passed (each object's defaults otherwise)."""
+    from ..core_parallel.config import settings
+    from ..core_parallel.errors import InputError
+    from ..fastfold.settings import FoldSettings
 
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: a fold recipe is a mapping of flag names to values")
-    raw = dict(raw)
+    fs, given = recipe_settings(path)
+    table = settings(FoldSettings)
+    for key in _CLI_ONLY:
+        if key in given:
+            raise InputError(f"{path}: {key}: a suite fold setting the recipe does not take (its objects have no "
+                             "such argument); run suite fold --config, or leave it out")
+    value = {name: functools.reduce(getattr, s.path, fs) for name, s in table.items() if name in given}
     out: dict[str, dict[str, Any]] = {"predictor": {}, "writer": {}, "trainer": {"strategy": "dap"}, "data": {}}
-    for key, value in raw.items():
+    for key, v in value.items():
         if key in _PREDICTOR_KEYS:
-            out["predictor"][key] = value
+            out["predictor"][key] = v
         elif key in _WRITER_KEYS:
-            out["writer"][key] = value
+            out["writer"][key] = v
         elif key in _TRAINER_KEYS:
-            out["trainer"][key] = value
+            out["trainer"][key] = v
+        elif key == "random_model_size":
+            out["predictor"]["tiny"] = v == "tiny"
         elif key == "fasta_path":
-            out["data"]["fasta"] = value
+            out["data"]["fasta"] = v
         elif key == "use_precomputed_alignments":
-            out["data"]["alignments_dir"] = value
+            out["data"]["alignments_dir"] = v
         elif key == "model_preset":
-            if value == "multimer":
+            if v == "multimer":
                 out["data"]["multimer"] = True
                 out["predictor"].setdefault("model_name", "model_1_multimer_v3")
-        else:
-            out["data"][key] = value
+        elif key in _RELAX_BUDGET:
+            out["writer"]["relax_config"] = fs.relaxation.config()
+        elif key == "num_workers" and v is None:
+            continue  # suite fold's "as many as useful"; the data module's default: no Ray
+        elif key == "max_template_date" and v is None:
+            continue  # today, AlignmentConfig's default
+        else:  # single_sequence, num_workers, ray_address and AlignmentConfig's fields
+            out["data"][key] = v
     if "seed" in out["predictor"]:
         out["data"]["seed"] = out["predictor"]["seed"]
     if "_multimer" in str(out["predictor"].get("model_name") or "") or "_multimer" in str(

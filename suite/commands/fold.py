@@ -13,92 +13,33 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "fold_settings", "run"]
 
 _DATABASES = ("uniref90", "mgnify", "bfd", "uniref30", "pdb70")
 _TOOLS = ("jackhmmer", "hhblits", "hhsearch", "kalign")
 
 
-def _chunk_size(text: str):
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--chunk_size must be a positive int or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--chunk_size must be a positive int or 'auto', got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The positional inputs, the flags of `fastfold.settings.FoldSettings` (generated: each field's docstring is
+    its help) and the OpenFold/FastFold translations."""
+    from ...core_parallel.config import add_flags, settings
+    from ...fastfold.settings import FLAGLESS, FoldSettings
+
     parser.add_argument("fasta_path", nargs="?", default=None,
                         help="FASTA file (or folder of them), one target per record; multimer models: one complex "
                              "per record with chains split by ':' (ColabFold) or one complex per file, a record per "
                              "chain (OpenFold) (default: the bundled example)")
     parser.add_argument("template_mmcif_dir", nargs="?", default=None, help="folder of PDB mmCIF files (templates)")
-    parser.add_argument("--template_mmcif_dir", dest="template_mmcif_dir_flag", default=None,
-                        help="same as the positional template_mmcif_dir")
-    parser.add_argument("--output_dir", default="fold_outputs", help="one sub-folder per target is written here")
-    parser.add_argument("--model_name", default="model_1_ptm",
-                        help="model preset(s), comma-separated (model_1..model_5, _ptm; AlphaFold-Multimer "
-                             "model_1_multimer_v3..model_5_multimer_v3, also _v2 and v1 names); ranked as AlphaFold "
-                             "does (multimer: 0.8 ipTM + 0.2 pTM)")
-    parser.add_argument("--param_path", default=None,
-                        help="parameter file (one model), comma-separated files (one per model) or a folder of "
-                             "params_<model_name>.npz; without it the weights are RANDOM")
-    parser.add_argument("--random_model_size", choices=["tiny", "full"], default="tiny",
-                        help="size of the randomly initialised model used without --param_path")
-    parser.add_argument("--use_precomputed_alignments", default=None, metavar="DIR",
-                        help="folder with one sub-folder per target (uniref90_hits.sto, bfd_uniref_hits.a3m, ...)")
-    parser.add_argument("--single_sequence", action="store_true", help="no MSA: the query alone")
-    for db in _DATABASES:
-        parser.add_argument(f"--{db}_database_path", default=None, help=f"{db} database for the alignment tools")
-    for tool in _TOOLS:
-        parser.add_argument(f"--{tool}_binary_path", default=tool, help=f"{tool} executable")
-    parser.add_argument("--max_template_date", default=None,
-                        help="latest template release date, YYYY-MM-DD (default: today)")
-    parser.add_argument("--cpus", type=int, default=2, help="threads per alignment tool")
-    parser.add_argument("--devices", type=int, default=1,
-                        help="DAP ranks that share each model's Evoformer: started once for the run (one GPU each "
-                             "with CUDA, NCCL; CPU processes with gloo)")
-    parser.add_argument("--chunk_size", type=_chunk_size, default=None, help="low-memory chunk size, or 'auto'")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32", help="model precision")
-    parser.add_argument("--model_device", default="auto",
-                        help="auto (CUDA when available), cpu, cuda or cuda:N (with --devices N > 1: auto, cpu or "
-                             "cuda; rank r runs on cuda:r)")
-    parser.add_argument("--relax", action=argparse.BooleanOptionalAction, default=True,
-                        help="Amber-relax the best model (default: on)")
-    parser.add_argument("--relax_platform", choices=["auto", "CPU", "CUDA"], default="auto", help="OpenMM platform")
-    parser.add_argument("--relax_max_passes", type=int, default=20,
-                        help="relax budget: minimise-and-check passes (AlphaFold's 20); unconverged is reported")
-    parser.add_argument("--relax_max_iterations", type=int, default=0,
-                        help="relax budget: iteration cap of each minimisation (0: none, as AlphaFold); a capped "
-                             "last pass is reported unconverged ('iteration cap')")
-    parser.add_argument("--relax_max_minutes", type=float, default=10.0,
-                        help="relax budget per structure: no new pass after this many minutes, a running "
-                             "minimisation is stopped; the relaxation is then reported unconverged ('time budget', "
-                             "RELAX FAILED, exit 1)")
-    parser.add_argument("--ray_address", default=None, help="Ray cluster for the alignment/feature jobs")
-    parser.add_argument("--num_workers", type=int, default=None,
-                        help="local Ray CPUs for alignment/feature jobs; 0: no Ray (default: up to 4 when several "
-                             "targets)")
-    parser.add_argument("--overwrite", action="store_true", help="redo targets that are already complete")
-    parser.add_argument("--seed", type=int, default=0, help="seed of MSA sampling and of random weights")
-    parser.add_argument("--num_recycle", type=int, default=None,
-                        help="recycling iterations (default: the model's, 3 for the released models)")
-    parser.add_argument("--num_seeds", type=int, default=1,
-                        help="predictions per model, MSA sampling seeds --seed, --seed+1, ... (all ranked)")
-    parser.add_argument("--subtract_plddt", action="store_true",
-                        help="write 100 - pLDDT in the B-factor column (OpenFold's flag)")
-    parser.add_argument("--inplace", action="store_true",
-                        help="in-place residual updates in the model (FastFold's flag): one activation copy less")
     parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML of these flags (the recipe file, recipes/configs/fold.yaml); the command line wins")
+                        help="YAML of these settings (the recipe file, recipes/configs/fold.yaml; flat names or "
+                             "sections); the command line wins")
+    # no defaults in the namespace: a flag is there only when given, so it beats the file (explicit > file > default)
+    flags = [n for n, s in settings(FoldSettings).items() if s.flaggable and n not in FLAGLESS]
+    add_flags(parser, FoldSettings, only=flags, grouped=True)
+    for action in parser._actions:  # the flag twin of the positional template_mmcif_dir keeps its own destination
+        if action.option_strings == ["--template_mmcif_dir"]:
+            action.dest, action.metavar = "template_mmcif_dir_flag", "TEMPLATE_MMCIF_DIR"
     _add_compat_arguments(parser)
-
-
-_UNSET = object()
 
 
 def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,22 +64,13 @@ def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--long_sequence_inference", action="store_true", help="OpenFold: = --chunk_size auto")
     add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
     add("--preset", choices=["full_dbs", "reduced_dbs"], default=None, help="full_dbs; reduced_dbs is refused")
-    add("--model_preset", choices=["monomer", "multimer"], default=None,
-        help="FastFold/OpenFold: multimer = AlphaFold-Multimer (default --model_name model_1_multimer_v3); monomer: "
-             "the monomer models")
     add("--gpus", type=int, default=None, help="FastFold: DAP size = --devices")
     add("--enable_workflow", action="store_true", help="FastFold: alignment jobs as Ray tasks (= --num_workers)")
-    add("--uniprot_database_path", default=None,
-        help="multimer: jackhmmer database (UniProt) of each chain's pairing MSA (uniprot_hits.sto); unused by "
-             "monomers")
     add("--pdb_seqres_database_path", default=None,
         help="multimer hmmsearch template search: refused (not implemented; templates come from .hhr hits)")
     for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
         add(f"--{flag}", default=None, help="multimer hmmsearch template search: unused (see "
                                              "--pdb_seqres_database_path)")
-    add("--obsolete_pdbs_path", default=None,
-        help="the PDB's obsolete.dat: a template hit on an obsolete entry uses its successor's mmCIF, one removed "
-             "without a successor is skipped (as AlphaFold)")
     for flag in ("release_dates_path", "multimer_ri_gap", "experiment_config_json"):
         add(f"--{flag}", default=None, help="refused or unused: see the error message")
     for flag in ("trace_model", "use_deepspeed_evoformer_attention", "use_custom_template"):
@@ -203,10 +135,17 @@ def _same_or_usage(args: argparse.Namespace, dest: str, value, flag: str, defaul
 
 
 def _apply_compat(args: argparse.Namespace) -> None:
-    """Translate OpenFold/FastFold flags into suite fold's, or refuse one with the reason (exit 2)."""
+    """Translate OpenFold/FastFold flags into suite fold's settings on `args` (a setting not there yet gets its
+    default), or refuse one with the reason (exit 2)."""
     import logging
 
+    from ...core_parallel.config import settings
+    from ...fastfold.settings import FoldSettings
+
     log = logging.getLogger(__name__)
+    for name, s in settings(FoldSettings).items():
+        if not hasattr(args, name):
+            setattr(args, name, s.default)
     for flag, why in _REFUSED.items():
         if getattr(args, flag, None) not in (None, False):
             raise _usage(f"--{flag} {why}")
@@ -289,62 +228,33 @@ def _multimer_inputs(args: argparse.Namespace, log) -> None:
                     "gives its pairing MSA (uniprot_hits.sto)")
 
 
-_RECIPE_ONLY = {"accelerator"}
-"""Keys of the recipe YAML that only the Lightning recipe uses."""
+def fold_settings(args: argparse.Namespace):
+    """The run's `fastfold.settings.FoldSettings`: a flag given on the command line > the `--config` file >
+    the default (`core_parallel.config.merge`), then the OpenFold/FastFold translations (`_apply_compat`). `args`
+    gets every setting under its flat name too (the input checks below read them there). A bad key or value is
+    one line naming the file (or flag) and the key."""
+    from ...core_parallel.config import build, merge, read_yaml, settings
+    from ...fastfold.settings import FoldSettings
 
+    table = settings(FoldSettings)
+    given = {n: v for n, v in vars(args).items() if n in table and n not in ("fasta_path", "template_mmcif_dir")}
+    # the positionals: given when not None; --template_mmcif_dir wins over its positional twin
+    mmcif_dir = getattr(args, "template_mmcif_dir_flag", None) or getattr(args, "template_mmcif_dir", None)
+    for name, value in (("fasta_path", getattr(args, "fasta_path", None)), ("template_mmcif_dir", mmcif_dir)):
+        if value is not None:
+            given[name] = value
+    path = getattr(args, "config", None)
+    file_values = read_yaml(path, FoldSettings) if path else {}
+    values, origin = merge(FoldSettings, argparse.Namespace(**given), file_values, str(path), explicit=given)
+    for name, s in table.items():
+        setattr(args, name, values.get(name, s.default))
+    _apply_compat(args)
+    if args.fasta_path is None:  # the bundled example, folded from its sequence alone
+        from ...fastfold.examples import EXAMPLE_FASTA
 
-def _apply_config(args: argparse.Namespace) -> None:
-    """Fill flags not given on the command line from the `--config` YAML: explicit flag > file > default (the
-    merge rule of `core_parallel.config`). An unknown key or a value the flag would not take is one line naming
-    the file and the key."""
-    import yaml
-
-    path = args.config
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise _usage(f"--config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise _usage(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(values, dict):
-        raise _usage(f"--config {path}: expected a mapping of flag names to values")
-    defaults = argparse.ArgumentParser()
-    add_arguments(defaults)
-    actions = {a.dest: a for a in defaults._actions if a.dest not in ("help", "config")}
-    explicit = getattr(args, "explicit_flags", None)  # set by suite's main; else: a value off its default
-    for key, value in values.items():
-        if key in _RECIPE_ONLY:
-            continue
-        dest = "template_mmcif_dir_flag" if key == "template_mmcif_dir" else key
-        if dest not in actions:
-            raise _usage(f"--config {path}: key {key!r} is not a suite fold flag")
-        value = _config_value(actions[dest], value, f"--config {path}: {key}")
-        given = dest in explicit if explicit is not None else getattr(args, dest) != actions[dest].default
-        if not given:
-            setattr(args, dest, value)
-
-
-def _config_value(action: argparse.Action, value, where: str):
-    """A YAML value checked as the flag would check its text: a switch takes true/false, a typed flag its type,
-    a flag with choices one of them; null keeps an optional flag unset."""
-    if value is None and action.default is None:
-        return None
-    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # switches
-        if not isinstance(value, bool):
-            raise _usage(f"{where}: expected true or false, got {value!r}")
-        return value
-    if isinstance(value, (bool, list, dict)) or value is None:
-        raise _usage(f"{where}: expected a {getattr(action.type, '__name__', 'str')} value, got {value!r}")
-    text = value.isoformat() if hasattr(value, "isoformat") else str(value)  # YAML reads 2021-10-14 as a date
-    try:
-        value = action.type(text) if action.type is not None else text
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise _usage(f"{where}: {value!r} is not a valid {getattr(action.type, '__name__', 'value')} "
-                     f"({exc})") from None
-    if action.choices is not None and value not in action.choices:
-        raise _usage(f"{where}: expected one of {', '.join(map(str, action.choices))}, got {value!r}")
-    return value
+        args.fasta_path = str(EXAMPLE_FASTA)
+        args.single_sequence = True
+    return build(FoldSettings, {n: getattr(args, n) for n in table}, origin)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -360,11 +270,6 @@ def _read_targets(args: argparse.Namespace):
     from ...core_parallel.errors import InputError
     from ...fastfold.pipeline import read_targets
 
-    if args.fasta_path is None:
-        from ...fastfold.examples import EXAMPLE_FASTA
-
-        args.fasta_path = str(EXAMPLE_FASTA)
-        args.single_sequence = True
     try:
         if _is_multimer(args):
             from ...fastfold.pipeline import read_complex_targets
@@ -394,15 +299,15 @@ def _glob_prefix(prefix: str) -> list[str]:
     return glob.glob(glob.escape(prefix) + "*")
 
 
-def _param_paths(args: argparse.Namespace, names: list[str]) -> list[str | None]:
+def _param_paths(param_path: str | None, names: list[str]) -> list[str | None]:
     import os
 
-    if args.param_path is None:
+    if param_path is None:
         return [None] * len(names)
-    if os.path.isdir(args.param_path):
-        paths = [os.path.join(args.param_path, f"params_{n}.npz") for n in names]
+    if os.path.isdir(param_path):
+        paths = [os.path.join(param_path, f"params_{n}.npz") for n in names]
     else:
-        paths = [p.strip() for p in args.param_path.split(",")]
+        paths = [p.strip() for p in param_path.split(",")]
         if len(paths) != len(names):
             raise _usage(f"--param_path gives {len(paths)} file(s) for {len(names)} model(s) in --model_name")
     for p, name in zip(paths, names):
@@ -545,30 +450,30 @@ def _check_binaries(args: argparse.Namespace) -> None:
                 raise _usage(f"--{tool}_binary_path: {exc}") from None
 
 
-def _model_specs(args: argparse.Namespace):
+def _model_specs(fs):
     from ...fastfold.model.config import model_names
     from ...fastfold.model.multimer import multimer_model_names
     from ...fastfold.pipeline import ModelSpec
 
+    m = fs.model
     known = [*model_names(), *multimer_model_names()]
-    names = [n.strip() for n in str(args.model_name).split(",") if n.strip()]
+    names = [n.strip() for n in str(m.model_name).split(",") if n.strip()]
     if not names:
-        raise _usage(f"--model_name {args.model_name!r}: names no model; expected one of {', '.join(known)}")
+        raise _usage(f"--model_name {m.model_name!r}: names no model; expected one of {', '.join(known)}")
     for n in names:
         if n not in known:
             raise _usage(f"--model_name {n!r}: unknown model; expected one of {', '.join(known)}")
     if len(set(names)) != len(names):
-        raise _usage(f"--model_name {args.model_name!r} names a model twice")
+        raise _usage(f"--model_name {m.model_name!r} names a model twice")
     multimer = [n for n in names if "_multimer" in n]
     if multimer and len(multimer) != len(names):
-        raise _usage(f"--model_name {args.model_name!r} mixes monomer and AlphaFold-Multimer models (they fold "
+        raise _usage(f"--model_name {m.model_name!r} mixes monomer and AlphaFold-Multimer models (they fold "
                      "different targets: chains or complexes); run them separately")
-    paths = _param_paths(args, names)
-    tiny = args.random_model_size == "tiny"
-    device = args.model_device
-    _check_device(device)
-    return [ModelSpec(model_name=n, param_path=p, tiny=tiny and p is None, precision=args.precision,
-                      chunk_size=args.chunk_size, seed=args.seed, device=device, inplace=args.inplace)
+    paths = _param_paths(m.param_path, names)
+    tiny = m.random_model_size == "tiny"
+    _check_device(m.model_device)
+    return [ModelSpec(model_name=n, param_path=p, tiny=tiny and p is None, precision=m.precision,
+                      chunk_size=m.chunk_size, seed=fs.run.seed, device=m.model_device, inplace=m.inplace)
             for n, p in zip(names, paths)]
 
 
@@ -657,56 +562,29 @@ def _check_ray_auth(address: str, timeout: float = 15.0) -> None:
                      "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) to the cluster's token")
 
 
-def _build_config(args: argparse.Namespace, targets):
-    import datetime as dt
+def _build_config(fs, args: argparse.Namespace, targets):
+    """The run's `FoldConfig` from the settings `fs` (their ranges were checked when they were built), after the
+    inputs they name are checked: the template folder, the models and their parameter files, the Ray cluster,
+    the alignment folders, databases and tools, the obsolete-PDB list."""
     import os
 
-    from ...fastfold.pipeline import AlignmentConfig, FoldConfig
+    from ...fastfold.pipeline import FoldConfig
 
-    mmcif_dir = args.template_mmcif_dir_flag or args.template_mmcif_dir
-    _existing(mmcif_dir, "template_mmcif_dir", "dir")
-    if args.max_template_date is None:  # resolved at run time, so the flag table does not change with the date
-        args.max_template_date = dt.date.today().isoformat()
-    try:
-        dt.date.fromisoformat(args.max_template_date)
-    except ValueError:
-        raise _usage(f"--max_template_date {args.max_template_date!r}: expected YYYY-MM-DD") from None
-    for flag in ("devices", "cpus"):
-        if getattr(args, flag) < 1:
-            raise _usage(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.relax_max_passes < 1:
-        raise _usage(f"--relax_max_passes must be >= 1, got {args.relax_max_passes}")
-    if args.relax_max_iterations < 0:
-        raise _usage(f"--relax_max_iterations must be >= 0, got {args.relax_max_iterations}")
-    if args.relax_max_minutes is not None and not args.relax_max_minutes > 0:
-        raise _usage(f"--relax_max_minutes must be > 0, got {args.relax_max_minutes}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise _usage(f"--num_workers must be >= 0, got {args.num_workers}")
-    if args.seed < 0:
-        raise _usage(f"--seed must be >= 0, got {args.seed}")
-    if args.num_recycle is not None and args.num_recycle < 0:
-        raise _usage(f"--num_recycle must be >= 0, got {args.num_recycle}")
-    if args.num_seeds < 1:
-        raise _usage(f"--num_seeds must be >= 1, got {args.num_seeds}")
-    models = _model_specs(args)
-    ray_address = _check_ray_address(args.ray_address)
+    _existing(fs.alignment.sources.template_mmcif_dir, "template_mmcif_dir", "dir")
+    models = _model_specs(fs)
+    ray_address = _check_ray_address(fs.run.ray_address)
     _validate_alignments(args, targets)
-    alignment = AlignmentConfig(
-        precomputed_dir=args.use_precomputed_alignments, single_sequence=args.single_sequence,
-        template_mmcif_dir=mmcif_dir, max_template_date=args.max_template_date, cpus=args.cpus,
-        **{f"{db}_database_path": getattr(args, f"{db}_database_path") for db in _DATABASES},
-        **{f"{t}_binary_path": getattr(args, f"{t}_binary_path") for t in _TOOLS},
-        uniprot_database_path=args.uniprot_database_path if _is_multimer(args) else None,
-        obsolete_pdbs_path=_obsolete_pdbs(args.obsolete_pdbs_path),
-    )
-    workers = args.num_workers
+    alignment = fs.alignment.config(multimer=models[0].multimer,
+                                    obsolete_pdbs_path=_obsolete_pdbs(fs.alignment.sources.obsolete_pdbs_path))
+    run = fs.run
+    workers = run.num_workers
     if workers is None:
         workers = min(4, os.cpu_count() or 1, len(targets)) if len(targets) > 1 else 0
     return FoldConfig(
-        output_dir=args.output_dir, models=models, alignment=alignment,
-        relax=_relax_config(args) if args.relax else None, overwrite=args.overwrite,
-        seed=args.seed, devices=args.devices, num_workers=workers, ray_address=ray_address,
-        num_recycle=args.num_recycle, num_seeds=args.num_seeds, subtract_plddt=args.subtract_plddt,
+        output_dir=run.output_dir, models=models, alignment=alignment,
+        relax=fs.relaxation.config() if fs.relaxation.relax else None, overwrite=run.overwrite,
+        seed=run.seed, devices=run.devices, num_workers=workers, ray_address=ray_address,
+        num_recycle=run.num_recycle, num_seeds=run.num_seeds, subtract_plddt=run.subtract_plddt,
     )
 
 
@@ -793,25 +671,14 @@ def _length(target) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.config:
-        _apply_config(args)
-    _apply_compat(args)
+    fs = fold_settings(args)
     targets = _read_targets(args)
-    cfg = _build_config(args, targets)
+    cfg = _build_config(fs, args, targets)
     _warn_mode(cfg, args)
     results = _progress_runner(targets, cfg)
-    _summary(results, args.output_dir)
+    _summary(results, cfg.output_dir)
     # exit 1 when a target failed, or its relaxation did not converge or was refused (the table says which)
     return 1 if any(r.status == "failed" or r.relax_problem for r in results) else 0
-
-
-def _relax_config(args: argparse.Namespace):
-    from ...fastfold.relax import RelaxConfig
-
-    minutes = args.relax_max_minutes
-    return RelaxConfig(platform=args.relax_platform, max_outer_iterations=args.relax_max_passes,
-                       max_iterations=args.relax_max_iterations,
-                       max_seconds=None if minutes is None else 60.0 * minutes)
 
 
 def _obsolete_pdbs(path: str | None) -> str | None:

@@ -130,7 +130,7 @@ def test_config_file_fills_flags_and_rejects_unknown_keys(tmp_path, capsys):
     assert ranking["order"] == ["model_3"] and not (tmp_path / "out" / "pep" / "pep_relaxed.pdb").exists()
     config.write_text("relax: false\nmax_recycles: 3\n")
     assert main(["fold", "--config", str(config), "--output_dir", str(tmp_path / "out")]) == 2
-    assert "key 'max_recycles' is not a suite fold flag" in capsys.readouterr().err
+    assert f"{config}: unknown setting 'max_recycles'" in capsys.readouterr().err
 
 
 def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys):
@@ -191,12 +191,12 @@ def test_relax_budget_flags_are_checked_up_front(tmp_path, capsys, flags, messag
 
 def test_relax_budget_flags_reach_the_relax_config():
     from lowmem.suite.cli import build_parser
-    from lowmem.suite.commands.fold import _relax_config
+    from lowmem.suite.commands.fold import fold_settings
 
     argv = ["fold", "x.fasta", "--relax_max_passes", "3", "--relax_max_minutes", "1.5", "--relax_max_iterations", "50"]
-    cfg = _relax_config(build_parser(argv).parse_args(argv))
+    cfg = fold_settings(build_parser(argv).parse_args(argv)).relaxation.config()
     assert (cfg.max_outer_iterations, cfg.max_seconds, cfg.max_iterations) == (3, 90.0, 50)
-    default = _relax_config(build_parser(["fold", "x.fasta"]).parse_args(["fold", "x.fasta"]))
+    default = fold_settings(build_parser(["fold", "x.fasta"]).parse_args(["fold", "x.fasta"])).relaxation.config()
     # AlphaFold's pass limit, 10 min, no iteration cap (AlphaFold's max_iterations=0)
     assert (default.max_outer_iterations, default.max_seconds, default.max_iterations) == (20, 600.0, 0)
 

@@ -138,15 +138,15 @@ def test_two_settings_with_one_flat_name_are_refused():
 
 
 @pytest.mark.parametrize("text, expect", [
-    ("seed: three\n", "seed: 'three' is not a valid int"),
+    ("seed: three\n", "seed: expected an integer, got 'three'"),
     ("relax: 1\n", "relax: expected true or false, got 1"),
-    ("precision: fp8\n", "precision: expected one of fp32, bf16, fp64, got 'fp8'"),
-    ("chunk_size: 0\n", "chunk_size: 0 is not a valid _chunk_size"),
-    ("max_recycles: 3\n", "key 'max_recycles' is not a suite fold flag"),
+    ("precision: fp8\n", "precision: expected one of 'fp32', 'bf16', 'fp64', got 'fp8'"),
+    ("chunk_size: 0\n", "chunk_size must be a positive int or 'auto', got 0"),
+    ("max_recycles: 3\n", "unknown setting 'max_recycles'"),
 ])
 def test_fold_config_values_are_checked_as_the_flags_check_them(tmp_path, text, expect):
     from lowmem.suite.cli import _explicit_flags, build_parser
-    from lowmem.suite.commands.fold import _apply_config
+    from lowmem.suite.commands.fold import fold_settings
 
     config = tmp_path / "fold.yaml"
     config.write_text(text)
@@ -154,13 +154,13 @@ def test_fold_config_values_are_checked_as_the_flags_check_them(tmp_path, text, 
     args = build_parser(argv).parse_args(argv)
     args.explicit_flags = _explicit_flags(argv)
     with pytest.raises(InputError) as info:
-        _apply_config(args)
-    assert str(info.value).startswith(f"--config {config}: ") and expect in str(info.value), str(info.value)
+        fold_settings(args)
+    assert str(info.value).startswith(f"{config}: ") and expect in str(info.value), str(info.value)
 
 
 def test_fold_config_values_take_the_flags_types(tmp_path):
     from lowmem.suite.cli import _explicit_flags, build_parser
-    from lowmem.suite.commands.fold import _apply_config
+    from lowmem.suite.commands.fold import fold_settings
 
     config = tmp_path / "fold.yaml"
     config.write_text("max_template_date: 2021-10-14\nchunk_size: 64\nrelax_max_minutes: 2\nnum_recycle: null\n"
@@ -168,6 +168,6 @@ def test_fold_config_values_take_the_flags_types(tmp_path):
     argv = ["fold", "x.fasta", "--config", str(config)]
     args = build_parser(argv).parse_args(argv)
     args.explicit_flags = _explicit_flags(argv)
-    _apply_config(args)
+    fold_settings(args)
     assert (args.max_template_date, args.chunk_size, args.relax_max_minutes, args.num_recycle, args.relax) == (
         "2021-10-14", 64, 2.0, None, False)

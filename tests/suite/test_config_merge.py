@@ -20,14 +20,14 @@ def test_explicit_flags_are_the_given_ones_only():
 
 
 def test_fold_explicit_default_value_beats_the_file_which_beats_the_default(tmp_path):
-    from lowmem.suite.commands.fold import _apply_config
+    from lowmem.suite.commands.fold import fold_settings
 
     config = tmp_path / "fold.yaml"
     config.write_text("seed: 3\nnum_recycle: 2\n")
     args = _parse(["fold", "x.fasta", "--config", str(config), "--seed", "0"])
-    _apply_config(args)
+    fold_settings(args)
     assert args.seed == 0  # given explicitly, equal to the default: still wins
     assert args.num_recycle == 2  # not given: the file's
     args = _parse(["fold", "x.fasta", "--config", str(config)])
-    _apply_config(args)
+    fold_settings(args)
     assert (args.seed, args.num_recycle) == (3, 2)
