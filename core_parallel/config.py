@@ -297,7 +297,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             raise TypeError(f"{cls.__name__}.{s.key}: {_describe(s.type)} has no command-line form")
         kind, elem, choices = form
         text = s.help
-        if s.default not in (None, False) and "default:" not in text:
+        if s.default is not None and s.default is not False and "default:" not in text:
             text = f"{text.rstrip('.')} (default: {s.default})"
         kw: dict[str, Any] = {"default": s.default if defaults else argparse.SUPPRESS,
                               "help": text.replace("%", "%%")}

@@ -77,6 +77,42 @@ def _add_compat_arguments(parser: argparse.ArgumentParser) -> None:
         add(f"--{flag}", action="store_true", help="refused: see the error message")
 
 
+_COMPAT_SETTING = {
+    "config_preset": "model_name: NAME", "jax_param_path": "param_path: FILE",
+    "openfold_checkpoint_path": "param_path: FILE", "skip_relaxation": "relax: false", "relaxation": "relax: true",
+    "data_random_seed": "seed: N", "long_sequence_inference": "chunk_size: auto",
+    "uniclust30_database_path": "uniref30_database_path: PATH", "gpus": "devices: N", "enable_workflow":
+    "num_workers: N", "cif_output": None, "save_outputs": None, "save_prediction_result": None, "preset": None,
+}
+"""OpenFold/FastFold flags translated on the command line, and the setting a config file writes instead."""
+
+
+def _refuse_compat_keys(path: str) -> None:
+    """A config file's key that is an OpenFold/FastFold flag (not a setting, nor a section such as `relaxation`):
+    one line saying what to write instead."""
+    import dataclasses
+
+    import yaml
+
+    from ...core_parallel.config import settings
+    from ...fastfold.settings import FoldSettings
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - unreadable or not YAML: read_yaml reports it with the file and line
+        return
+    if not isinstance(data, dict):
+        return
+    ours = set(settings(FoldSettings)) | {f.name for f in dataclasses.fields(FoldSettings)}
+    for key in data:
+        if key not in ours and (key in _COMPAT_SETTING or key in _REFUSED):
+            instead = _COMPAT_SETTING.get(key)
+            what = f"write '{instead}' instead" if instead else "it has no setting here (see suite fold --help)"
+            raise _usage(f"{path}: {key}: an OpenFold/FastFold command-line flag, translated on the command line "
+                         f"only; in a config file {what}")
+
+
 _REFUSED = {
     "use_single_seq_mode": "is OpenFold's SoloSeq (ESM-1b embeddings with the seq_model_* presets), which this "
                            "build does not have; --single_sequence folds from the query alone with AlphaFold models",
@@ -244,6 +280,8 @@ def fold_settings(args: argparse.Namespace):
         if value is not None:
             given[name] = value
     path = getattr(args, "config", None)
+    if path:
+        _refuse_compat_keys(path)
     file_values = read_yaml(path, FoldSettings) if path else {}
     values, origin = merge(FoldSettings, argparse.Namespace(**given), file_values, str(path), explicit=given)
     for name, s in table.items():

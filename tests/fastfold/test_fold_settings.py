@@ -175,7 +175,10 @@ def test_chunk_size_takes_an_int_or_auto_on_both_sides(tmp_path, capsys):
     ("max_template_date: 2021-13-01\n", "max_template_date '2021-13-01': expected YYYY-MM-DD"),
     ("chunk_size: 0\n", "chunk_size must be a positive int or 'auto', got 0"),
     ("model: fast\n", "model: expected a mapping (a section), got 'fast'"),
-    ("gpus: 2\n", "unknown setting 'gpus'"),  # a translation flag, not a setting
+    # translation flags, not settings: what to write instead
+    ("gpus: 2\n", "gpus: an OpenFold/FastFold command-line flag, translated on the command line only; in a config "
+                  "file write 'devices: N' instead"),
+    ("trace_model: true\n", "trace_model: an OpenFold/FastFold command-line flag"),
 ])
 def test_bad_yaml_is_one_line_naming_the_file_and_the_key_exit_2(tmp_path, capsys, text, words):
     config = tmp_path / "fold.yaml"
