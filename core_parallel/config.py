@@ -310,8 +310,10 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 
 
 # -- files ---------------------------------------------------------------------------------------------------
-def read_yaml(path: str | Path, cls: type) -> dict[str, Any]:
-    """The settings of `cls` in the YAML file `path` as flat name -> value (checked against the field types)."""
+def read_yaml(path: str | Path, cls: type, *, not_settings: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings of `cls` in the YAML file `path` as flat name -> value (checked against the field types).
+    `not_settings`: top-level keys users may write that are not settings (e.g. another tool's flag names), each
+    with the line that says what to write instead (`from_mapping`)."""
     import yaml
 
     path = Path(path)
@@ -327,7 +329,7 @@ def read_yaml(path: str | Path, cls: type) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of setting names, got {type(data).__name__}")
-    return from_mapping(data, cls, str(path))
+    return from_mapping(data, cls, str(path), not_settings)
 
 
 @functools.cache
@@ -343,11 +345,12 @@ def _loader() -> type:
     return Loader
 
 
-def from_mapping(data: Mapping[str, Any], cls: type, source: str) -> dict[str, Any]:
+def from_mapping(data: Mapping[str, Any], cls: type, source: str,
+                 not_settings: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Flat name -> checked value of a mapping that holds flat keys (`image_interpolation_mode: bicubic`) and/or
     nested sections (`data: {interpolation: bicubic}`, where a section also takes the flat names of its
-    settings). One `InputError` naming `source` and the key for an unknown key, a repeated setting or a value
-    of the wrong type."""
+    settings). One `InputError` naming `source` and the key for an unknown key (for a top-level key of
+    `not_settings`, its line instead of a close name), a repeated setting or a value of the wrong type."""
     table = settings(cls)
     by_path = {s.path: s for s in table.values()}
     sections = {s.path[:i] for s in table.values() for i in range(1, len(s.path))}
@@ -365,6 +368,8 @@ def from_mapping(data: Mapping[str, Any], cls: type, source: str) -> dict[str, A
                     raise InputError(f"{source}: {where}: expected a mapping (a section), got {value!r}")
                 visit(value, (*prefix, key))
                 continue
+            if s is None and not prefix and key in (not_settings or {}):
+                raise InputError(f"{source}: {key}: {not_settings[key]}")
             if s is None:
                 raise InputError(f"{source}: unknown setting '{where}'{_hint(str(key), table, sections)}")
             if s.name in written:

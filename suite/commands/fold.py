@@ -87,30 +87,16 @@ _COMPAT_SETTING = {
 """OpenFold/FastFold flags translated on the command line, and the setting a config file writes instead."""
 
 
-def _refuse_compat_keys(path: str) -> None:
-    """A config file's key that is an OpenFold/FastFold flag (not a setting, nor a section such as `relaxation`):
-    one line saying what to write instead."""
-    import dataclasses
-
-    import yaml
-
-    from ...core_parallel.config import settings
-    from ...fastfold.settings import FoldSettings
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except Exception:  # noqa: BLE001 - unreadable or not YAML: read_yaml reports it with the file and line
-        return
-    if not isinstance(data, dict):
-        return
-    ours = set(settings(FoldSettings)) | {f.name for f in dataclasses.fields(FoldSettings)}
-    for key in data:
-        if key not in ours and (key in _COMPAT_SETTING or key in _REFUSED):
-            instead = _COMPAT_SETTING.get(key)
-            what = f"write '{instead}' instead" if instead else "it has no setting here (see suite fold --help)"
-            raise _usage(f"{path}: {key}: an OpenFold/FastFold command-line flag, translated on the command line "
-                         f"only; in a config file {what}")
+def _compat_keys() -> dict[str, str]:
+    """The OpenFold/FastFold flags written as keys of a config file: the line that says what to write instead
+    (`core_parallel.config.read_yaml`'s `not_settings`)."""
+    out = {}
+    for key in (*_COMPAT_SETTING, *_REFUSED):
+        instead = _COMPAT_SETTING.get(key)
+        what = f"write '{instead}' instead" if instead else "it has no setting here (see suite fold --help)"
+        out[key] = ("an OpenFold/FastFold command-line flag, translated on the command line only; in a config "
+                    f"file {what}")
+    return out
 
 
 _REFUSED = {
@@ -280,9 +266,7 @@ def fold_settings(args: argparse.Namespace):
         if value is not None:
             given[name] = value
     path = getattr(args, "config", None)
-    if path:
-        _refuse_compat_keys(path)
-    file_values = read_yaml(path, FoldSettings) if path else {}
+    file_values = read_yaml(path, FoldSettings, not_settings=_compat_keys()) if path else {}
     values, origin = merge(FoldSettings, argparse.Namespace(**given), file_values, str(path), explicit=given)
     for name, s in table.items():
         setattr(args, name, values.get(name, s.default))

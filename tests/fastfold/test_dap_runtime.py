@@ -91,8 +91,9 @@ def test_suite_fold_two_devices_equals_one(tmp_path, monkeypatch):
     outs = {}
     for devices in (1, 2):
         outs[devices] = tmp_path / f"out{devices}"
-        argv = ["fold", str(fasta), "--output_dir", str(outs[devices]), "--single_sequence", "--no-relax", "--num_workers", "0",
-                "--model_name", "model_1_ptm,model_3_ptm", "--devices", str(devices), "--model_device", "cpu"]
+        argv = ["fold", str(fasta), "--output_dir", str(outs[devices]), "--single_sequence", "--no-relax",
+                "--num_workers", "0", "--model_name", "model_1_ptm,model_3_ptm", "--devices", str(devices),
+                "--model_device", "cpu"]
         assert main(argv) == 0
     # one runtime for the run: the same follower served every load and prediction of both targets and models
     assert len(launches) == 1
