@@ -352,6 +352,19 @@ class TriangleMultiplication(nn.Module):
         proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
         return proj(x).mul_(torch.sigmoid_(gate(x))).mul_(mask)
 
+    def _gated_t(self, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
+        """`_gated(x, mask, which)` moved to channels first, [*, C, R, K], computed in that layout (W @ x^T):
+        contiguous for the batched matmul without a transposing copy. x: [*, R, K, C_z]; mask: [*, R, K, 1]."""
+        proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
+        r, k = x.shape[-3], x.shape[-2]
+        xt = x.reshape(*x.shape[:-3], r * k, x.shape[-1]).transpose(-1, -2)  # [*, C_z, R*K]
+        if xt.dim() == 2:  # the bias added by the GEMM itself
+            p, g = (torch.addmm(lin.bias[:, None], lin.weight, xt) for lin in (proj, gate))
+        else:
+            p, g = (torch.matmul(lin.weight, xt).add_(lin.bias[:, None]) for lin in (proj, gate))
+        p.mul_(torch.sigmoid_(g)).mul_(mask.reshape(*mask.shape[:-3], 1, r * k))
+        return p.unflatten(-1, (r, k))
+
     def _chunked(self, z, pair_mask, options, into, layout):
         # Work on the layout in which the output blocks are rows: the transposed pair for "incoming",
         # where out^T[j, i] = gate(z^T[j, i]) * F(sum_k b(z^T[j, k]) a(z^T[i, k])).
@@ -369,13 +382,13 @@ class TriangleMultiplication(nn.Module):
             shared = zz.new_empty(*zz.shape[:-3], c_h, n, zz.shape[-2])  # [*, C, J, K]
         for r0, r1 in row_blocks(n, chunk):
             x = self.layer_norm_in(zz[..., r0:r1, :, :])
-            shared[..., r0:r1, :] = self._gated(x, mm[..., r0:r1, :, :], all_proj).movedim(-1, -3)
+            shared[..., r0:r1, :] = self._gated_t(x, mm[..., r0:r1, :, :], all_proj)
         shared = layout.gather(shared, -2, zz.shape[-2])  # every row's projection
         target = z.new_empty(z.shape) if into is None else into
         out = target if outgoing else target.transpose(-2, -3)
         for r0, r1 in row_blocks(n, chunk):
             x = self.layer_norm_in(zz[..., r0:r1, :, :])
-            rows = self._gated(x, mm[..., r0:r1, :, :], row_proj).movedim(-1, -3)  # [*, C, R, K]
+            rows = self._gated_t(x, mm[..., r0:r1, :, :], row_proj)  # [*, C, R, K], contiguous
             p = torch.matmul(rows, shared.transpose(-1, -2)).movedim(-3, -1)  # [*, R, J, C]
             del rows
             piece = self.linear_z(self.layer_norm_out(p)).mul_(torch.sigmoid_(self.linear_g(x)))
