@@ -19,6 +19,9 @@ counts (fresh processes, one thread per rank, each pinned to its own core where 
 `suite bench dap`): per-rank peak (largest over the ranks; the resident-set growth of one pass) and time per pass
 (slowest rank; the memory pass is the first timed pass, after `--warmup` untimed ones). The first rank count is
 the baseline of the DAP ratios.
+
+`--openfold DIR` (issue 18): our model against OpenFold's from a user's checkout, each side a whole process on the
+same parameters and features at the same chunk size (`suite.bench.fold_openfold`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--multimer: DAP rank counts, the first the baseline (one count: no DAP rows)")
     parser.add_argument("--parts", choices=["all", "chunk", "dap"], default="all",
                         help="--multimer: which comparisons to run")
+    parser.add_argument("--openfold", metavar="DIR", default=None,
+                        help="compare with OpenFold's model from this checkout (whole process; see fold_openfold)")
+    parser.add_argument("--openfold_pythonpath", metavar="PATHS", default="",
+                        help=f"--openfold: extra folders ({os.pathsep!r}-separated) for OpenFold's dependencies")
+    parser.add_argument("--preset", default="model_1_ptm", help="--openfold: the released model, full size")
+    parser.add_argument("--threads", type=int, default=2, help="--openfold: torch threads in each side's process")
+    parser.add_argument("--inputs_dir", metavar="DIR", default=None,
+                        help="--openfold: write (or reuse) the parameters and features here instead of a temp folder")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -214,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("fold-model: --warmup must not be negative")
     if args.chunk_size != "auto" and not (args.chunk_size.isdigit() and int(args.chunk_size) > 0):
         raise UsageError(f"fold-model: --chunk_size must be a positive int or 'auto', got {args.chunk_size!r}")
+    if args.openfold is not None:
+        from .fold_openfold import run as run_openfold
+
+        return run_openfold(args)
     if args.multimer:
         return _run_multimer(args)
     rows = []
