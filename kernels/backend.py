@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "op_name", "select_path",
+__all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "direct_call", "op_name",
+           "select_path",
            "triton_unavailable_reason", "use_backend"]
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,15 @@ def use_backend(name: str) -> Iterator[None]:
         _override.reset(token)
 
 
+# found, not imported: the kernels import Triton on their first Triton call
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
+def triton_installed() -> bool:
+    """Whether a `triton` package is installed (looked up once at import, without importing it)."""
+    return _TRITON_FOUND
+
+
 def _triton_import_error() -> str | None:
     try:
         import triton  # noqa: F401
@@ -81,14 +93,14 @@ def _triton_import_error() -> str | None:
 def triton_unavailable_reason(device: torch.device | str) -> str | None:
     """Why the Triton kernels cannot run on `device`, or None when they can."""
     device = torch.device(device)
-    reason = _triton_import_error()
-    if reason:
-        return reason
     if device.type == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available"
-    if device.type == "cpu":
-        return None if _INTERPRETED else "CPU tensors need TRITON_INTERPRET=1 set before kernels is imported"
-    return f"no Triton kernels for device type {device.type!r}"
+        reason = None if torch.cuda.is_available() else "CUDA is not available"
+    elif device.type == "cpu":
+        reason = None if _INTERPRETED else "CPU tensors need TRITON_INTERPRET=1 set before kernels is imported"
+    else:
+        reason = f"no Triton kernels for device type {device.type!r}"
+    # imported only where it would run: on CPU without the interpreter the PyTorch paths never import it
+    return reason or _triton_import_error()
 
 
 def log_once(message: str) -> None:
@@ -98,13 +110,34 @@ def log_once(message: str) -> None:
         logger.warning(message)
 
 
+def direct_call(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel may run its implementation itself instead of through its custom op: no gradient is
+    wanted and torch.compile is not tracing, so the op's dispatch would change nothing. Eager inference then
+    never calls a custom op, whose first call imports Dynamo (~160 MiB resident, ~1 s) in processes that
+    never compile."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 def op_name(name: str) -> str:
     """The qualified custom-op name `"<OP_NAMESPACE>::<name>"` for `torch.library.custom_op`."""
     return f"{OP_NAMESPACE}::{name}"
 
 
+def _assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing Dynamo when our package is imported: that
+    import alone costs ~160 MiB of resident memory and ~1 s in every process, compiled or not. The mark is the
+    attribute `torch._dynamo.assume_constant_result` sets (tests/kernels/test_custom_ops.py checks it still is,
+    and that torch.compile still takes the kernels whole)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Dynamo cannot read a ContextVar; it calls this once while tracing and bakes the answer into the graph.
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def select_path(op: str, device: torch.device, unsupported: str | None) -> Path:
     """Pick `"triton"`, `"cpu"` (the fast PyTorch path) or `"torch"` (the reference) for one call of `op`.
 

@@ -10,19 +10,11 @@ The Triton forward and backward are the custom ops `torch.ops.<ns>.layer_norm_fw
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import op_name, select_path
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - Triton missing or broken: the PyTorch paths still work
-    triton = None
+from .backend import direct_call, op_name, select_path, triton_installed
 
 __all__ = ["LayerNorm", "MAX_TRITON_N", "layer_norm", "layer_norm_reference"]
 
@@ -49,130 +41,11 @@ def layer_norm_reference(
     return y.to(x.dtype)
 
 
-if triton is not None:
+def _triton():
+    """The Triton kernels (kernels/_triton_layer_norm.py), imported on first use."""
+    from . import _triton_layer_norm
 
-    @triton.jit
-    def _ln_fwd_kernel(
-        X,  # input rows, [M, N] contiguous
-        Y,  # output rows, [M, N]
-        W,  # weight [N] (unused without HAS_W)
-        B,  # bias [N] (unused without HAS_B)
-        Mean,  # fp32 [M], saved for backward
-        Rstd,  # fp32 [M], 1 / sqrt(var + eps)
-        N,  # row length
-        eps,
-        HAS_W: tl.constexpr,
-        HAS_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)
-        valid = cols < N
-        x = tl.load(X + row * N + cols, mask=valid, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / N
-        # centred values are zeroed past N so the padding does not enter the variance
-        xc = tl.where(valid, x - mean, 0.0)
-        var = tl.sum(xc * xc, axis=0) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
-        y = xc * rstd
-        if HAS_W:
-            y = y * tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=valid, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=valid)
-        tl.store(Mean + row, mean)
-        tl.store(Rstd + row, rstd)
-
-    @triton.jit
-    def _ln_bwd_kernel(
-        X,  # input rows, [M, N]
-        DY,  # output gradient, [M, N]
-        DX,  # input gradient, [M, N]
-        W,  # weight [N]
-        Mean,  # fp32 [M]
-        Rstd,  # fp32 [M]
-        DW,  # fp32 partial weight gradients, [n_programs, N]
-        DB,  # fp32 partial bias gradients, [n_programs, N]
-        M,  # number of rows
-        N,  # row length
-        rows_per_program,
-        HAS_W: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        valid = cols < N
-        if HAS_W:
-            w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(valid, 1.0, 0.0)
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        start = pid * rows_per_program
-        end = tl.minimum(start + rows_per_program, M)
-        # int64 row offsets: M * N may pass 2**31; the pointers advance one row per iteration
-        off = start.to(tl.int64) * N
-        for row in range(start, end):
-            x = tl.load(X + off + cols, mask=valid, other=0.0).to(tl.float32)
-            dy = tl.load(DY + off + cols, mask=valid, other=0.0).to(tl.float32)
-            rstd = tl.load(Rstd + row)
-            xhat = tl.where(valid, (x - tl.load(Mean + row)) * rstd, 0.0)
-            wdy = w * dy
-            dw += dy * xhat
-            db += dy
-            # d xhat / d x projects out the mean and the xhat direction
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            c2 = tl.sum(wdy, axis=0) / N
-            dx = (wdy - (xhat * c1 + c2)) * rstd
-            tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=valid)
-            off += N
-        tl.store(DW + pid * N + cols, dw, mask=valid)
-        tl.store(DB + pid * N + cols, db, mask=valid)
-
-
-def _num_warps(block: int) -> int:
-    # one warp per 256 elements of the row, between 1 and 8: enough loads in flight without idle lanes
-    return min(max(block // 256, 1), 8)
-
-
-def _num_programs(x: torch.Tensor, rows: int) -> int:
-    if x.is_cuda:
-        return min(rows, torch.cuda.get_device_properties(x.device).multi_processor_count * 4)
-    return min(rows, 4)  # the interpreter: few programs, each a band of rows
-
-
-def _triton_fwd(x, weight, bias, eps):
-    """(y, mean, rstd): y in x's shape and dtype, the fp32 row statistics in x's leading shape."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
-    m = x2.shape[0]
-    y = torch.empty_like(x2)
-    mean = torch.empty(m, device=x.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    block = triton.next_power_of_2(n)
-    if m > 0:
-        _ln_fwd_kernel[(m,)](x2, y, weight, bias, mean, rstd, n, eps, HAS_W=weight is not None,
-                             HAS_B=bias is not None, BLOCK_N=block, num_warps=_num_warps(block))
-    lead = x.shape[:-1]
-    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
-
-
-def _triton_bwd(dy, x, weight, mean, rstd):
-    """(dx, dweight, dbias): dx in x's shape and dtype, the parameter gradients fp32 [N] (summed partials)."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
-    m = x2.shape[0]
-    dy2 = dy.reshape(m, n).contiguous()
-    dx = torch.empty_like(x2)
-    programs = max(_num_programs(x2, m), 1)
-    dw = torch.zeros(programs, n, device=x2.device, dtype=torch.float32)
-    db = torch.zeros_like(dw)
-    block = triton.next_power_of_2(n)
-    if m > 0:
-        _ln_bwd_kernel[(programs,)](x2, dy2, dx, weight, mean.contiguous(), rstd.contiguous(), dw, db, m, n,
-                                    math.ceil(m / programs), HAS_W=weight is not None, BLOCK_N=block,
-                                    num_warps=_num_warps(block))
-    return dx.reshape(x.shape), dw.sum(0), db.sum(0)
+    return _triton_layer_norm
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -182,7 +55,7 @@ def _triton_bwd(dy, x, weight, mean, rstd):
 
 @torch.library.custom_op(op_name("layer_norm_fwd"), mutates_args=())
 def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _triton_fwd(x, weight, bias, eps)
+    return _triton()._triton_fwd(x, weight, bias, eps)
 
 
 @_layer_norm_fwd.register_fake
@@ -195,7 +68,7 @@ def _(x, weight, bias, eps):
 def _layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _triton_bwd(dy, x, weight, mean, rstd)
+    return _triton()._triton_bwd(dy, x, weight, mean, rstd)
 
 
 @_layer_norm_bwd.register_fake
@@ -224,7 +97,7 @@ _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_nor
 
 
 def _triton_unsupported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> str | None:
-    if triton is None:
+    if not triton_installed():
         return "triton is not installed"
     if x.dtype not in _TRITON_DTYPES:
         return f"dtype {x.dtype} is not supported by the Triton kernel"
@@ -249,6 +122,8 @@ def layer_norm(
             raise ValueError(f"layer_norm: {name} must have shape ({n},), got {tuple(p.shape)}")
     path = select_path("layer_norm", x.device, _triton_unsupported(x, weight, bias))
     if path == "triton":
+        if direct_call(x, weight, bias):
+            return _triton()._triton_fwd(x, weight, bias, float(eps))[0]
         return _layer_norm_fwd(x, weight, bias, float(eps))[0]
     if path == "torch":
         return layer_norm_reference(x, weight, bias, eps)

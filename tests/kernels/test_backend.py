@@ -72,3 +72,42 @@ def test_backend_report_names_a_bad_env_var(monkeypatch):
     monkeypatch.setenv("SUITE_KERNEL_BACKEND", "bogus")
     report = kernels.backend_report("cpu")
     assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v for v in report.values())
+
+
+def test_import_and_cpu_paths_import_neither_triton_nor_dynamo():
+    """Importing the model and running the kernels' PyTorch paths on CPU without gradients (no interpreter)
+    must not import Triton (~90 MiB resident) or Dynamo (~160 MiB, ~1 s): every inference would pay for
+    them. (A call that needs autograd goes through the custom ops, whose first call imports Dynamo.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from lowmem import kernels\n"
+        "import lowmem.fastfold.model\n"
+        "q = torch.randn(2, 3, 5, 4)\n"
+        "kernels.attention(q, q, q, bias=torch.randn(3, 5, 5), mask=torch.rand(2, 1, 1, 5) > 0.3)\n"
+        "kernels.softmax(q, bias=q, mask=q > 0)\n"
+        "kernels.layer_norm(q, torch.ones(4), torch.zeros(4))\n"
+        "kernels.attention(q, q, q, bias=torch.randn(3, 5, 5), block_q=2)\n"
+        "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_select_path_carries_dynamos_constant_mark():
+    """select_path is marked for Dynamo without importing it; the mark must be the one Dynamo's own
+    decorator sets (if a torch release changes it, this fails before compiled graphs silently break)."""
+    import torch._dynamo
+
+    def probe():
+        return 0
+
+    marked = torch._dynamo.assume_constant_result(probe)
+    extra = set(vars(marked)) - {"__wrapped__"}
+    assert extra == {"_dynamo_marked_constant"}
+    assert getattr(backend.select_path, "_dynamo_marked_constant", False) is True
