@@ -29,9 +29,11 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..core_parallel.errors import InputError
 from ..core_parallel.fileio import atomic_write
@@ -524,7 +526,24 @@ def empty_model(config: cfgs.AlphaFoldConfig) -> AlphaFold:
     initialisation to pay for when every parameter is about to be loaded (the model holds no buffers)."""
     with torch.device("meta"):
         model = AlphaFold(config)
-    return model.to_empty(device="cpu")
+    return materialise_empty(model)
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def materialise_empty(model: M) -> M:
+    """Give a meta-device model uninitialised CPU storage, parameter by parameter, with plain `torch.empty`.
+    (`Module.to_empty` goes through `torch.empty_like`'s reference implementation, whose first call imports
+    sympy and the symbolic-shape machinery: ~50 MiB more resident for the whole process.)"""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------

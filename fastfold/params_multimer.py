@@ -468,7 +468,7 @@ def empty_model(config: MultimerConfig) -> AlphaFoldMultimer:
     """`AlphaFoldMultimer(config)` built on the meta device, given uninitialised CPU storage."""
     with torch.device("meta"):
         model = AlphaFoldMultimer(config)
-    return model.to_empty(device="cpu")
+    return P.materialise_empty(model)
 
 
 def load_model(path: str | os.PathLike, preset: str | MultimerConfig | None = None) -> AlphaFoldMultimer:
