@@ -160,9 +160,17 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
-    import resource
+def _own_peak_rss() -> int | None:
+    """This process's own peak resident set (VmHWM). Not `getrusage(...).ru_maxrss`: Linux carries that across
+    fork and exec, so a child started by a larger parent reports the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
 
+
+def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
     import torch
 
     result = {
@@ -172,7 +180,7 @@ def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: d
         "plddt": float(plddt.float().mean().item()),
         "device": device.type,
         "threads": torch.get_num_threads(),
-        "child_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "child_maxrss_bytes": _own_peak_rss(),
         **extra,
     }
     if device.type == "cuda":

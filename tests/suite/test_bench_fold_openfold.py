@@ -297,3 +297,19 @@ def test_install_softmax_registers_standin_when_extension_missing(monkeypatch):
         assert attn_core_inplace_cuda.forward_ is fo.standin_softmax_
     finally:
         sys.modules.pop("attn_core_inplace_cuda", None)
+
+
+def test_child_peak_is_its_own_not_the_parents():
+    """ru_maxrss survives fork and exec on Linux: a child started by a large parent would report the parent's
+    peak. The children report VmHWM, their own."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux /proc")
+    ballast = bytearray(400 << 20)  # the parent's resident set grows by 400 MiB
+    ballast[:: 4096] = b"x" * len(range(0, len(ballast), 4096))
+    code = ("import json, resource; from lowmem.suite.bench.fold_openfold import _own_peak_rss; "
+            "print(json.dumps([_own_peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    own, inherited = json.loads(done.stdout.strip().splitlines()[-1])
+    del ballast
+    assert inherited >= 400 << 20  # what getrusage would have reported
+    assert 0 < own < 200 << 20
