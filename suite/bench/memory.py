@@ -367,6 +367,15 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def _own_hwm_bytes() -> int:
+    """This process's peak resident set (VmHWM), or 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
                 env: dict[str, str] | None = None, timeout: float | None = None, use_cgroup: bool = True,
                 **popen: Any) -> dict[str, Any]:
@@ -377,6 +386,9 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
     if group:
         # the shell joins the group and execs the command, so every page of the command is charged there
         argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', group.procs, *argv]
+    # Linux carries a process's peak RSS across fork and exec: a child's ru_maxrss is at least what this process
+    # had when it started the child, so it only says something about the command when it is above that
+    inherited = _own_hwm_bytes()
     proc = subprocess.Popen(list(argv), env=env, **popen)
     sampled, files_max, maxrss = 0, 0, 0
     try:
@@ -403,10 +415,12 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
                     "wall_s": wall}
         if offload_paths:
             files_max = max(files_max, files_resident_bytes(offload_paths))
-        return {"returncode": proc.returncode, "peak_bytes": max(sampled, maxrss) + files_max,
-                "method": f"{_FALLBACK} (tree RSS sampled every {interval * 1e3:.0f} ms, children's ru_maxrss)",
+        counted = maxrss if maxrss > inherited else 0
+        return {"returncode": proc.returncode, "peak_bytes": max(sampled, counted) + files_max,
+                "method": f"{_FALLBACK} (tree RSS sampled every {interval * 1e3:.0f} ms, children's ru_maxrss "
+                          f"{'counted' if counted else 'not above the parent peak it inherits: not counted'})",
                 "wall_s": wall, "tree_rss_bytes": sampled, "children_maxrss_bytes": maxrss,
-                "files_resident_bytes": files_max}
+                "inherited_peak_bytes": inherited, "files_resident_bytes": files_max}
     finally:
         if proc.poll() is None:
             proc.kill()

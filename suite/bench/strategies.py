@@ -99,7 +99,7 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     import torch
 
     from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
-    from .common import ddp_options, peak_rss_bytes
+    from .common import ddp_options, hwm_bytes
     from .memory import SideMeter
 
     cuda = args["accelerator"] == "gpu"
@@ -119,9 +119,9 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     module = _module(args["hidden"], args["layers"], args["batch"], n_steps)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    before = peak_rss_bytes()
+    before = hwm_bytes()  # own peak (VmHWM): ru_maxrss inherits the parent's across fork and exec
     trainer.fit(module)
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - before
+    peak = torch.cuda.max_memory_allocated() if cuda else hwm_bytes() - before
     charged = meter.peak()
     meter.close()
     times = sorted(timer.times[args["warmup"]:])

@@ -111,7 +111,7 @@ def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, b
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
 
-    from .common import fast_optimizer, fix_malloc, peak_rss_bytes, rss_bytes
+    from .common import fast_optimizer, fix_malloc, hwm_bytes, rss_bytes
     from .memory import SideMeter
 
     # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
@@ -127,7 +127,7 @@ def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, b
     base = torch.cuda.memory_allocated() if cuda else rss_bytes()
     meter = SideMeter().start()
     times = _steps(variant, _build(width, layers, device), width, steps + 1, bucket_mb, batch, cuda)[1:]
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    peak = torch.cuda.max_memory_allocated() if cuda else hwm_bytes()  # own peak: ru_maxrss inherits the parent's
     charged = meter.peak()
     meter.close()
     times.sort()

@@ -150,6 +150,19 @@ def test_whole_command_fallback_sees_the_tree(tmp_path):
     assert out["peak_bytes"] >= 90 * MIB, out
 
 
+def test_whole_command_fallback_does_not_count_the_parents_peak():
+    """A child's ru_maxrss starts at its parent's peak (Linux keeps it across fork and exec): a small command
+    started by a large process must not be reported at the parent's size."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux /proc")
+    ballast = bytearray(400 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    out = memory.run_command([sys.executable, "-c", "import time; time.sleep(0.3)"], use_cgroup=False, timeout=60)
+    del ballast
+    assert out["children_maxrss_bytes"] >= 400 * MIB  # what the child's rusage says
+    assert out["peak_bytes"] < 100 * MIB, out  # what the command held
+
+
 def test_whole_command_returncode_and_cleanup(tmp_path):
     out = memory.run_command([sys.executable, "-c", "raise SystemExit(3)"], timeout=60)
     assert out["returncode"] == 3
