@@ -8,15 +8,19 @@
   `06-fused-attention.py`). The bias gradient is accumulated by the dq kernel with fp32 atomics into a
   buffer of the bias's own (broadcast) shape, so no `[*, H, Q, K]` tensor ever exists.
 - PyTorch path (any device, the default on CPU): `F.scaled_dot_product_attention` when there is neither bias
-  nor mask, or when no gradient is needed and bias and mask fold into one attn_mask no wider than the bias
-  (PyTorch's fused CPU kernel then tiles the keys itself); otherwise a loop over query blocks, holding
-  scores for `block_q` rows at a time (memory grows with block_q x K), that saves only the output and the
-  row log-sum-exp and recomputes each block in the backward.
+  nor mask. Without gradients: on CPU in fp32/fp64, matmul-softmax-matmul over blocks of about 4 MiB of scores
+  (faster than SDPA with a float attn_mask at the small per-row problems of chunked inference); otherwise SDPA
+  when bias and mask fold into one attn_mask no wider than the bias (PyTorch's fused kernel then tiles the keys
+  itself). Everything else: a loop over query blocks, holding scores for `block_q` rows at a time (memory grows
+  with block_q x K), that saves only the output and the row log-sum-exp and recomputes each block in the
+  backward.
 - `attention_reference`: the plain formula, materialising everything.
 
 The Triton kernels and the block loop are the custom ops `torch.ops.<ns>.attention_fwd/attention_bwd`
 (torch.library, `ns` = `backend.OP_NAMESPACE`) with fake implementations, so torch.compile traces through
-them without graph breaks and selective activation checkpointing can name them.
+them without graph breaks and selective activation checkpointing can name them. Eager calls that need no
+gradient run the implementations directly (`backend.direct_call`), and the Triton kernels live in
+`_triton_attention.py`, imported on the first Triton call: CPU inference imports neither Dynamo nor Triton.
 
 Fully masked query rows give zeros (and zero gradients), never NaN: their log-sum-exp is stored as +inf.
 """
