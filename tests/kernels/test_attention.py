@@ -142,22 +142,23 @@ def test_cpu_attention_inference(case, dtype):
         assert dead.any() and torch.equal(out[dead], torch.zeros_like(out[dead]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("block_bytes", [64, 4096, 1 << 22])
 @pytest.mark.parametrize("case", ["evoformer", "bias-over-keys", "mask-folds-into-bias", "long-keys"])
-def test_cpu_inference_blocks(case, block_bytes, monkeypatch):
+def test_cpu_inference_blocks(case, block_bytes, dtype, monkeypatch):
     """The explicit no-grad CPU path at any block size (query rows of one slice, whole slices, everything;
     a small mask added as a -inf bias or a large one filled in): the float64 answer, dead rows zero."""
     module = kernels.attention.__globals__
     monkeypatch.setitem(module, "_CPU_BLOCK_BYTES", block_bytes)
     (q, k, v, bias), mask = _inputs(case, seed=70 + block_bytes % 7)
     ref64 = kernels.attention_reference(q, k, v, bias, mask)
-    low = [None if t is None else t.float() for t in (q, k, v, bias)]
+    low = [None if t is None else t.to(dtype) for t in (q, k, v, bias)]
     with torch.no_grad():
         direct = module["_cpu_inference"](*low[:3], low[3], mask, q.shape[-1] ** -0.5)
         out = kernels.attention(*low[:3], bias=low[3], mask=mask)
-    assert direct is not None
+    assert direct is not None and out.dtype == dtype
     torch.testing.assert_close(out, direct, rtol=0, atol=0)  # the public call took this path
-    check(out, kernels.attention_reference(*low[:3], low[3], mask), ref64, "output", torch.float32)
+    check(out, kernels.attention_reference(*low[:3], low[3], mask), ref64, "output", dtype)
     if mask is not None:
         dead = ~mask.expand(ref64.shape[:-1] + (k.shape[-2],)).any(-1)
         assert dead.any() and torch.equal(out[dead], torch.zeros_like(out[dead]))
