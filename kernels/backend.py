@@ -29,8 +29,7 @@ from collections.abc import Iterator
 import torch
 
 __all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "direct_call", "op_name",
-           "select_path",
-           "triton_unavailable_reason", "use_backend"]
+           "select_path", "triton_installed", "triton_unavailable_reason", "use_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +127,8 @@ def op_name(name: str) -> str:
 def _assume_constant_result(fn):
     """`torch.compiler.assume_constant_result(fn)` without importing Dynamo when our package is imported: that
     import alone costs ~160 MiB of resident memory and ~1 s in every process, compiled or not. The mark is the
-    attribute `torch._dynamo.assume_constant_result` sets (tests/kernels/test_custom_ops.py checks it still is,
-    and that torch.compile still takes the kernels whole)."""
+    attribute `torch._dynamo.assume_constant_result` sets (tests/kernels/test_backend.py checks it still is;
+    tests/kernels/test_custom_ops.py that torch.compile still takes the kernels whole)."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
