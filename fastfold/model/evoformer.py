@@ -347,14 +347,10 @@ class TriangleMultiplication(nn.Module):
         self._chunked(z, pair_mask, options, z, layout)
         return z
 
-    def _gated(self, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
-        """mask * linear_p(x) * sigmoid(linear_g(x)) for projection `which` ("a" or "b"). x: [*, R, N, C_z]."""
-        proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
-        return proj(x).mul_(torch.sigmoid_(gate(x))).mul_(mask)
-
     def _gated_t(self, x: torch.Tensor, mask: torch.Tensor, which: str) -> torch.Tensor:
-        """`_gated(x, mask, which)` moved to channels first, [*, C, R, K], computed in that layout (W @ x^T):
-        contiguous for the batched matmul without a transposing copy. x: [*, R, K, C_z]; mask: [*, R, K, 1]."""
+        """`mask * linear_p(x) * sigmoid(linear_g(x))` for projection `which` ("a" or "b"), channels first,
+        [*, C, R, K], computed in that layout (W @ x^T): contiguous for the batched matmul without a transposing
+        copy (a strided batch makes matmul copy every channel's matrix). x: [*, R, K, C_z]; mask: [*, R, K, 1]."""
         proj, gate = (self.linear_a_p, self.linear_a_g) if which == "a" else (self.linear_b_p, self.linear_b_g)
         r, k = x.shape[-3], x.shape[-2]
         xt = x.reshape(*x.shape[:-3], r * k, x.shape[-1]).transpose(-1, -2)  # [*, C_z, R*K]
