@@ -367,13 +367,21 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def _own_hwm_bytes() -> int:
-    """This process's peak resident set (VmHWM), or 0 where /proc has none."""
+_INHERIT_MARGIN = 32 * 2**20
+
+
+def _inherited_peak_bytes() -> int:
+    """A bound on the peak a child of this process starts with in its rusage: this process's own `ru_maxrss` or
+    VmHWM, whichever is higher. (A forked child's counters start at the parent's resident set at the fork.)"""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            peak = max(peak, next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")))
     except (OSError, StopIteration):
-        return 0
+        pass
+    return peak
 
 
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
@@ -388,7 +396,7 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
         argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', group.procs, *argv]
     # Linux carries a process's peak RSS across fork and exec: a child's ru_maxrss is at least what this process
     # had when it started the child, so it only says something about the command when it is above that
-    inherited = _own_hwm_bytes()
+    inherited = _inherited_peak_bytes()
     proc = subprocess.Popen(list(argv), env=env, **popen)
     sampled, files_max, maxrss = 0, 0, 0
     try:
@@ -415,7 +423,10 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
                     "wall_s": wall}
         if offload_paths:
             files_max = max(files_max, files_resident_bytes(offload_paths))
-        counted = maxrss if maxrss > inherited else 0
+        # read again now: the parent may have grown between the first reading and the fork; the kernel's RSS
+        # counters are per-CPU approximations, hence a margin (the sampled tree RSS still sees a real peak)
+        inherited = max(inherited, _inherited_peak_bytes())
+        counted = maxrss if maxrss > inherited + _INHERIT_MARGIN else 0
         return {"returncode": proc.returncode, "peak_bytes": max(sampled, counted) + files_max,
                 "method": f"{_FALLBACK} (tree RSS sampled every {interval * 1e3:.0f} ms, children's ru_maxrss "
                           f"{'counted' if counted else 'not above the parent peak it inherits: not counted'})",

@@ -3,6 +3,7 @@ the kernel charges it (page cache included). No model runs, no timed assertions.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -152,13 +153,21 @@ def test_whole_command_fallback_sees_the_tree(tmp_path):
 
 def test_whole_command_fallback_does_not_count_the_parents_peak():
     """A child's ru_maxrss starts at its parent's peak (Linux keeps it across fork and exec): a small command
-    started by a large process must not be reported at the parent's size."""
+    started by a large process must not be reported at the parent's size. Run from a fresh process, so the
+    parent's history is only the 400 MiB it allocates."""
     if not os.path.exists("/proc/self/status"):
         pytest.skip("needs Linux /proc")
-    ballast = bytearray(400 << 20)
-    ballast[::4096] = b"x" * len(ballast[::4096])
-    out = memory.run_command([sys.executable, "-c", "import time; time.sleep(0.3)"], use_cgroup=False, timeout=60)
-    del ballast
+    code = (
+        "import json, sys\n"
+        "from lowmem.suite.bench import memory\n"
+        "ballast = bytearray(400 << 20)\n"
+        "ballast[::4096] = b'x' * len(ballast[::4096])\n"
+        "out = memory.run_command([sys.executable, '-c', 'import time; time.sleep(0.3)'], use_cgroup=False,"
+        " timeout=60)\n"
+        "print(json.dumps({k: v for k, v in out.items() if isinstance(v, (int, float, str))}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["children_maxrss_bytes"] >= 400 * MIB  # what the child's rusage says
     assert out["peak_bytes"] < 100 * MIB, out  # what the command held
 
