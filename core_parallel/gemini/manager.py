@@ -164,6 +164,7 @@ class ChunkManager(_StateDictIO):
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
         self._clock = 0
         self._last_used: dict[int, int] = {}
+        self._idle_kept: int | None = None  # first step: the idle chunk kept gathered (`_defer_release`)
         self.param_dtypes = [p.dtype for p in params]
         self.names: list[str] = []
         self.placeholder_state_dict = False
@@ -271,12 +272,29 @@ class ChunkManager(_StateDictIO):
         for i in ids:
             c = self.chunks[i]
             if c.sm.release_use() and c.sm.data is not ChunkState.RELEASED:
+                if not self.trace.frozen and self.config.keep_gathered != 0:
+                    self._defer_release(i)
+                    continue
                 if soon is None:
                     keep = self.config.keep_gathered
                     soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep) \
                         if self.trace.frozen else ()
                 if i not in soon:
                     self._release(c)
+
+    def _defer_release(self, i: int) -> None:
+        """While the first step records the order, the chunk that went idle last stays gathered (the one kept
+        before is released): modules sharing a chunk usually run one after another, and without the order each
+        of them would gather the whole chunk again from its tier (from disk on the NVMe tier). One idle chunk is
+        what the recorded order keeps too (`keep_gathered`, by default the next two; 0 turns both off).
+        Every rank runs the same modules in the same order, so all make the same choice (gathers are
+        collective)."""
+        prev, self._idle_kept = self._idle_kept, i
+        if prev is None or prev == i:
+            return
+        c = self.chunks[prev]
+        if c.sm.users == 0 and c.sm.data is not ChunkState.RELEASED:
+            self._release(c)
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
         self._make_room(c.full_nbytes, exclude={c.index})

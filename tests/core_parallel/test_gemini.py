@@ -341,3 +341,43 @@ def test_lr_scheduler_closure_and_no_grad_forward_match_torch():
     with torch.no_grad():
         torch.testing.assert_close(model(x, True), ref_model(x, True), rtol=1e-6, atol=1e-6)
     assert all(c.sm.data.value == "released" for c in model.gemini_manager.chunks)
+
+
+@pytest.mark.parametrize("keep", [None, 0])
+def test_first_step_gathers_a_shared_chunk_once_per_run_of_modules(tmp_path, monkeypatch, keep):
+    """While the first step records the order, modules that share a chunk and run one after another gather it
+    once, not once per module (each gather reads the whole chunk from its tier: from disk on NVMe);
+    `keep_gathered=0` keeps nothing gathered. The numbers match plain torch either way."""
+    from lowmem.core_parallel.gemini import chunk as chunk_mod
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(4)]
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    model = torch.nn.Sequential(*layers)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=4 * 16 * 17 * 4 / 2**20, keep_gathered=keep)
+    model, opt = setup_gemini(model, opt, cfg)
+    assert len(model.gemini_manager.chunks) == 1  # the four layers share one chunk
+    gathers = []
+    real = chunk_mod.Chunk.start_gather
+    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
+        self, *a, **k))
+    x = torch.randn(8, 16)
+    for step in range(2):
+        gathers.clear()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(x).pow(2).mean()
+            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
+            o.step()
+            o.zero_grad()
+        if step == 0:
+            # forward: once (kept between the layers) or once per layer; backward: once (a chunk stays
+            # gathered until all its parameters have their gradients)
+            assert len(gathers) == (2 if keep is None else 5), gathers
+    got, want = model.state_dict(), ref.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+    model.gemini_manager.close()
