@@ -218,22 +218,23 @@ def _cpu_inference(q, k, v, bias, mask, scale):
     slice). At the small per-row problems of chunked inference (K <= ~1024, D <= 64) PyTorch's fused CPU
     SDPA with a float attn_mask is 1.2-2x slower than this, and folding bias and mask into its attn_mask
     costs a pass of its own. None if the shapes do not suit (k/v leading dims broadcast against q's)."""
-    if q.dim() < 4 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
+    if not _same_lead(q, k, v):
         return None
     nd = q.dim()
     lead, (heads, n_q, n_k) = q.shape[:-3], (q.shape[-3], q.shape[-2], k.shape[-2])
     full = lead + (heads, n_q, n_k)
     bias_f = None if bias is None else _align(bias, nd).to(q.dtype).expand(full)
-    drop_f = add_f = None
-    if mask is not None:  # a small mask as a -inf bias: an add is cheaper than a broadcast masked_fill_
-        if mask.numel() * q.element_size() <= _CPU_BLOCK_BYTES:
-            add_f = q.new_zeros(_align(mask, nd).shape).masked_fill_(~_align(mask, nd), float("-inf")).expand(full)
+    drop_f = add_f = empty = None
+    if mask is not None:
+        keep = _align(mask, nd)
+        if mask.numel() * q.element_size() <= _CPU_BLOCK_BYTES:  # small: a -inf bias (an add beats masked_fill_)
+            add_f = q.new_zeros(keep.shape).masked_fill_(~keep, float("-inf")).expand(full)
         else:
-            drop_f = (~_align(mask, nd)).expand(full)
-    # query rows with no key left: zeros (softmax over all -inf gives NaN rows, replaced at the end)
-    empty = None if mask is None else ~_align(mask, nd).any(-1, keepdim=True)
-    if empty is not None and not bool(empty.any()):
-        empty = None
+            drop_f = (~keep).expand(full)
+        # query rows with no key left: zeros (softmax over all -inf gives NaN rows, replaced at the end)
+        empty = ~keep.any(-1, keepdim=True)
+        if not bool(empty.any()):
+            empty = None
     out = q.new_empty(lead + (heads, n_q, v.shape[-1]))
     per_slice = heads * n_q * n_k * q.element_size()
     step = _CPU_BLOCK_BYTES // per_slice
@@ -260,9 +261,14 @@ def _cpu_inference(q, k, v, bias, mask, scale):
     return out
 
 
+def _same_lead(q, k, v) -> bool:
+    """q, k and v share their leading dims (no broadcasting between them) and have at least one besides H."""
+    return q.dim() >= 4 and k.shape[:-2] == q.shape[:-2] and v.shape[:-2] == q.shape[:-2]
+
+
 def _sdpa_inference(q, k, v, bias, mask, scale):
     """No gradients needed: PyTorch's fused SDPA (flash on CPU) with the bias as float mask; None if unsuited."""
-    if q.dim() < 4 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
+    if not _same_lead(q, k, v):
         return None
     attn = _sdpa_mask(q, bias, mask)
     if attn is None:

@@ -160,18 +160,10 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _own_peak_rss() -> int | None:
-    """This process's own peak resident set (VmHWM). Not `getrusage(...).ru_maxrss`: Linux carries that across
-    fork and exec, so a child started by a larger parent reports the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
     import torch
+
+    from .common import hwm_bytes
 
     result = {
         "side": side,
@@ -180,7 +172,8 @@ def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: d
         "plddt": float(plddt.float().mean().item()),
         "device": device.type,
         "threads": torch.get_num_threads(),
-        "child_maxrss_bytes": _own_peak_rss(),
+        # VmHWM, this process's own: ru_maxrss would carry the bench's peak across fork and exec
+        "child_maxrss_bytes": hwm_bytes(),
         **extra,
     }
     if device.type == "cuda":

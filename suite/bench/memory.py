@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .common import hwm_bytes, peak_rss_bytes
+
 __all__ = [
     "Cgroup",
     "SideMeter",
@@ -373,15 +375,7 @@ _INHERIT_MARGIN = 32 * 2**20
 def _inherited_peak_bytes() -> int:
     """A bound on the peak a child of this process starts with in its rusage: this process's own `ru_maxrss` or
     VmHWM, whichever is higher. (A forked child's counters start at the parent's resident set at the fork.)"""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/status") as f:
-            peak = max(peak, next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")))
-    except (OSError, StopIteration):
-        pass
-    return peak
+    return max(peak_rss_bytes(), hwm_bytes())
 
 
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,

@@ -306,8 +306,8 @@ def test_child_peak_is_its_own_not_the_parents():
         pytest.skip("needs Linux /proc")
     ballast = bytearray(400 << 20)  # the parent's resident set grows by 400 MiB
     ballast[:: 4096] = b"x" * len(range(0, len(ballast), 4096))
-    code = ("import json, resource; from lowmem.suite.bench.fold_openfold import _own_peak_rss; "
-            "print(json.dumps([_own_peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
+    code = ("import json, resource; from lowmem.suite.bench.common import hwm_bytes; "
+            "print(json.dumps([hwm_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     own, inherited = json.loads(done.stdout.strip().splitlines()[-1])
     del ballast
