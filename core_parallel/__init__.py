@@ -5,7 +5,7 @@ Heavy parts are imported on first use (`core_parallel.setup`, `core_parallel.Zer
 
 from __future__ import annotations
 
-from ._lazy import lazy_getattr
+from ..utils.lazy import lazy_getattr
 from .launch import RankError, run_on_ranks
 
 # Importing the package stays free of torch (Ray workers and parsers import it cheaply).
@@ -15,7 +15,7 @@ _LAZY = {
     "default_backend": ".topology",
     "BACKENDS": ".groups",
     "world_rank": ".groups",
-    "InputError": ".errors",
+    "InputError": "..utils.errors",
     "CheckpointError": ".checkpoint",
     "setup": ".api",
     "save_checkpoint": ".api",

@@ -36,7 +36,7 @@ a damaged one fails these checks or JSON parsing, except in the values of hyperp
 
 Saving is atomic: rank 0 creates a temporary folder beside PATH and broadcasts its name, every rank writes
 its shard there and flushes it to disk, the ranks agree that all succeeded, rank 0 writes `index.json` and
-swaps the folder into place (`core_parallel.fileio.atomic_dir`), then all ranks pass a barrier. A crash at any
+swaps the folder into place (`utils.fileio.atomic_dir`), then all ranks pass a barrier. A crash at any
 point leaves a complete checkpoint at PATH (the previous one, or, where the file system has no atomic
 exchange and the crash came between two renames, a complete `.PATH.old-*` beside it, which the reader uses
 when PATH is missing). All ranks must see the same file system.
@@ -73,9 +73,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..utils.errors import InputError
+from ..utils.fileio import atomic_dir, atomic_write, fsync_file, stale_copies
 from . import flat
-from .errors import InputError
-from .fileio import atomic_dir, atomic_write, fsync_file, stale_copies
 from .groups import world_rank
 
 __all__ = [

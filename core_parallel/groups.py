@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InputError
+from ..utils.errors import InputError
 
 __all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "check_backend", "world_rank"]
 

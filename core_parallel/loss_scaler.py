@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
+from ..utils.errors import InputError
 
 __all__ = ["DynamicLossScaler", "LossScalerConfig"]
 

@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from .errors import InputError
+from ..utils.errors import InputError
 from .groups import GLOO, NCCL, check_backend, world_rank
 
 logger = logging.getLogger(__name__)

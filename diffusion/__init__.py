@@ -11,7 +11,7 @@ The Lightning recipe is `recipes.StableDiffusionFineTune`; the command is `suite
 
 from __future__ import annotations
 
-from ..core_parallel._lazy import lazy_getattr
+from ..utils.lazy import lazy_getattr
 
 _LAZY = {
     "FineTuneConfig": ".config",

@@ -3,7 +3,7 @@ training scripts name its flag.
 
 The sections are the owners' dataclasses where one exists (`data`: `DataConfig`, `loss`: `LossConfig`) and small
 sections here for the rest (model, dataset, optimizer, train, ema, validation, output, launch, ray). Every leaf
-field is one setting with a flat name (`core_parallel.config`): `suite diffusion finetune`'s flags are generated
+field is one setting with a flat name (`utils.settings`): `suite diffusion finetune`'s flags are generated
 from them, and a recipe YAML (`recipes/configs/diffusion_*.yaml`) sets them as flat keys (`learning_rate: 1e-4`)
 or nested by section (`optimizer: {learning_rate: 1e-4}`); flags given on the command line override the file.
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core_parallel.config import assemble, read_yaml, section, settings
 from ..core_parallel.gemini.config import GeminiConfig
 from ..core_parallel.loss_scaler import LossScalerConfig
 from ..core_parallel.zero.config import ZeroConfig
 from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
+from ..utils.settings import assemble, read_yaml, section, settings
 from .data import DataConfig
 from .training import LossConfig
 

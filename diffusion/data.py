@@ -207,7 +207,7 @@ def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, 
     for i, row in enumerate(ds):
         path = out / f"{i:07d}.png"
         if not path.is_file():
-            from ..core_parallel.fileio import atomic_write
+            from ..utils.fileio import atomic_write
 
             with atomic_write(path, "wb") as f:
                 row[cfg.image_column].convert("RGB").save(f, format="PNG")

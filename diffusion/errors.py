@@ -3,6 +3,6 @@ line and exits with code 2)."""
 
 from __future__ import annotations
 
-from ..core_parallel.errors import InputError
+from ..utils.errors import InputError
 
 __all__ = ["InputError"]

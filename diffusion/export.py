@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..core_parallel.fileio import atomic_write, drop_page_cache, fsync_dir
+from ..utils.fileio import atomic_write, drop_page_cache, fsync_dir
 
 __all__ = ["generate_images", "image_grid", "save_grid", "save_over_base", "save_pipeline", "move_into"]
 

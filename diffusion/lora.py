@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..core_parallel.fileio import fsync_dir
+from ..utils.fileio import fsync_dir
 
 __all__ = ["LORA_WEIGHT_NAME", "add_lora", "lora_state_dicts", "save_lora_weights"]
 

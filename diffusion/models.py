@@ -51,7 +51,7 @@ def check_pipeline_folder(folder: Path) -> None:
 def drop_folder_cache(folder: Path) -> None:
     """Drop the page cache of the files directly in `folder` (a component's weights, once loaded and copied: a
     memory cgroup charges the pages a job reads to it). Best effort; pages still mapped stay."""
-    from ..core_parallel.fileio import drop_page_cache
+    from ..utils.fileio import drop_page_cache
 
     try:
         files = [f for f in folder.iterdir() if f.is_file()]

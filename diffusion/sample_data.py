@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from ..core_parallel.fileio import fsync_dir, replace_dir
+from ..utils.fileio import fsync_dir, replace_dir
 
 __all__ = ["SAMPLE_CAPTIONS", "write_sample_data"]
 

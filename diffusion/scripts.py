@@ -307,7 +307,7 @@ HANDLING: dict[str, Accept | Refuse] = {
 @functools.cache
 def field_help() -> dict[str, str]:
     """`FineTuneConfig` setting name -> its docstring (the help of a same-name flag)."""
-    from ..core_parallel.config import settings
+    from ..utils.settings import settings
     from .config import FineTuneConfig
 
     return {name: s.help for name, s in settings(FineTuneConfig).items()}

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ..core_parallel._lazy import lazy_getattr
+from ..utils.lazy import lazy_getattr
 
 _LAZY = {
     "AlphaFold": ".model",

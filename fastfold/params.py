@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core_parallel.errors import InputError
-from ..core_parallel.fileio import atomic_write
+from ..utils.errors import InputError
+from ..utils.fileio import atomic_write
 from .model import config as cfgs
 from .model.alphafold import AlphaFold
 

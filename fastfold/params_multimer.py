@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core_parallel.fileio import atomic_write
+from ..utils.fileio import atomic_write
 from . import params as P
 from .model import config as cfgs
 from .model.multimer import AlphaFoldMultimer, MultimerConfig, multimer_preset

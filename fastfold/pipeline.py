@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core_parallel.fileio import atomic_write
+from ..utils.fileio import atomic_write
 from .data import fingerprint as fp
 from .data.features import FeatureConfig, make_sequence_features, process_features
 from .data.targets import (

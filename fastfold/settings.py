@@ -1,5 +1,5 @@
 """`suite fold`'s settings as one typed config: its flags, its `--config FILE` keys and the Lightning recipe's YAML
-keys (`recipes/configs/fold.yaml`) all come from `FoldSettings` (`core_parallel.config`: one merge rule, explicit
+keys (`recipes/configs/fold.yaml`) all come from `FoldSettings` (`utils.settings`: one merge rule, explicit
 flag > file > default; one-line errors naming the key and the file).
 
 `FoldSettings` is what the user types; `fastfold.pipeline.FoldConfig` (with its `ModelSpec`s, `AlignmentConfig` and
@@ -20,7 +20,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal
 
-from ..core_parallel.config import section
+from ..utils.settings import section
 from .data.targets import AlignmentConfig
 
 __all__ = ["FLAGLESS", "AlignmentSettings", "FoldSettings", "ModelSettings", "RelaxSettings", "RunSettings"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..core_parallel._lazy import lazy_getattr
+from ..utils.lazy import lazy_getattr
 
 _LAZY = {
     "ZeroStrategy": ".strategies",

@@ -23,8 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..core_parallel import Axis, Topology
-from ..core_parallel.errors import InputError
 from ..core_parallel.groups import check_backend
+from ..utils.errors import InputError
 
 logger = logging.getLogger(__name__)
 

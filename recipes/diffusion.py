@@ -387,7 +387,7 @@ class ImageCaptionData(pl.LightningDataModule):
         images = self.trainer.lightning_module.generate(cfg.class_prompt, cfg.num_class_images - have, cfg.seed,
                                                         batch_size=cfg.sample_batch_size, precision=precision)
         for i, img in enumerate(images):
-            from ..core_parallel.fileio import atomic_write
+            from ..utils.fileio import atomic_write
 
             with atomic_write(folder / f"class-{have + i:05d}.png", "wb") as f:
                 img.save(f, format="PNG")

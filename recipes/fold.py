@@ -256,8 +256,8 @@ def recipe_settings(path: str | Path) -> tuple[Any, set[str]]:
     """The fold recipe YAML `path` read as `suite fold --config` reads it (`fastfold.settings.FoldSettings`: the
     same keys, flat or in sections, the same checks and one-line errors naming the file and the key); and the
     flat names the file sets."""
-    from ..core_parallel.config import build, read_yaml
     from ..fastfold.settings import FoldSettings
+    from ..utils.settings import build, read_yaml
 
     values = read_yaml(path, FoldSettings)
     return build(FoldSettings, values, dict.fromkeys(values, str(path))), set(values)
@@ -267,9 +267,9 @@ def load_recipe(path: str | Path) -> dict[str, dict[str, Any]]:
     """A fold recipe YAML (`suite fold`'s settings as keys, `recipe_settings`) -> keyword arguments of
     `AlphaFoldPredictor` ("predictor"), `FoldDataModule` ("data"), `FoldPredictionWriter` ("writer") and `Trainer`
     ("trainer"). Only the keys the file sets are passed (each object's defaults otherwise)."""
-    from ..core_parallel.config import settings
-    from ..core_parallel.errors import InputError
     from ..fastfold.settings import FoldSettings
+    from ..utils.errors import InputError
+    from ..utils.settings import settings
 
     fs, given = recipe_settings(path)
     table = settings(FoldSettings)

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 
-from ..core_parallel.errors import InputError
+from ..utils.errors import InputError
 
 __all__ = ["CORE_PRECISION", "ShardedPrecision"]
 

@@ -72,9 +72,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..core_parallel.errors import InputError
-from ..core_parallel.fileio import atomic_write, replace_dir
 from ..core_parallel.groups import check_backend, world_rank
+from ..utils.errors import InputError
+from ..utils.fileio import atomic_write, replace_dir
 from .precision import ShardedPrecision
 
 __all__ = [

@@ -1,12 +1,12 @@
 """Errors the command line turns into one clear line and an exit code.
 
-`UsageError` is the project's one `InputError` (defined at the bottom, in `core_parallel.errors`, so that
+`UsageError` is the project's one `InputError` (defined at the bottom, in `utils.errors`, so that
 `diffusion` and `fastfold` raise it without importing the CLI); the name stays for the CLI's own code.
 """
 
 from __future__ import annotations
 
-from ..core_parallel.errors import EXIT_USAGE, InputError, missing_extra
+from ..utils.errors import EXIT_USAGE, InputError, missing_extra
 
 __all__ = ["EXIT_USAGE", "InputError", "UsageError", "missing_extra"]
 

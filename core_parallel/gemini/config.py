@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import InputError
+from ...utils.errors import InputError
 from ..loss_scaler import LossScalerConfig
 
 __all__ = ["OFFLOAD_TIERS", "GeminiConfig", "parse_bytes"]

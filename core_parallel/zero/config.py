@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
+from ...utils.errors import InputError
 from ..loss_scaler import LossScalerConfig
 
 __all__ = ["PRECISIONS", "ZeroConfig"]

@@ -2,7 +2,7 @@
 
 Every parser takes the file's text (and a name for messages) and raises `InputError` naming the file,
 the record and the position of the first thing that is wrong (the project's one `InputError`, from
-`core_parallel.errors`: the `suite` command line prints it as one line and exits 2).
+`utils.errors`: the `suite` command line prints it as one line and exits 2).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import re
 
-from ...core_parallel.errors import InputError
+from ...utils.errors import InputError
 
 __all__ = [
     "InputError",

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...core_parallel.fileio import atomic_write
+from ...utils.fileio import atomic_write
 from .parsers import Msa
 
 __all__ = ["ToolError", "find_binary", "msa_to_a3m", "run_hhblits", "run_hhsearch", "run_jackhmmer", "run_kalign"]

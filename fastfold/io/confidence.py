@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...core_parallel.fileio import atomic_write
+from ...utils.fileio import atomic_write
 
 __all__ = ["MAX_PAE", "chain_confidences", "confidence_dict", "msa_coverage", "plot_msa_coverage", "plot_pae",
            "plot_plddt", "write_confidence_json"]

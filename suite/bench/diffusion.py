@@ -437,7 +437,7 @@ def _defaults(args: argparse.Namespace) -> dict:
 
 def _drop_cached(folder: str) -> None:
     """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
-    from ...core_parallel.fileio import drop_page_cache
+    from ...utils.fileio import drop_page_cache
 
     for top, _, names in os.walk(folder):
         for name in names:

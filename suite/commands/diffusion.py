@@ -21,9 +21,9 @@ LAUNCH_SETTINGS = ("strategy", "devices", "num_nodes", "offload_dir", "attention
 
 
 def _add_script(sub: argparse._SubParsersAction, script: str) -> None:
-    from ...core_parallel.config import add_flags
     from ...diffusion.config import FineTuneConfig
     from ...diffusion.scripts import DIFFUSERS_VERSION, SCRIPT_FLAGS, SCRIPTS, flag_help
+    from ...utils.settings import add_flags
 
     p = sub.add_parser(script, help=SCRIPTS[script],
                        description=f"{SCRIPTS[script]}: the script's flags and defaults as in diffusers "
@@ -45,9 +45,9 @@ def _add_script(sub: argparse._SubParsersAction, script: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `finetune` subcommand (its flags generated from `FineTuneConfig`) and the three script
     subcommands with their flags."""
-    from ...core_parallel.config import add_flags
     from ...diffusion.config import FineTuneConfig
     from ...diffusion.scripts import SCRIPTS
+    from ...utils.settings import add_flags
 
     sub = parser.add_subparsers(dest="diffusion_command", metavar="SUBCOMMAND", required=True,
                                 parser_class=type(parser))
@@ -77,8 +77,8 @@ def build_config(args: argparse.Namespace) -> object:
     """The `FineTuneConfig` of the command: for `finetune` the flags given, over the YAML (if any), over the
     defaults; for a script command its flags (refused ones checked). Bad input raises one UsageError naming the
     flag, or the file and its key."""
-    from ...core_parallel.config import build, merge
     from ...diffusion.config import FineTuneConfig, load_yaml_config
+    from ...utils.settings import build, merge
 
     if args.diffusion_command != "finetune":
         from ...diffusion.scripts import SCRIPT_FLAGS, script_config

@@ -22,8 +22,8 @@ _TOOLS = ("jackhmmer", "hhblits", "hhsearch", "kalign")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The positional inputs, the flags of `fastfold.settings.FoldSettings` (generated: each field's docstring is
     its help) and the OpenFold/FastFold translations."""
-    from ...core_parallel.config import add_flags, settings
     from ...fastfold.settings import FLAGLESS, FoldSettings
+    from ...utils.settings import add_flags, settings
 
     parser.add_argument("fasta_path", nargs="?", default=None,
                         help="FASTA file (or folder of them), one target per record; multimer models: one complex "
@@ -89,7 +89,7 @@ _COMPAT_SETTING = {
 
 def _compat_keys() -> dict[str, str]:
     """The OpenFold/FastFold flags written as keys of a config file: the line that says what to write instead
-    (`core_parallel.config.read_yaml`'s `not_settings`)."""
+    (`utils.settings.read_yaml`'s `not_settings`)."""
     out = {}
     for key in (*_COMPAT_SETTING, *_REFUSED):
         instead = _COMPAT_SETTING.get(key)
@@ -161,8 +161,8 @@ def _apply_compat(args: argparse.Namespace) -> None:
     default), or refuse one with the reason (exit 2)."""
     import logging
 
-    from ...core_parallel.config import settings
     from ...fastfold.settings import FoldSettings
+    from ...utils.settings import settings
 
     log = logging.getLogger(__name__)
     for name, s in settings(FoldSettings).items():
@@ -252,11 +252,11 @@ def _multimer_inputs(args: argparse.Namespace, log) -> None:
 
 def fold_settings(args: argparse.Namespace):
     """The run's `fastfold.settings.FoldSettings`: a flag given on the command line > the `--config` file >
-    the default (`core_parallel.config.merge`), then the OpenFold/FastFold translations (`_apply_compat`). `args`
+    the default (`utils.settings.merge`), then the OpenFold/FastFold translations (`_apply_compat`). `args`
     gets every setting under its flat name too (the input checks below read them there). A bad key or value is
     one line naming the file (or flag) and the key."""
-    from ...core_parallel.config import build, merge, read_yaml, settings
     from ...fastfold.settings import FoldSettings
+    from ...utils.settings import build, merge, read_yaml, settings
 
     table = settings(FoldSettings)
     given = {n: v for n, v in vars(args).items() if n in table and n not in ("fasta_path", "template_mmcif_dir")}
@@ -289,8 +289,8 @@ def _usage(message: str):
 
 
 def _read_targets(args: argparse.Namespace):
-    from ...core_parallel.errors import InputError
     from ...fastfold.pipeline import read_targets
+    from ...utils.errors import InputError
 
     try:
         if _is_multimer(args):
@@ -442,8 +442,8 @@ def _validate_chain_folders(args: argparse.Namespace, targets) -> None:
 def _check_alignment_folder(args: argparse.Namespace, folder, what: str, alone: str) -> None:
     """One target's (or chain's) alignment folder: it exists, holds an alignment file unless --single_sequence,
     and every file it will read is text; else one line naming `what`."""
-    from ...core_parallel.errors import InputError
     from ...fastfold.data.targets import alignment_files, check_text_file
+    from ...utils.errors import InputError
 
     if not folder.is_dir():
         raise _usage(f"--use_precomputed_alignments {args.use_precomputed_alignments}: no folder for {what}")
@@ -709,8 +709,8 @@ def _obsolete_pdbs(path: str | None) -> str | None:
         return None
     import os
 
-    from ...core_parallel.errors import InputError
     from ...fastfold.data.templates import read_obsolete_pdbs
+    from ...utils.errors import InputError
 
     if not os.path.isfile(path):
         raise _usage(f"--obsolete_pdbs_path {path}: no such file")

@@ -349,7 +349,7 @@ def test_crash_between_the_renames_of_a_replace_keeps_a_loadable_checkpoint(tmp_
     """Where no atomic exchange exists, replace_dir moves the old folder aside and the new one in: a crash between
     the two leaves no folder under the name, and loading falls back to the complete old copy. The next save
     removes that copy and the staging folder of a save killed earlier."""
-    from lowmem.core_parallel import fileio
+    from lowmem.utils import fileio
 
     folder, model = _saved(tmp_path)
     other, other_opt, _ = _setup(stage=2, seed=5)
@@ -378,7 +378,7 @@ def test_crash_between_the_renames_of_a_replace_keeps_a_loadable_checkpoint(tmp_
 
 def test_replace_swaps_atomically_where_it_can(tmp_path, monkeypatch):
     """With renameat2(RENAME_EXCHANGE) (Linux) the old folder never leaves the name: a rename may not even fail."""
-    from lowmem.core_parallel import fileio
+    from lowmem.utils import fileio
 
     if fileio._RENAMEAT2 is None:
         pytest.skip("no renameat2 in this C library")

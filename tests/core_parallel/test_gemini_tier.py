@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from lowmem.core_parallel.errors import InputError
 from lowmem.core_parallel.gemini import OFFLOAD_TIERS, GeminiConfig, setup_gemini
+from lowmem.utils.errors import InputError
 from tests.core_parallel.gemini_helpers import build, train_reference, train_sharded
 
 

@@ -13,10 +13,10 @@ from torch import nn
 from lowmem import core_parallel
 from lowmem.core_parallel import Topology, ZeroConfig, checkpoint, run_on_ranks
 from lowmem.core_parallel.dap import group_rank, group_size
-from lowmem.core_parallel.errors import InputError
 from lowmem.core_parallel.gemini import GeminiConfig, parse_bytes
 from lowmem.core_parallel.groups import BACKENDS, check_backend, world_rank
 from lowmem.core_parallel.loss_scaler import LossScalerConfig
+from lowmem.utils.errors import InputError
 
 
 def test_world_rank_without_a_process_group_is_one_process():

@@ -10,11 +10,11 @@ import pickle
 
 import pytest
 
-from lowmem.core_parallel.config import settings
 from lowmem.diffusion.config import FineTuneConfig, OptimizerSection, load_yaml_config
 from lowmem.diffusion.data import DataConfig
 from lowmem.diffusion.training import LossConfig
 from lowmem.suite.cli import _explicit_flags, build_parser, main
+from lowmem.utils.settings import settings
 
 
 def _finetune_parser() -> argparse.ArgumentParser:

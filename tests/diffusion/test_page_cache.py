@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lowmem import core_parallel
-from lowmem.core_parallel.fileio import drop_page_cache, fsync_file
 from lowmem.core_parallel.gemini.lazy import SafetensorsSource
 from lowmem.suite.bench.memory import file_resident_bytes
+from lowmem.utils.fileio import drop_page_cache, fsync_file
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20

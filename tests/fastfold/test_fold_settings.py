@@ -13,11 +13,11 @@ import typing
 import pytest
 import yaml
 
-from lowmem.core_parallel.config import settings
-from lowmem.core_parallel.errors import InputError
 from lowmem.fastfold.settings import FLAGLESS, FoldSettings
 from lowmem.suite.cli import _explicit_flags, build_parser, main
 from lowmem.suite.commands.fold import fold_settings
+from lowmem.utils.errors import InputError
+from lowmem.utils.settings import settings
 
 TABLE = settings(FoldSettings)
 FLAGGED = [n for n in TABLE if n not in FLAGLESS]

@@ -216,8 +216,8 @@ def test_model_module_does_not_import_params():
 
 
 def test_fastfold_errors_are_the_one_input_error():
-    from lowmem.core_parallel.errors import InputError
     from lowmem.fastfold.data import parsers
+    from lowmem.utils.errors import InputError
 
     assert issubclass(params.ParamsError, InputError)
     assert parsers.InputError is InputError

@@ -505,7 +505,7 @@ def test_peer_failure_is_recognised():
 def test_gemini_strategy_bad_offload_is_one_clear_input_error(kwargs, message):
     import warnings
 
-    from lowmem.core_parallel.errors import InputError
+    from lowmem.utils.errors import InputError
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -536,8 +536,8 @@ def test_gemini_strategy_tiers(tmp_path, monkeypatch):
 
 def test_strategy_from_config_takes_every_field_and_no_environment(tmp_path, monkeypatch):
     from lowmem.core_parallel import GeminiConfig, ZeroConfig
-    from lowmem.core_parallel.errors import InputError
     from lowmem.core_parallel.loss_scaler import LossScalerConfig
+    from lowmem.utils.errors import InputError
 
     strategies = recipes_strategies()
     monkeypatch.setenv("SUITE_OFFLOAD_DIR", str(tmp_path / "env"))
@@ -561,7 +561,7 @@ def test_every_strategy_name_maps_onto_the_config_its_registered_strategy_builds
     `Trainer(strategy=NAME)` builds, so building the strategy from the config changes no number."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lowmem.core_parallel.errors import InputError
+    from lowmem.utils.errors import InputError
 
     strategies = recipes_strategies()
     assert set(strategies.STRATEGY_NAMES) - {"auto", "ddp"} == set(SHARDED)

@@ -9,8 +9,8 @@ from typing import Literal
 
 import pytest
 
-from lowmem.core_parallel.config import add_flags, build, from_mapping, merge, read_yaml, section, settings
-from lowmem.core_parallel.errors import InputError
+from lowmem.utils.errors import InputError
+from lowmem.utils.settings import add_flags, build, from_mapping, merge, read_yaml, section, settings
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("kernels", "core_parallel", "diffusion", "fastfold", "recipes", "suite")
+FOLDERS = ("utils", "kernels", "core_parallel", "diffusion", "fastfold", "recipes", "suite")
 
 
 def _sources():
@@ -100,3 +100,30 @@ def test_a_fresh_interpreter_gets_both_packages_and_transformers_imports():
     assert Path(hub).parent != ROOT / "kernels"
     assert Path(ours) == ROOT / "kernels" / "__init__.py"
     assert same == "True", "diffusion attention did not run our kernels.attention"
+
+
+# Arrows only point down: a folder imports only folders of a lower rank (diffusion and fastfold share one rank
+# and do not import each other); `utils` is the plumbing below them all.
+_RANK = {"utils": 0, "kernels": 1, "core_parallel": 2, "diffusion": 3, "fastfold": 3, "recipes": 4, "suite": 5}
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(ROOT)
+        here = rel.parts[0]
+        package = list(rel.parts[:-1])  # the importing module's package, as folder names
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level > 0):
+                continue
+            base = package[: len(package) - (node.level - 1)]
+            full = base + (node.module.split(".") if node.module else [])
+            # `from .. import kernels` names the folder in the imported names
+            targets = full[:1] or [alias.name.split(".")[0] for alias in node.names]
+            for there in targets:
+                if there not in _RANK:
+                    bad.append(f"{rel}:{node.lineno}: import of {there!r} above the namespace")
+                elif there != here and _RANK[there] >= _RANK[here]:
+                    bad.append(f"{rel}:{node.lineno}: {here} imports {there}")
+    assert not bad, "\n".join(bad)

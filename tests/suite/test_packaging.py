@@ -104,9 +104,9 @@ def test_a_missing_extra_is_one_line_naming_it_with_exit_code_2(monkeypatch, cap
 
 
 def test_one_input_error_for_every_layer():
-    from lowmem.core_parallel.errors import InputError
     from lowmem.diffusion.errors import InputError as DiffusionInputError
     from lowmem.suite.errors import UsageError
+    from lowmem.utils.errors import InputError
 
     assert DiffusionInputError is InputError and UsageError is InputError
     assert issubclass(InputError, ValueError)
