@@ -12,34 +12,62 @@ version counter, so re-gathering does not trip autograd's in-place checks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from ..host_comm import HostCollectives
 from .layout import ChunkSpec
-from .state import ChunkState, ChunkStateMachine, GradState
+from .state import ChunkState, ChunkStateMachine
 from .storage import HostPages, PageRecycler, TieredBuffer
 
-__all__ = ["Chunk", "Reduction"]
+__all__ = ["Chunk", "ChunkEnv", "Reduction"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkEnv:
+    """What every chunk of one manager shares: this rank, the compute device and dtype, and how chunks
+    communicate and get CPU memory."""
+
+    rank: int
+    """This process's rank in `group`."""
+    world: int
+    """Ranks sharing each chunk (one shard each)."""
+    device: torch.device
+    """Where the gathered chunk lives (the parameters' device)."""
+    dtype: torch.dtype
+    """Compute dtype of the gathered chunk."""
+    group: dist.ProcessGroup | None
+    """The process group the chunks are sharded over (None: the default group, or one process)."""
+    map_elems: int
+    """Elements of every CPU mapping (the largest chunk's size): all alike, so pages move between any two."""
+    recycler: PageRecycler | None = None
+    """CPU devices: hands the pages of released mappings to the next filled (None elsewhere)."""
+    host_comm: HostCollectives | None = None
+    """CPU ranks sharing /dev/shm: gathers and reduce-scatters through shared memory (None: the process group)."""
 
 
 class Chunk:
-    """Runtime state of one chunk on one rank (shard = elements [lo, hi) of the chunk)."""
+    """Runtime state of one chunk on one rank (shard = elements [lo, hi) of the chunk).
+
+    `master` holds this rank's fp32 shard of the parameters; a trainable chunk also has a gradient shard
+    `grad` and the optimizer's per-element `states` (the manager places each buffer in its tier)."""
 
     def __init__(
-        self, spec: ChunkSpec, *, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-        group: dist.ProcessGroup | None,
+        self, spec: ChunkSpec, env: ChunkEnv, *, master: TieredBuffer, grad: TieredBuffer | None = None,
+        states: dict[str, TieredBuffer] | None = None,
     ) -> None:
-        self.spec, self.world, self.group = spec, world, group
+        self.spec, self.world, self.group = spec, env.world, env.group
         self.index = spec.index
-        self.shard_numel = spec.size // world
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.shard_numel = spec.size // env.world
+        self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
         trainable = frozenset(s.param for s in spec.slots) if spec.trainable else frozenset()
         self.sm = ChunkStateMachine(spec.index, trainable)
-        self.full = torch.empty(0, dtype=dtype, device=device)
-        self.master: TieredBuffer | None = None
-        self.grad: TieredBuffer | None = None
-        self.states: dict[str, TieredBuffer] = {}
+        self.full = torch.empty(0, dtype=env.dtype, device=env.device)
+        self.master = master
+        self.grad = grad
+        self.states: dict[str, TieredBuffer] = states or {}
         self.grad_full: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
         self._pending_nbytes = 0
@@ -47,9 +75,9 @@ class Chunk:
         self._src: torch.Tensor | None = None
         self._pages: HostPages | None = None
         self._grad_pages: HostPages | None = None
-        self.recycler: PageRecycler | None = None  # set by the manager on CPU devices
-        self.map_elems = spec.size  # elements of the CPU mappings: the manager sizes all alike, so pages move
-        self.host_comm: HostCollectives | None = None  # set by the manager for CPU ranks sharing /dev/shm
+        self.recycler = env.recycler
+        self.map_elems = env.map_elems
+        self.host_comm = env.host_comm
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -203,9 +231,6 @@ class Chunk:
         out = torch.empty(self.spec.size, dtype=torch.float32, device=self.full.device)
         dist.all_gather_single(out, local, group=self.group)
         return out.cpu()
-
-    def has_local_grads(self) -> bool:
-        return self.sm.grad is GradState.ACCUMULATING
 
 
 class Reduction:

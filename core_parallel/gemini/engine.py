@@ -71,13 +71,12 @@ def setup_gemini(
     specs = plan_chunks(infos, world, elems)
     manager = ChunkManager(
         specs, params, config, group=group, rank=rank, world=world, device=device, dtype=dtype,
-        state_kinds=state_kinds(optimizer), budget=_device_budget(config, device),
+        state_kinds=state_kinds(optimizer), budget=_device_budget(config, device), names=[i.name for i in infos],
     )
-    manager.names = [i.name for i in infos]
     with torch.no_grad():
         manager.load_params()
     index_of = {id(p): i for i, p in enumerate(params)}
-    manager.handles = register_hooks(model, manager, index_of)
+    manager.handles.extend(register_hooks(model, manager, index_of))
     model.memory_report = manager.memory_report
     model.gemini_manager = manager
     padding = sum(s.size for s in specs) - sum(i.numel for i in infos)

@@ -60,7 +60,7 @@ class _BackwardCall:
                 self.mgr.access(self.ids)
 
     def post(self, grad: torch.Tensor) -> None:
-        if self.gathered and not self.released and self.mgr._in_backward:
+        if self.gathered and not self.released and self.mgr.in_backward:
             self.released = True
             with _outside_modes():
                 self.mgr.done(self.ids)

@@ -44,7 +44,7 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
     entered = [0]  # calls whose gather succeeded: `post` also runs when forward (or `pre`) raised
 
     def pre(mod, args, kwargs):
-        mgr.pass_open = True
+        mgr.begin_pass()
         with _outside_modes():
             mgr.access(ids)
         entered[0] += 1

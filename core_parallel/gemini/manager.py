@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..host_comm import HostCollectives
-from .chunk import Chunk, Reduction
+from .chunk import Chunk, ChunkEnv, Reduction
 from .config import GeminiConfig
 from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from .state import ChunkState
+from .state_dict_io import StateDictIO
 from .storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
 
 __all__ = ["ChunkManager"]
@@ -29,127 +30,41 @@ HOST_COMM_SLOT_BYTES = 4 << 20
 chunk shards go through in pieces."""
 
 
-class _StateDictIO:
-    """model.state_dict() / load_state_dict() through the chunks: saving gathers fp32 master chunks (a
-    collective on all ranks), loading writes each rank's own shard (no communication)."""
-
-    def io_gather(self, pidxs: Iterable[int]) -> None:
-        self.pass_open = False
-        if self.placeholder_state_dict:
-            return
-        for ci in sorted({self.slot_of[p].chunk for p in pidxs}):
-            if ci not in self._io_cache:
-                self._io_cache[ci] = self.chunks[ci].gather_fp32(self.chunks[ci].master)
-
-    def param_value(self, pidx: int) -> torch.Tensor:
-        """Full fp32 master value of a parameter in its original dtype; during a checkpoint save, one shared
-        empty placeholder per parameter (tied names alias, values come from the shards)."""
-        if self.placeholder_state_dict:
-            if pidx in self._frozen_stash:
-                return self._frozen_stash[pidx]
-            return self._placeholders.setdefault(pidx, torch.empty(0))
-        s = self.slot_of[pidx]
-        p = self.params[pidx]
-        flat = self._io_cache[s.chunk][s.offset : s.offset + s.numel]
-        return flat.view(p.shape).to(self.param_dtypes[pidx], copy=True)
-
-    def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
-        """(pidx, full fp32 master value viewed in the parameter's shape) of parameters `pidxs`, one chunk
-        gathered at a time in chunk order (a collective: every rank iterates to the end with the same `pidxs`).
-        A value is valid until the next item; only one gathered chunk is alive at a time."""
-        self.pass_open = False
-        wanted = set(pidxs)
-        for ci in sorted({self.slot_of[p].chunk for p in wanted}):
-            full = self.chunks[ci].gather_fp32(self.chunks[ci].master)
-            for s in self.chunks[ci].spec.slots:
-                if s.param in wanted:
-                    yield s.param, full[s.offset : s.offset + s.numel].view(self.params[s.param].shape)
-            del full
-
-    def begin_checkpoint(self) -> None:
-        """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication.
-
-        Trained parameters come from the optimizer's shards (placeholders here); frozen ones are gathered
-        now and kept on rank 0, so they land in the model file exactly as ZeRO saves them.
-        """
-        self.end_checkpoint()
-        self.pass_open = False
-        for c in self.chunks:
-            if c.spec.trainable:
-                continue
-            full = c.gather_fp32(c.master)
-            if self.rank == 0:
-                for s in c.spec.slots:
-                    p = self.params[s.param]
-                    self._frozen_stash[s.param] = full[s.offset : s.offset + s.numel].view(p.shape).to(
-                        self.param_dtypes[s.param], copy=True)
-        self.placeholder_state_dict = True
-
-    def end_checkpoint(self) -> None:
-        """Back to normal state_dict behaviour (collective full values)."""
-        self.placeholder_state_dict = False
-        self._frozen_stash = {}
-
-    def io_release(self, pidxs: Iterable[int]) -> None:
-        for ci in {self.slot_of[p].chunk for p in pidxs}:
-            self._io_cache.pop(ci, None)
-            c = self.chunks[ci]
-            if ci in self._io_storage and c.sm.data is ChunkState.RELEASED:
-                c.free_storage()
-            self._io_storage.discard(ci)
-
-    def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
-        """Write loaded values into the master shards; give released chunks scratch storage for torch's copy."""
-        for pidx in pidxs:
-            value, s = values.get(pidx), self.slot_of[pidx]
-            c = self.chunks[s.chunk]
-            if c.sm.data is ChunkState.RELEASED and s.chunk not in self._io_storage:
-                c.alloc_storage()
-                self._io_storage.add(s.chunk)
-            if not isinstance(value, torch.Tensor) or value.numel() != s.numel:
-                continue  # torch's own loader reports the mismatch
-            lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
-            if lo < hi:
-                flat = value.detach().reshape(-1)[lo - s.offset : hi - s.offset]
-                c.master.view()[lo - c.lo : hi - c.lo].copy_(flat)
-                c.master.done()
-
-
-class ChunkManager(_StateDictIO):
+class ChunkManager:
     """Owns the chunks of one model on one rank. `state_kinds`: optimizer state buffers per chunk."""
 
     def __init__(
         self, specs: list[ChunkSpec], params: list[torch.nn.Parameter], config: GeminiConfig, *,
         group: dist.ProcessGroup | None, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-        state_kinds: tuple[str, ...], budget: int | None,
+        state_kinds: tuple[str, ...], budget: int | None, names: list[str] | None = None,
     ) -> None:
         self.config, self.group, self.rank, self.world = config, group, rank, world
         self.device, self.budget = device, budget
         self.params = params
-        self.chunks = [Chunk(s, rank=rank, world=world, device=device, dtype=dtype, group=group) for s in specs]
+        self.names: list[str] = list(names or [])  # parameter names (as in named_parameters), for messages
+        self.handles: list = []  # the hooks driving this manager (`hooks.register_hooks`)
         self.slot_of: dict[int, Slot] = {s.param: s for spec in specs for s in spec.slots}
-        self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
         self.trace = AccessTrace()
         self.ledger = MemoryLedger()
         self.off_tier = config.offload_tier
         self.nvme = NvmeFile(config.offload_dir, rank) if config.offload_tier == "nvme" else None
         self.host = HostHeap(enabled=device.type == "cpu")
         # CPU devices: gathered chunks and gradient buffers live in anonymous mappings whose pages move from a
-        # released buffer to the next one filled; two of the largest stay resident for that
-        # one mapping size for every chunk (its largest), so pages move between any two; the fp32 gradient buffer is
-        # the largest mapping (the compute dtype takes at most 4 bytes)
-        map_elems = max((c.spec.size for c in self.chunks), default=0)
+        # released buffer to the next one filled; two of the largest stay resident for that. One mapping size
+        # for every chunk (its largest), so pages move between any two; the fp32 gradient buffer is the largest
+        # mapping (the compute dtype takes at most 4 bytes)
+        map_elems = max((s.size for s in specs), default=0)
         self.pages = PageRecycler(2 * map_elems * 4) if device.type == "cpu" else None
-        for c in self.chunks:
-            c.recycler, c.map_elems = self.pages, map_elems
         # CPU ranks on one host all-gather and reduce-scatter through shared memory (a memcpy instead of gloo's
         # loopback TCP), synchronously; without it they go through the process group, in gloo's threads.
         self.host_comm = None
         if device.type == "cpu" and world > 1 and config.host_collectives:
-            slot = min(max((c.shard_nbytes for c in self.chunks), default=1), HOST_COMM_SLOT_BYTES)
+            slot = min(max((s.size // world * 4 for s in specs), default=1), HOST_COMM_SLOT_BYTES)
             self.host_comm = HostCollectives.create(group, slot)
-            for c in self.chunks:
-                c.host_comm = self.host_comm
+        env = ChunkEnv(rank=rank, world=world, device=device, dtype=dtype, group=group, map_elems=map_elems,
+                       recycler=self.pages, host_comm=self.host_comm)
+        self.chunks = self._build_chunks(specs, env, state_kinds)
+        self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
         # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,
         # and shared-memory gathers are synchronous: prefetching there would only hold the next chunk longer.
         overlaps = device.type != "cpu" or (world > 1 and self.host_comm is None)
@@ -166,21 +81,17 @@ class ChunkManager(_StateDictIO):
         self._last_used: dict[int, int] = {}
         self._idle_kept: int | None = None  # first step: the idle chunk kept gathered (`_defer_release`)
         self.param_dtypes = [p.dtype for p in params]
-        self.names: list[str] = []
-        self.placeholder_state_dict = False
-        self._placeholders: dict[int, torch.Tensor] = {}
-        self._frozen_stash: dict[int, torch.Tensor] = {}
-        self._io_cache: dict[int, torch.Tensor] = {}
-        self._io_storage: set[int] = set()
-        self._build_buffers(state_kinds)
+        self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
 
     # ---- setup -------------------------------------------------------------------------------------
-    def _plan(self, n_states: int) -> list[tuple[str, str]]:
-        n = len(self.chunks)
+    def _plan(self, specs: list[ChunkSpec], itemsize: int, n_states: int) -> list[tuple[str, str]]:
+        """(parameter tier, optimizer tier) per chunk."""
+        n = len(specs)
         if self.config.placement == "static":
             return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
-        total = sum(c.shard_nbytes * (2 + n_states if c.spec.trainable else 1) for c in self.chunks)
-        biggest = max((c.full_nbytes + c.spec.size * 4 for c in self.chunks), default=0)
+        shard_nbytes = [s.size // self.world * 4 for s in specs]
+        total = sum(b * (2 + n_states if s.trainable else 1) for s, b in zip(specs, shard_nbytes))
+        biggest = max((s.size * itemsize + s.size * 4 for s in specs), default=0)  # gathered chunk + its gradients
         reserve = 2 * (1 + self.config.prefetch) * biggest
         if self.budget is None or total + reserve <= self.budget:
             return [("device", "device")] * n
@@ -190,16 +101,22 @@ class ChunkManager(_StateDictIO):
         offset = self.nvme.reserve(numel) if self.nvme is not None and (movable or tier == "nvme") else None
         return TieredBuffer(numel, tier, self.device, self.nvme, offset)
 
-    def _build_buffers(self, state_kinds: tuple[str, ...]) -> None:
-        plan = self._plan(len(state_kinds))
+    def _build_chunks(self, specs: list[ChunkSpec], env: ChunkEnv, state_kinds: tuple[str, ...]) -> list[Chunk]:
+        """The chunks with their shard buffers placed (NVMe regions reserved, the file opened; no data yet)."""
+        plan = self._plan(specs, env.dtype.itemsize, len(state_kinds))
         auto = self.config.placement == "auto"
-        for c, (ptier, otier) in zip(self.chunks, plan):
-            c.master = self._buffer(c.shard_numel, ptier, movable=auto)
-            if c.spec.trainable:
-                c.grad = self._buffer(c.shard_numel, otier, movable=False)
-                c.states = {k: self._buffer(c.shard_numel, otier, movable=False) for k in state_kinds}
+        chunks = []
+        for spec, (ptier, otier) in zip(specs, plan):
+            numel = spec.size // env.world
+            master = self._buffer(numel, ptier, movable=auto)
+            grad, states = None, {}
+            if spec.trainable:
+                grad = self._buffer(numel, otier, movable=False)
+                states = {k: self._buffer(numel, otier, movable=False) for k in state_kinds}
+            chunks.append(Chunk(spec, env, master=master, grad=grad, states=states))
         if self.nvme is not None:
             self.nvme.open()
+        return chunks
 
     def load_params(self) -> None:
         """Copy the parameters' current values into the master shards and point them into the chunks; the
@@ -239,6 +156,15 @@ class ChunkManager(_StateDictIO):
         """Identities of the storages of chunks `ids` (a tensor aliasing one of them views chunk data)."""
         return {self._storage_keys[i] for i in ids}
 
+    def begin_pass(self) -> None:
+        """A module's forward starts: a pass is under way until its backward (or the forward) ends."""
+        self.pass_open = True
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass is under way (between its first hook and `end_backward`)."""
+        return self._in_backward
+
     def reads_allowed(self) -> bool:
         """Whether a parameter read outside its modules may gather its chunk: inside a pass, where every rank
         runs the same reads (between steps a read may be one rank's alone, and a gather would hang)."""
@@ -253,8 +179,8 @@ class ChunkManager(_StateDictIO):
     # ---- gather / release --------------------------------------------------------------------------
     def access(self, ids: Iterable[int]) -> None:
         """Modules start computing with chunks `ids`: gather them (and prefetch the next ones)."""
-        if self.placeholder_state_dict:
-            self.end_checkpoint()
+        if self.state_io.placeholders:
+            self.state_io.end_checkpoint()
         for i in ids:
             c = self.chunks[i]
             self.trace.record(i)
@@ -358,7 +284,7 @@ class ChunkManager(_StateDictIO):
         self.passes += 1
         self._reduce_ptr = len(self.trainable_chunks) - 1
         for c in self.chunks:
-            c.sm.ready.clear()
+            c.sm.begin_backward()
         if queue:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -383,7 +309,7 @@ class ChunkManager(_StateDictIO):
     def _reduce_ready(self) -> None:
         while self._reduce_ptr >= 0:
             c = self.trainable_chunks[self._reduce_ptr]
-            if not c.sm.ready >= c.sm.trainable:
+            if not c.sm.grads_complete():
                 return
             self._reduce(c)
             self._reduce_ptr -= 1
@@ -431,7 +357,7 @@ class ChunkManager(_StateDictIO):
                 self._reduce_ptr -= 1
             self.finish_reductions()
         for c in self.chunks:
-            c.sm.users = 0
+            c.sm.end_backward()
         self.release_idle()
         self._in_backward = False
         self.pass_open = False
@@ -482,6 +408,38 @@ class ChunkManager(_StateDictIO):
         report["chunks"] = len(self.chunks)
         report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report
+
+    # ---- state_dict through the chunks (`StateDictIO`; a save or load ends the pass) ------------------
+    def io_gather(self, pidxs: Iterable[int]) -> None:
+        """Gather the fp32 master chunks of parameters `pidxs` for `param_value` (collective)."""
+        self.pass_open = False
+        self.state_io.gather(pidxs)
+
+    def param_value(self, pidx: int) -> torch.Tensor:
+        """A parameter's full value for `state_dict()` (see `StateDictIO.param_value`)."""
+        return self.state_io.param_value(pidx)
+
+    def io_release(self, pidxs: Iterable[int]) -> None:
+        self.state_io.release(pidxs)
+
+    def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
+        """Write `load_state_dict()` values into the master shards (no communication)."""
+        self.state_io.load(pidxs, values)
+
+    def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
+        """Full fp32 values of parameters `pidxs`, one gathered chunk at a time (collective, see
+        `StateDictIO.stream_values`)."""
+        self.pass_open = False
+        yield from self.state_io.stream_values(pidxs)
+
+    def begin_checkpoint(self) -> None:
+        """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication."""
+        self.pass_open = False
+        self.state_io.begin_checkpoint()
+
+    def end_checkpoint(self) -> None:
+        """Back to normal state_dict behaviour (collective full values)."""
+        self.state_io.end_checkpoint()
 
     def close(self) -> None:
         if self.nvme is not None:

@@ -62,7 +62,7 @@ class ChunkStateMachine:
         """Backward is done with the data while modules still count as users: every trainable parameter of the
         chunk got its gradient in this pass, so no backward node needs their values any more (a later use
         gathers again)."""
-        if self.data is ChunkState.RELEASED or not self.trainable or not self.ready >= self.trainable:
+        if self.data is ChunkState.RELEASED or not self.trainable or not self.grads_complete():
             raise GeminiStateError(f"chunk {self.index}: dropped while {self.data.value} or gradients missing")
         self.data = ChunkState.RELEASED
 
@@ -86,14 +86,22 @@ class ChunkStateMachine:
         if self.grad is GradState.EMPTY:
             self.grad = GradState.ACCUMULATING
         self.ready.add(param)
-        return self.ready >= self.trainable
+        return self.grads_complete()
 
     def grad_reduced(self) -> None:
         """The accumulated gradients were reduce-scattered into the shard."""
         self.grad = GradState.EMPTY
         self.ready.clear()
 
-    def new_pass(self) -> None:
-        """A new backward pass starts (under no_sync the accumulated gradients stay)."""
+    def grads_complete(self) -> bool:
+        """Whether every trainable parameter of the chunk got its gradient in this pass."""
+        return self.ready >= self.trainable
+
+    def begin_backward(self) -> None:
+        """A new backward pass starts: no gradient of it arrived yet (under no_sync the accumulated ones stay)."""
         self.ready.clear()
+
+    def end_backward(self) -> None:
+        """The backward pass is over: no module computes with the chunk any more (a module whose backward gathered
+        the chunk but whose inputs need no gradient never reports that it is done, and still counts as a user)."""
         self.users = 0
