@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from .libc import libc_function
+
 __all__ = ["atomic_write", "atomic_dir", "drop_page_cache", "fsync_dir", "fsync_file", "replace_dir", "stale_copies",
            "umask"]
 
@@ -129,17 +131,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     replace_dir(tmp, path, clean=True)
 
 
-def _renameat2():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_RENAMEAT2 = _renameat2()
+_RENAMEAT2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],
+                           ctypes.c_int)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..host_comm import HostCollectives
+from .host_memory import HostPages, PageRecycler
 from .layout import ChunkSpec
 from .state import ChunkState, ChunkStateMachine
-from .storage import HostPages, PageRecycler, TieredBuffer
+from .storage import TieredBuffer
 
 __all__ = ["Chunk", "ChunkEnv", "Reduction"]
 

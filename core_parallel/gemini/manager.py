@@ -16,12 +16,13 @@ import torch.distributed as dist
 from ..host_comm import HostCollectives
 from .chunk import Chunk, ChunkEnv, Reduction
 from .config import GeminiConfig
+from .host_memory import HostHeap, PageRecycler
 from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from .state import ChunkState
 from .state_dict_io import StateDictIO
-from .storage import HostHeap, NvmeFile, PageRecycler, TieredBuffer
+from .storage import NvmeFile, TieredBuffer
 
 __all__ = ["ChunkManager"]
 

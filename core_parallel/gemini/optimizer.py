@@ -18,8 +18,9 @@ from ..loss_scaler import DynamicLossScaler
 from .adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
 from .chunk import Chunk
 from .config import GeminiConfig
+from .host_memory import HostPages
 from .manager import ChunkManager
-from .storage import HostPages, TieredBuffer
+from .storage import TieredBuffer
 
 __all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
 
