@@ -20,13 +20,15 @@ averages over all keys. Such rows only exist at padding positions, which never r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from ... import kernels
 from .config import EvoformerStackConfig, TemplateConfig
 from .options import SINGLE_PROCESS, InferenceOptions, Layout
-from .primitives import Attention, LayerNorm, Linear, chunked, mask_keep, row_blocks
+from .primitives import Attention, LayerNorm, Linear, attention_chunk, chunked, mask_keep, row_blocks, row_chunk
 
 __all__ = [
     "EvoformerBlock",
@@ -38,16 +40,11 @@ __all__ = [
     "MSARowAttentionWithPairBias",
     "OuterProductMean",
     "PairStack",
-    "TemplatePairBlock",
     "TemplatePairStack",
     "Transition",
     "TriangleAttention",
     "TriangleMultiplication",
 ]
-
-
-def _row_chunk(options: InferenceOptions, x: torch.Tensor, per_row_elems: int) -> int | None:
-    return options.rows_per_chunk(x.shape[-3], per_row_elems * x.element_size())
 
 
 def _pair_bias(
@@ -64,16 +61,10 @@ def _pair_bias(
         bias = z.new_empty(n, *z.shape[:-3], heads, z.shape[-2]).movedim(0, -2)
     else:
         bias = z.new_empty(*z.shape[:-3], heads, n, z.shape[-2])
-    chunk = _row_chunk(options, z, z.shape[-2] * (2 * z.shape[-1] + 2 * heads))
+    chunk = row_chunk(options, z, z.shape[-2] * (2 * z.shape[-1] + 2 * heads))
     for r0, r1 in row_blocks(n, chunk):
         bias[..., r0:r1, :] = linear(layer_norm(z[..., r0:r1, :, :])).movedim(-1, -3)
     return layout.gather(bias, -2, full).unsqueeze(-4)
-
-
-def _attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int):
-    """Rows per chunk of a row-wise attention: per row, the q/k/v/gate/output projections (5 x L x C),
-    LayerNorm output and input slices, plus one block of scores (heads x L x L, blocked again inside)."""
-    return options.rows_per_chunk(rows, (8 * length * c + heads * length * min(length, 256)) * itemsize)
 
 
 class MSARowAttentionWithPairBias(nn.Module):
@@ -106,7 +97,7 @@ class MSARowAttentionWithPairBias(nn.Module):
     def _run(self, m, z, msa_mask, options, into, layout):
         bias = _pair_bias(self.layer_norm_z, self.linear_z, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(msa_mask)[..., :, None, None, :]  # [*, S, 1, 1, N]
-        chunk = _attention_chunk(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
+        chunk = attention_chunk(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
 
         def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             m_c = self.layer_norm_m(m_c)
@@ -145,7 +136,7 @@ class MSAColumnAttention(_MSAColumnOp):
     def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)  # [*, N, S, C]
         mask = mask_keep(msa_mask).transpose(-1, -2)[..., :, None, None, :]  # [*, N, 1, 1, S]
-        chunk = _attention_chunk(
+        chunk = attention_chunk(
             options, m_t.shape[-3], self.mha.heads, m_t.shape[-2], m_t.shape[-1], m.element_size()
         )
 
@@ -193,7 +184,7 @@ class MSAColumnGlobalAttention(_MSAColumnOp):
         m_t = m.transpose(-2, -3)
         mask_t = msa_mask.transpose(-1, -2).to(m.dtype)
         gh = self.global_attention.heads * self.global_attention.head_dim
-        chunk = _row_chunk(options, m_t, m_t.shape[-2] * (3 * m_t.shape[-1] + 3 * gh))
+        chunk = row_chunk(options, m_t, m_t.shape[-2] * (3 * m_t.shape[-1] + 3 * gh))
 
         def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             return self.global_attention(self.layer_norm_m(m_c), mask_c)
@@ -221,7 +212,7 @@ class Transition(nn.Module):
         return self._run(x, options, x)
 
     def _run(self, x, options, into):
-        chunk = _row_chunk(options, x, x.shape[-2] * (self.linear_1.out_features + 3 * x.shape[-1]))
+        chunk = row_chunk(options, x, x.shape[-2] * (self.linear_1.out_features + 3 * x.shape[-1]))
 
         def run(x_c: torch.Tensor) -> torch.Tensor:
             return self.linear_2(torch.relu_(self.linear_1(self.layer_norm(x_c))))
@@ -266,7 +257,7 @@ class OuterProductMean(nn.Module):
         c = self.linear_1.out_features
         a = m.new_empty(*m.shape[:-1], c)
         b = m.new_empty(*m.shape[:-1], c)
-        chunk = _row_chunk(options, m, m.shape[-2] * (2 * m.shape[-1] + 2 * c))
+        chunk = row_chunk(options, m, m.shape[-2] * (2 * m.shape[-1] + 2 * c))
         for s0, s1 in row_blocks(m.shape[-3], chunk):
             ln = self.layer_norm(m[..., s0:s1, :, :])
             a[..., s0:s1, :, :] = self.linear_1(ln) * mask[..., s0:s1, :, :]
@@ -431,7 +422,7 @@ class TriangleAttention(nn.Module):
             into = None if into is None else into.transpose(-2, -3)
         bias = _pair_bias(self.layer_norm, self.linear, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(pair_mask)[..., :, None, None, :]  # [*, N, 1, 1, N]
-        chunk = _attention_chunk(options, z.shape[-3], self.mha.heads, z.shape[-2], z.shape[-1], z.element_size())
+        chunk = attention_chunk(options, z.shape[-3], self.mha.heads, z.shape[-2], z.shape[-1], z.element_size())
 
         def run(z_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
             x_c = self.layer_norm(z_c)
@@ -442,29 +433,44 @@ class TriangleAttention(nn.Module):
 
 
 class PairStack(nn.Module):
-    """The pair half of an Evoformer block (AlphaFold2 suppl. Alg. 6 lines 11-15)."""
+    """The pair half of an Evoformer block (AlphaFold2 suppl. Alg. 6 lines 11-15): the triangle multiplications
+    (outgoing, incoming), the triangle attentions (starting, ending node), the transition. `attention_first`:
+    the template pair block (Alg. 16), the attentions before the multiplications; AlphaFold-Multimer's template
+    blocks keep the Evoformer order (`TemplatePairStackMultimer`)."""
 
-    def __init__(self, c_z: int, tri_mul_channels: int, heads: int, head_dim: int, transition_factor: int):
+    def __init__(
+        self, c_z: int, tri_mul_channels: int, heads: int, head_dim: int, transition_factor: int,
+        attention_first: bool = False,
+    ):
         super().__init__()
-        self.tri_mul_out = TriangleMultiplication(c_z, tri_mul_channels, "outgoing")
-        self.tri_mul_in = TriangleMultiplication(c_z, tri_mul_channels, "incoming")
-        self.tri_att_start = TriangleAttention(c_z, heads, head_dim, "starting")
-        self.tri_att_end = TriangleAttention(c_z, heads, head_dim, "ending")
+
+        def multiplications() -> None:
+            self.tri_mul_out = TriangleMultiplication(c_z, tri_mul_channels, "outgoing")
+            self.tri_mul_in = TriangleMultiplication(c_z, tri_mul_channels, "incoming")
+
+        def attentions() -> None:
+            self.tri_att_start = TriangleAttention(c_z, heads, head_dim, "starting")
+            self.tri_att_end = TriangleAttention(c_z, heads, head_dim, "ending")
+
+        self.attention_first = attention_first
+        for register in (attentions, multiplications) if attention_first else (multiplications, attentions):
+            register()  # in running order, the order of the parameters too
         self.pair_transition = Transition(c_z, transition_factor)
 
     def forward(
         self, z: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
     ) -> torch.Tensor:
-        """z: [*, N, N, C_z] (the local rows under `layout`); pair_mask: [*, N, N] whole. Returns the new z."""
+        """z: [*, N, N, C_z] (the local rows under `layout`); pair_mask: [*, N, N] (whole). A template block
+        takes t [*, N_templ, N, N, C_t] and pair_mask [*, 1, N, N]. Returns the new z."""
         n = z.shape[-2]
         rows, cols = layout.split(pair_mask, -2), layout.split(pair_mask, -1)
-        z = self.tri_mul_out.residual_(z, rows, options, layout)
-        z = layout.move(z, -3, -2, n)
-        z = self.tri_mul_in.residual_(z, cols, options, layout)
-        z = layout.move(z, -2, -3, n)
-        z = self.tri_att_start.residual_(z, rows, options, layout)
-        z = layout.move(z, -3, -2, n)
-        z = self.tri_att_end.residual_(z, cols, options, layout)
+        updates = [(self.tri_mul_out, self.tri_mul_in), (self.tri_att_start, self.tri_att_end)]
+        for k, (by_rows, by_cols) in enumerate(updates[::-1] if self.attention_first else updates):
+            if k:
+                z = layout.move(z, -2, -3, n)
+            z = by_rows.residual_(z, rows, options, layout)
+            z = layout.move(z, -3, -2, n)  # the second update of each pair needs whole columns
+            z = by_cols.residual_(z, cols, options, layout)
         z = self.pair_transition.residual_(z, options)
         return layout.move(z, -2, -3, n)
 
@@ -521,97 +527,68 @@ ExtraMSABlock = EvoformerBlock
 """The extra-MSA block is the Evoformer block with global column attention (AlphaFold2 suppl. Alg. 18)."""
 
 
-class EvoformerStack(nn.Module):
-    """AlphaFold2 suppl. Alg. 6 stack plus the single-representation projection (Alg. 2 line 17)."""
+class _Stack(nn.Module):
+    """Blocks run in turn on activations split across processes by `layout`."""
+
+    def __init__(self, blocks: Iterable[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.layout: Layout = SINGLE_PROCESS
+        """How the activations are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
+
+    def _msa_blocks(self, m, z, msa_mask, pair_mask, options):
+        """Every (Evoformer-like) block on m [*, S, N, C] and z [*, N, N, C_z]; both returned as the local rows."""
+        m, z = self.layout.split(m, -3), self.layout.split(z, -3)
+        for block in self.blocks:
+            m, z = block(m, z, msa_mask, pair_mask, options, self.layout)
+        return m, z
+
+
+class EvoformerStack(_Stack):
+    """AlphaFold2 suppl. Alg. 6 stack plus the single-representation projection (Alg. 2 line 17); `opm_first`
+    for AlphaFold-Multimer (see `EvoformerBlock`)."""
 
     def __init__(self, cfg: EvoformerStackConfig, opm_first: bool = False):
-        super().__init__()
-        self.blocks = nn.ModuleList(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
+        super().__init__(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
         self.linear = Linear(cfg.c_m, cfg.c_s)
-        self.layout: Layout = SINGLE_PROCESS
-        """How m and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
     def forward(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
+        self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, pair_mask: torch.Tensor,
         options: InferenceOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """m: [*, S, N, C_m]; z: [*, N, N, C_z]. Returns (m, z, s) with s: [*, N, C_s] from the first MSA row."""
-        layout, s, n = self.layout, m.shape[-3], z.shape[-2]
-        m, z = layout.split(m, -3), layout.split(z, -3)
-        for block in self.blocks:
-            m, z = block(m, z, msa_mask, pair_mask, options, layout)
-        m = layout.gather(m, -3, s)
-        return m, layout.gather(z, -3, n), self.linear(m[..., 0, :, :])
+        s, n = m.shape[-3], z.shape[-2]
+        m, z = self._msa_blocks(m, z, msa_mask, pair_mask, options)
+        m = self.layout.gather(m, -3, s)
+        return m, self.layout.gather(z, -3, n), self.linear(m[..., 0, :, :])
 
 
-class ExtraMSAStack(nn.Module):
+class ExtraMSAStack(_Stack):
     """AlphaFold2 suppl. Alg. 18: the extra-MSA stack; only its pair output is used."""
 
     def __init__(self, cfg: EvoformerStackConfig, opm_first: bool = False):
-        super().__init__()
-        self.blocks = nn.ModuleList(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
-        self.layout: Layout = SINGLE_PROCESS
-        """How a and z are spread over processes (`fastfold.parallelize_dap` installs a split one)."""
+        super().__init__(EvoformerBlock(cfg, opm_first) for _ in range(cfg.num_blocks))
 
     def forward(
-        self,
-        a: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
+        self, a: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, pair_mask: torch.Tensor,
         options: InferenceOptions,
     ) -> torch.Tensor:
         """a: [*, S_extra, N, C_e]; z: [*, N, N, C_z]. Returns the new z."""
-        layout, n = self.layout, z.shape[-2]
-        a, z = layout.split(a, -3), layout.split(z, -3)
-        for block in self.blocks:
-            a, z = block(a, z, msa_mask, pair_mask, options, layout)
-        return layout.gather(z, -3, n)
+        n = z.shape[-2]
+        _, z = self._msa_blocks(a, z, msa_mask, pair_mask, options)
+        return self.layout.gather(z, -3, n)
 
 
-class TemplatePairBlock(nn.Module):
-    """AlphaFold2 suppl. Alg. 16, one block: triangle attentions first, then triangle multiplications."""
+class TemplatePairStack(_Stack):
+    """AlphaFold2 suppl. Alg. 16: template pair blocks (`PairStack`, attentions first) and a final LayerNorm."""
 
-    def __init__(self, cfg: TemplateConfig):
-        super().__init__()
-        c = cfg.c_t
-        self.tri_att_start = TriangleAttention(c, cfg.pair_heads, cfg.pair_head_dim, "starting")
-        self.tri_att_end = TriangleAttention(c, cfg.pair_heads, cfg.pair_head_dim, "ending")
-        self.tri_mul_out = TriangleMultiplication(c, cfg.tri_mul_channels, "outgoing")
-        self.tri_mul_in = TriangleMultiplication(c, cfg.tri_mul_channels, "incoming")
-        self.pair_transition = Transition(c, cfg.pair_transition_factor)
-
-    def forward(
-        self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions, layout: Layout = SINGLE_PROCESS
-    ) -> torch.Tensor:
-        """t: [*, N_templ, N, N, C_t] (the local rows under `layout`); pair_mask: [*, 1, N, N] (whole).
-        Returns the new t."""
-        n = t.shape[-2]
-        rows, cols = layout.split(pair_mask, -2), layout.split(pair_mask, -1)
-        t = self.tri_att_start.residual_(t, rows, options, layout)
-        t = layout.move(t, -3, -2, n)
-        t = self.tri_att_end.residual_(t, cols, options, layout)
-        t = layout.move(t, -2, -3, n)
-        t = self.tri_mul_out.residual_(t, rows, options, layout)
-        t = layout.move(t, -3, -2, n)
-        t = self.tri_mul_in.residual_(t, cols, options, layout)
-        t = self.pair_transition.residual_(t, options)
-        return layout.move(t, -2, -3, n)
-
-
-class TemplatePairStack(nn.Module):
-    """AlphaFold2 suppl. Alg. 16: template pair blocks and a final LayerNorm."""
-
-    def __init__(self, cfg: TemplateConfig):
-        super().__init__()
-        self.blocks = nn.ModuleList(TemplatePairBlock(cfg) for _ in range(cfg.num_blocks))
+    def __init__(self, cfg: TemplateConfig, attention_first: bool = True):
+        super().__init__(
+            PairStack(cfg.c_t, cfg.tri_mul_channels, cfg.pair_heads, cfg.pair_head_dim, cfg.pair_transition_factor,
+                      attention_first)
+            for _ in range(cfg.num_blocks)
+        )
         self.layer_norm = LayerNorm(cfg.c_t)
-        self.layout: Layout = SINGLE_PROCESS
-        """How t is spread over processes (`fastfold.parallelize_dap` installs a split one)."""
 
     def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
         """t: [*, N_templ, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns [*, N_templ, N, N, C_t]."""

@@ -41,9 +41,9 @@ from .config import (
     TemplateConfig,
 )
 from .embedders import ExtraMSAEmbedder, RecyclingEmbedder
-from .evoformer import EvoformerStack, ExtraMSAStack, PairStack
+from .evoformer import EvoformerStack, ExtraMSAStack, TemplatePairStack
 from .heads import AuxiliaryHeads
-from .options import DEFAULT_OPTIONS, SINGLE_PROCESS, InferenceOptions, Layout
+from .options import DEFAULT_OPTIONS, InferenceOptions
 from .primitives import LayerNorm, Linear, row_blocks
 from .structure_module import AngleResnet
 
@@ -328,27 +328,12 @@ class TemplatePairEmbedderMultimer(nn.Module):
         return act + self.query_embedding_linear(self.query_embedding_layer_norm(z_rows))
 
 
-class TemplatePairStackMultimer(nn.Module):
-    """The multimer template pair stack: blocks in the Evoformer pair order (triangle multiplications first),
-    then a LayerNorm."""
+class TemplatePairStackMultimer(TemplatePairStack):
+    """AlphaFold-Multimer's template pair stack: its blocks run in the Evoformer pair order (triangle
+    multiplications first, where AlphaFold2's template blocks start with the attentions), then a LayerNorm."""
 
     def __init__(self, cfg: TemplateConfig):
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            PairStack(cfg.c_t, cfg.tri_mul_channels, cfg.pair_heads, cfg.pair_head_dim, cfg.pair_transition_factor)
-            for _ in range(cfg.num_blocks)
-        )
-        self.layer_norm = LayerNorm(cfg.c_t)
-        self.layout: Layout = SINGLE_PROCESS
-        """How t is spread over processes (only the identity so far)."""
-
-    def forward(self, t: torch.Tensor, pair_mask: torch.Tensor, options: InferenceOptions) -> torch.Tensor:
-        """t: [*, T, N, N, C_t]; pair_mask: [*, 1, N, N]. Returns [*, T, N, N, C_t]."""
-        layout, n = self.layout, t.shape[-2]
-        t = layout.split(t, -3)
-        for block in self.blocks:
-            t = block(t, pair_mask, options, layout)
-        return layout.gather(self.layer_norm(t), -3, n)
+        super().__init__(cfg, attention_first=False)
 
 
 class TemplateSingleEmbedderMultimer(nn.Module):

@@ -1,4 +1,5 @@
-"""Building blocks shared by the modules: Linear, LayerNorm, gated multi-head attention, chunked application.
+"""Building blocks shared by the modules: Linear, LayerNorm, gated multi-head attention, chunked application and
+its cost model (how many rows one chunk takes).
 
 Attention and LayerNorm go through the `kernels` package (AlphaFold2 suppl. 1.11.1 for the attention form).
 """
@@ -13,7 +14,7 @@ from torch import nn
 from ... import kernels
 from .options import InferenceOptions
 
-__all__ = ["Attention", "LayerNorm", "Linear", "chunked", "mask_keep", "row_blocks"]
+__all__ = ["Attention", "LayerNorm", "Linear", "attention_chunk", "chunked", "mask_keep", "row_blocks", "row_chunk"]
 
 LayerNorm = kernels.LayerNorm
 """torch.nn.LayerNorm-compatible (weight/bias, eps 1e-5) through `kernels.layer_norm`."""
@@ -74,6 +75,20 @@ def chunked(
     return out
 
 
+# The chunk-cost model: rows per chunk from the bytes one row's intermediates take, under `options`.
+
+
+def row_chunk(options: InferenceOptions, x: torch.Tensor, per_row_elems: int) -> int | None:
+    """Rows per chunk along dim -3 of `x` when one row's intermediates take `per_row_elems` of x's dtype."""
+    return options.rows_per_chunk(x.shape[-3], per_row_elems * x.element_size())
+
+
+def attention_chunk(options: InferenceOptions, rows: int, heads: int, length: int, c: int, itemsize: int) -> int | None:
+    """Rows per chunk of a row-wise attention: per row, the q/k/v/gate/output projections (5 x L x C),
+    LayerNorm output and input slices, plus one block of scores (heads x L x L, blocked again inside)."""
+    return options.rows_per_chunk(rows, (8 * length * c + heads * length * min(length, 256)) * itemsize)
+
+
 class Attention(nn.Module):
     """Multi-head attention with optional sigmoid gating (AlphaFold2 suppl. Alg. 7 lines 2-7, 1.11.1).
 
@@ -108,10 +123,3 @@ class Attention(nn.Module):
         if self.linear_g is not None:
             o = o * torch.sigmoid(self.linear_g(q_x)).unflatten(-1, (self.heads, self.head_dim))
         return self.linear_o(o.flatten(-2))
-
-
-def attention_rows(
-    options: InferenceOptions, rows: int, heads: int, q_len: int, k_len: int, itemsize: int
-) -> int | None:
-    """Chunk length over `rows` independent attention problems of `heads x q_len x k_len` logits each."""
-    return options.rows_per_chunk(rows, heads * q_len * k_len * itemsize * 3)
