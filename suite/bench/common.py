@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -9,7 +10,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -17,6 +18,7 @@ __all__ = [
     "ddp_options",
     "fast_optimizer",
     "fix_malloc",
+    "fixed_mmap_threshold",
     "hwm_bytes",
     "machine_info",
     "malloc_trim",
@@ -102,6 +104,30 @@ def fix_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
     libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
     if trim_threshold is not None:
         libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD
+
+
+MMAP_THRESHOLD = 65536
+"""glibc's mmap threshold (bytes) in the processes of a memory pass."""
+
+
+@contextlib.contextmanager
+def fixed_mmap_threshold() -> Iterator[None]:
+    """Processes started inside this block run with glibc's mmap threshold fixed at `MMAP_THRESHOLD`: large
+    blocks come straight from mmap and go back to the system when freed, so the peak resident set follows the
+    peak of live tensors instead of the heap's high-water mark. glibc reads `MALLOC_MMAP_THRESHOLD_` once when a
+    process starts, so the setting travels in this process's environment (spawned ranks and subprocesses inherit
+    it); this process's own allocator is unchanged (`fix_malloc` changes it), and the environment is restored
+    on exit. Timing passes run outside it: the default allocator's block reuse is what users get."""
+    name = "MALLOC_MMAP_THRESHOLD_"
+    saved = os.environ.get(name)
+    os.environ[name] = str(MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def malloc_trim() -> None:

@@ -189,22 +189,11 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 
 
 def _measure(world: int, opts: dict, timeout: float) -> dict:
-    import os
-
     from ...core_parallel import run_on_ranks
+    from .common import fixed_mmap_threshold
 
-    # Large blocks straight from mmap go back to the system when freed, so the peak resident set follows
-    # the peak of live tensors instead of the heap's high-water mark. glibc reads this when a process starts:
-    # the spawned ranks inherit it from this environment.
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
+    with fixed_mmap_threshold():
         per_rank = run_on_ranks(_bench_rank, world, opts, timeout=timeout, backend="none")
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     row = {
         "ranks": world,
         "n_res": opts["n_res"],

@@ -315,22 +315,14 @@ def _dap_rank(rank: int, world: int, opts: dict) -> dict:
 
 
 def _run_dap(args: argparse.Namespace, world: int) -> dict:
-    import os
-
     from ...core_parallel import run_on_ranks
+    from .common import fixed_mmap_threshold
 
     opts = {k: getattr(args, k) for k in ("blocks", "extra_blocks", "n_seq", "n_extra", "n_templ", "template_blocks",
                                           "chains", "dtype", "repeat", "warmup")}
     opts["affinity"] = "pin"
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed large tensors leave the resident set (as bench dap)
-    try:
+    with fixed_mmap_threshold():  # freed large tensors leave the resident set (as bench dap)
         per_rank = run_on_ranks(_dap_rank, world, opts, timeout=3600.0, backend="none")
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return {
         "seconds": max(r["seconds"] for r in per_rank),
         "peak_mib": max(r["peak_mib"] for r in per_rank),

@@ -18,6 +18,7 @@ of a small op times the launch and sync latency). Both runs make one warm-up cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from .common import hwm_bytes, reset_peak_rss, rss_bytes
+from .common import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -221,15 +222,12 @@ def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> di
     for measure in ("memory", "time"):
         spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,
                 "measure": measure}
-        # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        if measure == "memory":
-            # a fixed mmap threshold: freed blocks above 64 KiB go back to the OS instead of being reused from a
-            # heap the warm-up made resident, which would hide them from the peak resident set. Timing runs keep
-            # the default allocator, whose block reuse is what users get.
-            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True,
-                              text=True, env=env, timeout=args.timeout)
+        # memory: freed blocks go back to the OS instead of being reused from a heap the warm-up made resident,
+        # which would hide them from the peak resident set; time: the default allocator users get
+        with fixed_mmap_threshold() if measure == "memory" else contextlib.nullcontext():
+            # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
+            proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True,
+                                  text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, timeout=args.timeout)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
             return {"error": tail[0]}
