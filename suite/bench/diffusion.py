@@ -40,15 +40,12 @@ same code path (imports, thread pools, kernel caches).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 __all__ = ["add_arguments", "run"]
 
-_MMAP_THRESHOLD = "65536"
-
 _MODULE = __spec__.name if __spec__ is not None else __name__
-"""This module's import name (also under `python -m`): the namespace is named in one place only."""
+"""This module's import name (also under `python -m`), which runs the whole-command tools of `diffusion_whole`:
+the namespace is named in one place only."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -327,20 +324,6 @@ def _cleanup(parts) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _fixed_mmap_threshold():
-    """Spawned processes start with glibc's mmap threshold fixed (read from the environment at start-up)."""
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-
-
 def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
     from ...core_parallel import run_on_ranks
 
@@ -376,6 +359,8 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
+    from .common import fixed_mmap_threshold
+
     whole: dict = {}
     if opts["device"] == "cuda":
         per = {v: _ranks(v, opts, "both") for v in ("plain", "ours")}
@@ -385,7 +370,7 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
         import diffusers  # noqa: F401  (their files in the page cache before either side: neither pays for it)
         import transformers  # noqa: F401
 
-        with _fixed_mmap_threshold():
+        with fixed_mmap_threshold():
             for v in ("plain", "ours"):
                 per[v], whole[v] = _whole_side(v, opts, "memory")
         turns = mp.get_context("spawn").Barrier(2 * opts["world"], timeout=opts["timeout"])
@@ -435,81 +420,6 @@ def _defaults(args: argparse.Namespace) -> dict:
     return opts
 
 
-def _drop_cached(folder: str) -> None:
-    """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
-    from ...utils.fileio import drop_page_cache
-
-    for top, _, names in os.walk(folder):
-        for name in names:
-            drop_page_cache(os.path.join(top, name), write_back=True)
-
-
-def whole_commands(opts: dict, work: str) -> list[dict]:
-    """The plain loop and `suite diffusion finetune` (Gemini on NVMe), each as a whole process tree in its own
-    memory cgroup (`suite.bench.memory.run_command`), on a pipeline folder of `opts`' shapes written in `work`.
-    Every input file is dropped from the page cache before each side, so each reads (and is charged for) its own."""
-    import subprocess
-    import sys
-
-    from ...diffusion.sample_data import write_sample_data
-    from .memory import run_command
-
-    base, data = os.path.join(work, "base"), os.path.join(work, "data")
-    write_pipeline(base, opts)
-    write_sample_data(data)
-    py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
-    sides = {
-        "plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
-                  "--steps", steps, "--batch", batch, "--resolution", res],
-        "ours": [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune",
-                 "--pretrained_model_name_or_path", base,
-                 "--train_data_dir", data, "--resolution", res, "--train_batch_size", batch, "--max_train_steps",
-                 steps, "--strategy", "gemini_nvme", "--offload_dir", os.path.join(work, "nvme"),
-                 "--mixed_precision", "bf16", "--gradient_checkpointing", "--output_dir", os.path.join(work, "out")],
-    }
-    rows = []
-    for side, argv in sides.items():
-        _drop_cached(work)
-        # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
-        log = os.path.join(work, f"{side}.log")
-        with open(log, "w") as f:
-            out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
-                              stdout=f, stderr=subprocess.STDOUT)
-        if out["returncode"] != 0:
-            with open(log) as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
-        rows.append({"variant": side, "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"],
-                     "method": out["method"], "command": " ".join(argv)})
-    rows[1]["peak_ratio"] = rows[1]["peak_mib"] / rows[0]["peak_mib"]
-    rows[1]["wall_ratio"] = rows[1]["wall_s"] / rows[0]["wall_s"]
-    return rows
-
-
-def _run_whole(opts: dict, args: argparse.Namespace) -> int:
-    import shutil
-    import tempfile
-
-    import torch
-
-    from .common import print_table, write_json
-
-    work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
-    try:
-        rows = whole_commands(opts, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
-             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, torch {torch.__version__}")
-    print_table(rows, ["variant", "peak_mib", "peak_ratio", "wall_s", "wall_ratio", "method"], title=title)
-    for r in rows:
-        print(f"{r['variant']}: {r['command']}")
-    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); "
-          "target peak_ratio <= 0.33")
-    write_json(args.json, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows})
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
@@ -518,7 +428,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = _defaults(args)
     if opts.get("whole_command"):
-        return _run_whole(opts, args)
+        from .diffusion_whole import run_whole
+
+        return run_whole(opts, args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
     ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
         "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
@@ -557,95 +469,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- the whole-command comparison (`suite bench command`) -------------------------------------------------------
-# `python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels 160,320,640,640 ...]` writes a pipeline
-# folder of random weights of the benchmark's shapes; `python -m lowmem.suite.bench.diffusion plain_loop BASE OUT`
-# is the plain diffusers loop a user runs, as a whole process (what `suite diffusion finetune` is compared with):
-#
-#   suite bench command --baseline "python -m lowmem.suite.bench.diffusion plain_loop BASE OUT1" -- \
-#       suite diffusion finetune --pretrained_model_name_or_path BASE --strategy gemini_nvme ...
+if __name__ == "__main__":  # the whole-command tools (`diffusion_whole`), under this module's documented name
+    from .diffusion_whole import main
 
-
-def write_pipeline(folder: str, opts: dict) -> None:
-    """A diffusers pipeline folder (UNet of `opts`' shapes, the `--encoders` VAE and text encoder with the tiny
-    byte-level tokenizer, SD's PNDM scheduler), random weights from seed 0, safetensors."""
-    import torch
-    from diffusers import PNDMScheduler, StableDiffusionPipeline
-
-    from ...diffusion.tiny import build_tokenizer
-
-    torch.manual_seed(0)
-    unet = _unet(opts)
-    vae, text = _encoders({**opts, "encoders": "small" if opts["encoders"] == "none" else opts["encoders"]})
-    scheduler = PNDMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                              beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=build_tokenizer(77), unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
-    pipe.save_pretrained(folder, safe_serialization=True)
-
-
-def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolution: int = 256) -> None:
-    """`train_text_to_image.py --mixed_precision bf16 --gradient_checkpointing` reduced to its loop: the fp32 UNet
-    and bf16 frozen VAE and text encoder loaded with `from_pretrained`, diffusers' default (SDPA) attention, fused
-    AdamW, bf16 autocast, `steps` steps on random images, then the pipeline saved with the trained UNet as the
-    script saves it."""
-    import torch
-    import torch.nn.functional as F
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    from .common import fast_optimizer
-
-    torch.manual_seed(0)
-    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
-    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
-    text = CLIPTextModel.from_pretrained(base, subfolder="text_encoder")
-    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    for m in (vae, text):  # as the script does: loaded in fp32, then cast
-        m.requires_grad_(False).to(torch.bfloat16)
-    unet.enable_gradient_checkpointing()
-    unet.train()
-    optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
-    ids = tokenizer(["a photo"] * batch, padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids
-    for _ in range(steps):
-        pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with torch.no_grad():
-                latents = vae.encode(pixels.to(torch.bfloat16)).latent_dist.sample() * vae.config.scaling_factor
-                states = text(ids, return_dict=False)[0]
-            noise = torch.randn_like(latents)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
-            pred = unet(scheduler.add_noise(latents, noise, t), t, states).sample
-            loss = F.mse_loss(pred.float(), noise.float())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
-    pipe.save_pretrained(out)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lowmem.suite.bench.diffusion")
-    sub = parser.add_subparsers(dest="what", required=True)
-    w = sub.add_parser("write_pipeline", help="a pipeline folder of the benchmark's shapes, random weights")
-    w.add_argument("folder")
-    add_arguments(w)
-    p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
-    p.add_argument("base")
-    p.add_argument("out")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--resolution", type=int, default=256)
-    args = parser.parse_args(argv)
-    if args.what == "write_pipeline":
-        write_pipeline(args.folder, vars(args))
-    else:
-        plain_loop(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""`suite bench diffusion --whole_command`, and the two commands it compares as a user runs them.
+
+`python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels 160,320,640,640 ...]` writes a pipeline
+folder of random weights of the benchmark's shapes; `python -m lowmem.suite.bench.diffusion plain_loop BASE OUT`
+is the plain diffusers loop a user runs, as a whole process (what `suite diffusion finetune` is compared with):
+
+    suite bench command --baseline "python -m lowmem.suite.bench.diffusion plain_loop BASE OUT1" -- \\
+        suite diffusion finetune --pretrained_model_name_or_path BASE --strategy gemini_nvme ...
+
+`--whole_command` runs each of the two in its own memory cgroup, start to exit (`suite.bench.memory.run_command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .diffusion import _MODULE, _encoders, _unet, add_arguments
+
+__all__ = ["main", "plain_loop", "run_whole", "whole_commands", "write_pipeline"]
+
+
+def _drop_cached(folder: str) -> None:
+    """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
+    from ...utils.fileio import drop_page_cache
+
+    for top, _, names in os.walk(folder):
+        for name in names:
+            drop_page_cache(os.path.join(top, name), write_back=True)
+
+
+def whole_commands(opts: dict, work: str) -> list[dict]:
+    """The plain loop and `suite diffusion finetune` (Gemini on NVMe), each as a whole process tree in its own
+    memory cgroup (`suite.bench.memory.run_command`), on a pipeline folder of `opts`' shapes written in `work`.
+    Every input file is dropped from the page cache before each side, so each reads (and is charged for) its own."""
+    import subprocess
+    import sys
+
+    from ...diffusion.sample_data import write_sample_data
+    from .memory import run_command
+
+    base, data = os.path.join(work, "base"), os.path.join(work, "data")
+    write_pipeline(base, opts)
+    write_sample_data(data)
+    py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
+    sides = {
+        "plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
+                  "--steps", steps, "--batch", batch, "--resolution", res],
+        "ours": [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune",
+                 "--pretrained_model_name_or_path", base,
+                 "--train_data_dir", data, "--resolution", res, "--train_batch_size", batch, "--max_train_steps",
+                 steps, "--strategy", "gemini_nvme", "--offload_dir", os.path.join(work, "nvme"),
+                 "--mixed_precision", "bf16", "--gradient_checkpointing", "--output_dir", os.path.join(work, "out")],
+    }
+    rows = []
+    for side, argv in sides.items():
+        _drop_cached(work)
+        # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
+        log = os.path.join(work, f"{side}.log")
+        with open(log, "w") as f:
+            out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
+                              stdout=f, stderr=subprocess.STDOUT)
+        if out["returncode"] != 0:
+            with open(log) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
+        rows.append({"variant": side, "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"],
+                     "method": out["method"], "command": " ".join(argv)})
+    rows[1]["peak_ratio"] = rows[1]["peak_mib"] / rows[0]["peak_mib"]
+    rows[1]["wall_ratio"] = rows[1]["wall_s"] / rows[0]["wall_s"]
+    return rows
+
+
+def run_whole(opts: dict, args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .common import print_table, write_json
+
+    work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
+    try:
+        rows = whole_commands(opts, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
+             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, torch {torch.__version__}")
+    print_table(rows, ["variant", "peak_mib", "peak_ratio", "wall_s", "wall_ratio", "method"], title=title)
+    for r in rows:
+        print(f"{r['variant']}: {r['command']}")
+    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); "
+          "target peak_ratio <= 0.33")
+    write_json(args.json, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows})
+    return 0
+
+
+def write_pipeline(folder: str, opts: dict) -> None:
+    """A diffusers pipeline folder (UNet of `opts`' shapes, the `--encoders` VAE and text encoder with the tiny
+    byte-level tokenizer, SD's PNDM scheduler), random weights from seed 0, safetensors."""
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    from ...diffusion.tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    unet = _unet(opts)
+    vae, text = _encoders({**opts, "encoders": "small" if opts["encoders"] == "none" else opts["encoders"]})
+    scheduler = PNDMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                              beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=build_tokenizer(77), unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolution: int = 256) -> None:
+    """`train_text_to_image.py --mixed_precision bf16 --gradient_checkpointing` reduced to its loop: the fp32 UNet
+    and bf16 frozen VAE and text encoder loaded with `from_pretrained`, diffusers' default (SDPA) attention, fused
+    AdamW, bf16 autocast, `steps` steps on random images, then the pipeline saved with the trained UNet as the
+    script saves it."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from .common import fast_optimizer
+
+    torch.manual_seed(0)
+    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
+    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
+    text = CLIPTextModel.from_pretrained(base, subfolder="text_encoder")
+    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
+    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
+    for m in (vae, text):  # as the script does: loaded in fp32, then cast
+        m.requires_grad_(False).to(torch.bfloat16)
+    unet.enable_gradient_checkpointing()
+    unet.train()
+    optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
+    ids = tokenizer(["a photo"] * batch, padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids
+    for _ in range(steps):
+        pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                latents = vae.encode(pixels.to(torch.bfloat16)).latent_dist.sample() * vae.config.scaling_factor
+                states = text(ids, return_dict=False)[0]
+            noise = torch.randn_like(latents)
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
+            pred = unet(scheduler.add_noise(latents, noise, t), t, states).sample
+            loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
+    pipe.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lowmem.suite.bench.diffusion write_pipeline | plain_loop ...`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
+    sub = parser.add_subparsers(dest="what", required=True)
+    w = sub.add_parser("write_pipeline", help="a pipeline folder of the benchmark's shapes, random weights")
+    w.add_argument("folder")
+    add_arguments(w)
+    p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
+    p.add_argument("base")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--resolution", type=int, default=256)
+    args = parser.parse_args(argv)
+    if args.what == "write_pipeline":
+        write_pipeline(args.folder, vars(args))
+    else:
+        plain_loop(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
+    return 0
