@@ -4,6 +4,11 @@ One frozen dataclass describes the layout; it validates the degrees, creates the
 axis and hands them out by axis name. Nothing here is global: callers keep the `Topology` and pass groups
 on explicitly.
 
+The environment is read in one place, `Topology.from_env()`: torchrun's `WORLD_SIZE` and `RANK` are the
+launcher's contract with the processes it starts, and a user's script reads them there, once, at its entry.
+Nothing in the library calls it (the Lightning strategies take ranks and groups from Lightning, `suite fold`
+spawns its ranks and names each one's rank).
+
 Rank layout: DAP is the fastest-varying axis, so the ranks of one DAP group are consecutive
 (rank = dp_index * dap + dap_index), which keeps all-to-all traffic inside a node.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,7 +37,8 @@ class Axis(str, Enum):
     """Mesh axis names. "axis" means a mesh axis; "dim" means a tensor dimension."""
 
     DATA = "data"
-    """Data-parallel / ZeRO sharding axis."""
+    """Data-parallel / ZeRO sharding axis: the ranks holding the same DAP index. Its group is the one to give
+    `core_parallel.setup` when a job combines DAP with data parallelism (world = data x dap)."""
     DAP = "dap"
     """Dynamic axial parallelism axis (activations split across ranks)."""
     WORLD = "world"
@@ -46,8 +53,8 @@ def default_backend(device: str | torch.device | None = None) -> str:
     return GLOO
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name)
     if value is None or value == "":
         return default
     try:
@@ -124,10 +131,13 @@ class Topology:
         return list(range(rank % self.dap, self.world_size, self.dap))
 
     @classmethod
-    def from_env(cls, *, dap: int = 1, backend: str | None = None, timeout_s: float = 600.0) -> Topology:
-        """Read WORLD_SIZE and RANK as torchrun sets them (1 process when unset)."""
-        world = _env_int("WORLD_SIZE", 1)
-        rank = _env_int("RANK", 0)
+    def from_env(cls, *, dap: int = 1, backend: str | None = None, timeout_s: float = 600.0,
+                 environ: Mapping[str, str] | None = None) -> Topology:
+        """Read WORLD_SIZE and RANK as torchrun sets them (1 process when unset) from `environ` (default: this
+        process's environment). Call it at the entry of a script, once; see the module docstring."""
+        environ = os.environ if environ is None else environ
+        world = _env_int(environ, "WORLD_SIZE", 1)
+        rank = _env_int(environ, "RANK", 0)
         if backend is None:
             backend = NCCL if torch.cuda.is_available() and dist.is_nccl_available() else GLOO
         return cls(world_size=world, rank=rank, dap=dap, backend=backend, timeout_s=timeout_s)

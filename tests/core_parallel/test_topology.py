@@ -38,6 +38,9 @@ def test_from_env(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(ValueError, match="WORLD_SIZE"):
         Topology.from_env()
+    given = Topology.from_env(backend="gloo", environ={"WORLD_SIZE": "2", "RANK": "1"})  # the process's ignored
+    assert (given.world_size, given.rank) == (2, 1)
+    assert Topology.from_env(backend="gloo", environ={}).world_size == 1
 
 
 def test_single_process_needs_no_group():
