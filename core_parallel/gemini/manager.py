@@ -421,6 +421,7 @@ class ChunkManager:
         return self.state_io.param_value(pidx)
 
     def io_release(self, pidxs: Iterable[int]) -> None:
+        """A module's state_dict save or load is done with parameters `pidxs`."""
         self.state_io.release(pidxs)
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
