@@ -169,20 +169,52 @@ def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.
     if plddt is None:
         plddt = prot.b_factors[:, rc.atom_order["CA"]]
     plddt = np.asarray(plddt, dtype=np.float64).reshape(n)
-    chains = prot.chain_of(chain_id)
-    order = list(dict.fromkeys(chains))  # chain IDs in the order written
-    residues = {c: [i for i in range(n) if chains[i] == c] for c in order}
-    seq_id = np.zeros(n, np.int64)
-    for c in order:
-        seq_id[residues[c]] = np.arange(1, len(residues[c]) + 1)
-    sequences = {c: "".join(rc.restype_3to1.get(resnames[i], "X") for i in residues[c]) for c in order}
-    entity_of: dict[str, int] = {}
-    entities: dict[str, int] = {}  # sequence -> entity id, by first appearance
-    for c in order:
-        entity_of[c] = entities.setdefault(sequences[c], len(entities) + 1)
-    strands = {e: [c for c in order if entity_of[c] == e] for e in entities.values()}
-    first = {e: strands[e][0] for e in strands}
-    several = len(order) > 1
+    chains = _Chains.of(prot, chain_id, resnames)
+    out = _cif_header(name, method, title)
+    out += _polymer_loops(prot, name, resnames, chains)
+    out += _modeling_loops(name, method, chains)
+    out += _atom_site(prot, chain_id, chains)
+    out += _qa_loops(plddt, scores, resnames, chains)
+    return "\n".join(out) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chains:
+    """The chains of a `Protein` as mmCIF names them: `ids` the chain ID of every residue, `order` the IDs in
+    the order written, `residues` each chain's residue indices, `seq_id` `[N]` each residue's number in its
+    chain (from 1), `entity_of` each chain's entity (one per distinct sequence, by first appearance),
+    `strands` each entity's chains, `sequences` each chain's one-letter sequence."""
+
+    ids: list[str]
+    order: list[str]
+    residues: dict[str, list[int]]
+    seq_id: np.ndarray
+    sequences: dict[str, str]
+    entity_of: dict[str, int]
+    strands: dict[int, list[str]]
+
+    @classmethod
+    def of(cls, prot: Protein, chain_id: str, resnames: list[str]) -> _Chains:
+        n = len(prot.aatype)
+        ids = prot.chain_of(chain_id)
+        order = list(dict.fromkeys(ids))
+        residues = {c: [i for i in range(n) if ids[i] == c] for c in order}
+        seq_id = np.zeros(n, np.int64)
+        for c in order:
+            seq_id[residues[c]] = np.arange(1, len(residues[c]) + 1)
+        sequences = {c: "".join(rc.restype_3to1.get(resnames[i], "X") for i in residues[c]) for c in order}
+        entities: dict[str, int] = {}  # sequence -> entity id, by first appearance
+        entity_of = {c: entities.setdefault(sequences[c], len(entities) + 1) for c in order}
+        strands = {e: [c for c in order if entity_of[c] == e] for e in entities.values()}
+        return cls(ids, order, residues, seq_id, sequences, entity_of, strands)
+
+    def first(self, entity: int) -> str:
+        """The entity's first chain (whose residues stand for the entity's sequence)."""
+        return self.strands[entity][0]
+
+
+def _cif_header(name: str, method: str, title: str) -> list[str]:
+    """The data block's entry, title, dictionary and software."""
     dict_name, dict_version, dict_location = MODELCIF_DICT
     full_title = f"{name}: predicted structure ({method})" + (f"; {title}" if title else "")
     out = [f"data_{_cif(name)}", f"_entry.id {_cif(name)}", f"_struct.entry_id {_cif(name)}",
@@ -194,11 +226,15 @@ def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.
                               "location"],
                  [(1, "lowmem-suite fold", "model building", f"{method} inference (fastfold)",
                    _software_version(), "program", "?")])
-    out += _loop("ma_software_group", ["ordinal_id", "group_id", "software_id"], [(1, 1, 1)])
-    comps = sorted(set(resnames))
-    out += _loop("chem_comp", ["id", "type", "name", "ma_provenance"],
-                 [(r, "peptide linking" if r == "GLY" else "L-peptide linking", _CHEM_COMP_NAMES.get(r, r),
-                   "CCD Core") for r in comps])
+    return out + _loop("ma_software_group", ["ordinal_id", "group_id", "software_id"], [(1, 1, 1)])
+
+
+def _polymer_loops(prot: Protein, name: str, resnames: list[str], ch: _Chains) -> list[str]:
+    """The residue types, the polymer entities with their sequences, the chains and their residue numbering."""
+    strands, several = ch.strands, len(ch.order) > 1
+    out = _loop("chem_comp", ["id", "type", "name", "ma_provenance"],
+                [(r, "peptide linking" if r == "GLY" else "L-peptide linking", _CHEM_COMP_NAMES.get(r, r),
+                  "CCD Core") for r in sorted(set(resnames))])
 
     def entity_name(e: int) -> str:
         return f"{name} chain{'s' if len(strands[e]) > 1 else ''} {','.join(strands[e])}" if several else name
@@ -207,45 +243,59 @@ def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.
                  [(e, "polymer", "man", entity_name(e), len(strands[e])) for e in strands])
     out += _loop("entity_poly", ["entity_id", "type", "nstd_linkage", "nstd_monomer", "pdbx_strand_id",
                                  "pdbx_seq_one_letter_code", "pdbx_seq_one_letter_code_can"],
-                 [(e, "polypeptide(L)", "no", "no", ",".join(strands[e]), sequences[first[e]], sequences[first[e]])
-                  for e in strands])
+                 [(e, "polypeptide(L)", "no", "no", ",".join(strands[e]), ch.sequences[ch.first(e)],
+                   ch.sequences[ch.first(e)]) for e in strands])
     out += _loop("entity_poly_seq", ["entity_id", "num", "mon_id", "hetero"],
-                 [(e, k, resnames[i], "n") for e in strands for k, i in enumerate(residues[first[e]], start=1)])
-    out += _loop("struct_asym", ["id", "entity_id", "details"], [(c, entity_of[c], f"{name} chain {c}") for c in order])
-    out += _loop("pdbx_poly_seq_scheme", ["asym_id", "entity_id", "seq_id", "mon_id", "pdb_seq_num", "auth_seq_num",
-                                          "pdb_mon_id", "auth_mon_id", "pdb_strand_id", "pdb_ins_code"],
-                 [(c, entity_of[c], int(seq_id[i]), resnames[i], int(prot.residue_index[i]),
-                   int(prot.residue_index[i]), resnames[i], resnames[i], c, ".") for c in order for i in residues[c]])
+                 [(e, k, resnames[i], "n") for e in strands for k, i in enumerate(ch.residues[ch.first(e)], start=1)])
+    out += _loop("struct_asym", ["id", "entity_id", "details"],
+                 [(c, ch.entity_of[c], f"{name} chain {c}") for c in ch.order])
+    return out + _loop("pdbx_poly_seq_scheme", ["asym_id", "entity_id", "seq_id", "mon_id", "pdb_seq_num",
+                                                "auth_seq_num", "pdb_mon_id", "auth_mon_id", "pdb_strand_id",
+                                                "pdb_ins_code"],
+                       [(c, ch.entity_of[c], int(ch.seq_id[i]), resnames[i], int(prot.residue_index[i]),
+                         int(prot.residue_index[i]), resnames[i], resnames[i], c, ".")
+                        for c in ch.order for i in ch.residues[c]])
+
+
+def _modeling_loops(name: str, method: str, ch: _Chains) -> list[str]:
+    """ModelCIF's account of the modelling: the target sequences and the model as data, the protocol, the model."""
+    strands = ch.strands
     targets = [(e, f"{name} sequence" + (f" {e}" if len(strands) > 1 else ""), "target") for e in strands]
     model_data = len(targets) + 1
-    out += _loop("ma_data", ["id", "name", "content_type"], [*targets, (model_data, "Model", "model coordinates")])
+    out = _loop("ma_data", ["id", "name", "content_type"], [*targets, (model_data, "Model", "model coordinates")])
     out += _loop("ma_data_group", ["ordinal_id", "group_id", "data_id"],
                  [*((e, 1, e) for e in strands), (model_data, 2, model_data)])
     out += _loop("ma_target_entity", ["entity_id", "data_id", "origin"], [(e, e, "designed") for e in strands])
     out += _loop("ma_target_entity_instance", ["asym_id", "entity_id", "details"],
-                 [(c, entity_of[c], f"{name} chain {c}") for c in order])
+                 [(c, ch.entity_of[c], f"{name} chain {c}") for c in ch.order])
     out += _loop("ma_protocol_step", ["ordinal_id", "protocol_id", "step_id", "method_type", "step_name", "details",
                                       "software_group_id", "input_data_group_id", "output_data_group_id"],
                  [(1, 1, 1, "modeling", "prediction", f"{method} inference", 1, 1, 2)])
     out += _loop("ma_model_list", ["ordinal_id", "model_name", "data_id", "model_type"],
                  [(1, "Model", model_data, "Ab initio model")])
     out += _loop("ma_model_group", ["id", "name"], [(1, "All models")])
-    out += _loop("ma_model_group_link", ["group_id", "model_id"], [(1, 1)])
-    out += ["loop_"] + [f"_atom_site.{f}" for f in (
+    return out + _loop("ma_model_group_link", ["group_id", "model_id"], [(1, 1)])
+
+
+def _atom_site(prot: Protein, chain_id: str, ch: _Chains) -> list[str]:
+    """The atoms (B_iso from the B-factors) and their elements."""
+    out = ["loop_"] + [f"_atom_site.{f}" for f in (
         "group_PDB", "id", "type_symbol", "label_atom_id", "label_alt_id", "label_comp_id", "label_asym_id",
         "label_entity_id", "label_seq_id", "pdbx_PDB_ins_code", "Cartn_x", "Cartn_y", "Cartn_z", "occupancy",
         "B_iso_or_equiv", "auth_seq_id", "auth_comp_id", "auth_asym_id", "pdbx_PDB_model_num")]
     elements = set()
-    serial = 0
-    for _, atom, resname, resnum, xyz, b, chain, i in _atoms(prot, chain_id):
-        serial += 1
+    for serial, (_, atom, resname, resnum, xyz, b, chain, i) in enumerate(_atoms(prot, chain_id), start=1):
         elements.add(_element(atom))
         out.append(
-            f"ATOM {serial} {_element(atom)} {atom} . {resname} {chain} {entity_of[chain]} {seq_id[i]} ? "
+            f"ATOM {serial} {_element(atom)} {atom} . {resname} {chain} {ch.entity_of[chain]} {ch.seq_id[i]} ? "
             f"{xyz[0]:.3f} {xyz[1]:.3f} {xyz[2]:.3f} 1.00 {b:.2f} {resnum} {resname} {chain} 1"
         )
     out.append("#")
-    out += _loop("atom_type", ["symbol"], [(e,) for e in sorted(elements)])
+    return out + _loop("atom_type", ["symbol"], [(e,) for e in sorted(elements)])
+
+
+def _qa_loops(plddt: np.ndarray, scores: dict[str, float] | None, resnames: list[str], ch: _Chains) -> list[str]:
+    """pLDDT `[N]` per residue and its mean, and the further global scores (pTM, ipTM)."""
     description = "Predicted accuracy according to the CA-only lDDT in [0,100]"
     metrics = [(1, "pLDDT", description, "pLDDT", "global", 1), (2, "pLDDT", description, "pLDDT", "local", 1)]
     values = [(1, f"{plddt.mean():.2f}")]
@@ -256,14 +306,13 @@ def to_mmcif(prot: Protein, name: str = "model", chain_id: str = "A", plddt: np.
             raise ValueError(f"to_mmcif: unknown score {key!r}; expected one of {', '.join(about)}")
         metrics.append((len(metrics) + 1, key, about[key], key, "global", 1))
         values.append((len(metrics), f"{float(value):.4f}"))
-    out += _loop("ma_qa_metric", ["id", "name", "description", "type", "mode", "software_group_id"], metrics)
+    out = _loop("ma_qa_metric", ["id", "name", "description", "type", "mode", "software_group_id"], metrics)
     out += _loop("ma_qa_metric_global", ["ordinal_id", "model_id", "metric_id", "metric_value"],
                  [(k, 1, m, v) for k, (m, v) in enumerate(values, start=1)])
-    out += _loop("ma_qa_metric_local", ["ordinal_id", "model_id", "label_asym_id", "label_seq_id", "label_comp_id",
-                                        "metric_id", "metric_value"],
-                 [(k, 1, chains[i], int(seq_id[i]), resnames[i], 2, f"{plddt[i]:.2f}")
-                  for k, i in enumerate(range(n), start=1)])
-    return "\n".join(out) + "\n"
+    return out + _loop("ma_qa_metric_local", ["ordinal_id", "model_id", "label_asym_id", "label_seq_id",
+                                              "label_comp_id", "metric_id", "metric_value"],
+                       [(k, 1, ch.ids[i], int(ch.seq_id[i]), resnames[i], 2, f"{plddt[i]:.2f}")
+                        for k, i in enumerate(range(len(plddt)), start=1)])
 
 
 def from_pdb(text: str) -> Protein:

@@ -7,12 +7,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ...kernels.backend import BACKENDS
 
-__all__ = ["SINGLE_PROCESS", "InferenceOptions", "Layout", "device_budget_bytes"]
+__all__ = ["SINGLE_PROCESS", "ChunkSize", "InferenceOptions", "Layout", "check_chunk_size", "device_budget_bytes"]
+
+ChunkSize = int | Literal["auto"] | None
+"""A chunk size: None (no chunking), a positive int (rows per chunk) or "auto" (fit a memory budget)."""
+
+
+def check_chunk_size(value: object) -> ChunkSize:
+    """`value` when it is a `ChunkSize`, else `ValueError`: the one check of a chunk size, whichever holder it
+    passes through (`suite fold --chunk_size`, a config file's `chunk_size`, `fastfold.settings.ModelSettings`,
+    `ModelSpec`, `InferenceOptions`), so each refuses the same values with the same line. `True` is refused:
+    a bool is an int to Python, not a chunk size."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"chunk_size must be a positive int or 'auto', got {value!r}")
+
 
 CPU_BUDGET_BYTES = 256 * 2**20
 """The `chunk_size="auto"` budget on CPU (and the default of `InferenceOptions.memory_budget_bytes`)."""
@@ -45,7 +60,7 @@ class InferenceOptions:
     axis, so the largest intermediate (e.g. the `[chunk, H, N, N]` attention logits) shrinks with the chunk.
     """
 
-    chunk_size: int | str | None = None
+    chunk_size: ChunkSize = None
     """Rows per chunk: None (no chunking), a positive int, or "auto" (largest power of two whose biggest
     intermediate fits `memory_budget_bytes`)."""
     memory_budget_bytes: int = CPU_BUDGET_BYTES
@@ -58,9 +73,7 @@ class InferenceOptions:
     saves one activation copy per update; inference only)."""
 
     def __post_init__(self) -> None:
-        c = self.chunk_size
-        if not (c is None or c == "auto" or (isinstance(c, int) and not isinstance(c, bool) and c > 0)):
-            raise ValueError(f"InferenceOptions.chunk_size must be None, 'auto' or a positive int, got {c!r}")
+        check_chunk_size(self.chunk_size)
         if not isinstance(self.memory_budget_bytes, int) or self.memory_budget_bytes <= 0:
             raise ValueError("InferenceOptions.memory_budget_bytes must be a positive int")
         if self.attention_backend not in BACKENDS:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lowmem.core_parallel import RankError
-from lowmem.fastfold import pipeline
+from lowmem.fastfold import pipeline, stages
 from lowmem.fastfold.dap import DAPRuntime
 from lowmem.suite.cli import main
 
@@ -79,7 +79,7 @@ def test_suite_fold_two_devices_equals_one(tmp_path, monkeypatch):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(">pep\nMKTAYIAKQRQISF\n>two\nGSWLLKKAPE\n")
     launches, calls, loads = [], [], []
-    launch, call, load_model = DAPRuntime.launch, DAPRuntime.call, pipeline.load_model
+    launch, call, load_model = DAPRuntime.launch, DAPRuntime.call, stages.load_model
     monkeypatch.setattr(DAPRuntime, "launch", classmethod(lambda cls, *a, **k: launches.append(a) or launch(*a, **k)))
 
     def counted_call(self, fn, *args, **kw):
@@ -87,7 +87,7 @@ def test_suite_fold_two_devices_equals_one(tmp_path, monkeypatch):
         return call(self, fn, *args, **kw)
 
     monkeypatch.setattr(DAPRuntime, "call", counted_call)
-    monkeypatch.setattr(pipeline, "load_model", lambda spec: loads.append(spec.label) or load_model(spec))
+    monkeypatch.setattr(stages, "load_model", lambda spec: loads.append(spec.label) or load_model(spec))
     outs = {}
     for devices in (1, 2):
         outs[devices] = tmp_path / f"out{devices}"

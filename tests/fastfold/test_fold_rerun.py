@@ -89,12 +89,12 @@ def test_a_changed_alignment_file_redoes_the_target(tmp_path):
 def test_an_interrupted_redo_leaves_no_old_outputs_that_look_current(tmp_path, monkeypatch):
     out = tmp_path / "out"
     fold_targets([Target("pep", "MKTAYIAKQR")], _config(out))
-    import lowmem.fastfold.pipeline as pipeline
+    import lowmem.fastfold.stages as stages
 
     def boom(*a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(pipeline, "predict", boom)
+    monkeypatch.setattr(stages, "predict", boom)  # where the model stage calls it
     (r,) = fold_targets([Target("pep", "MKTAYIAK")], _config(out))
     assert r.status == "failed"
     assert not (out / "pep" / "pep_unrelaxed.pdb").exists() and not (out / "pep" / "timings.json").exists()

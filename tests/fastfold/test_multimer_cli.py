@@ -235,15 +235,15 @@ def test_auto_chunk_size_uses_the_models_device_budget(monkeypatch):
     """Issue 18: `suite fold --chunk_size auto` gets `InferenceOptions.for_device` of where the model runs."""
     import torch
 
-    from lowmem.fastfold import pipeline
+    from lowmem.fastfold import stages
     from lowmem.fastfold.model import options as opts
 
-    spec = pipeline.ModelSpec(chunk_size="auto", device="cpu")
-    assert pipeline._inference_options(spec, torch.device("cpu")).memory_budget_bytes == opts.CPU_BUDGET_BYTES
+    spec = stages.ModelSpec(chunk_size="auto", device="cpu")
+    assert stages._inference_options(spec, torch.device("cpu")).memory_budget_bytes == opts.CPU_BUDGET_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 141 * 2**30))
-    auto = pipeline._inference_options(spec, torch.device("cuda", 0))
+    auto = stages._inference_options(spec, torch.device("cuda", 0))
     assert auto.chunk_size == "auto" and auto.memory_budget_bytes == 20 * 2**30
-    fixed = pipeline._inference_options(pipeline.ModelSpec(chunk_size=4), torch.device("cuda", 0))
+    fixed = stages._inference_options(stages.ModelSpec(chunk_size=4), torch.device("cuda", 0))
     assert fixed.chunk_size == 4
 
 
