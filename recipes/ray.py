@@ -40,7 +40,6 @@ filesystem all nodes share.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import logging
 import os
@@ -114,7 +113,7 @@ class FitJob:
     """An optional LightningDataModule."""
     strategy: Any = "ddp"
     """A registered strategy name (ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, ...), or a
-    `core_parallel.ZeroConfig` / `GeminiConfig` the strategy is built from (`strategy_from_config`)."""
+    `core_parallel.ZeroConfig` / `GeminiConfig` the strategy holds (`strategy_from_config`)."""
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra constructor arguments of the strategy (e.g. {"bucket_mb": 50})."""
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -160,16 +159,14 @@ def _ray_class(base: type) -> type:
 
 def ray_strategy(name: Any, **kwargs: Any) -> Any:
     """A Ray-compatible instance of the registered strategy `name` (device and sampler from Ray), or of the
-    strategy a `ZeroConfig` / `GeminiConfig` builds (every field of it, as `strategy_from_config`)."""
+    strategy holding a `ZeroConfig` / `GeminiConfig` (the object itself, as `strategy_from_config`)."""
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     from .. import recipes  # noqa: F401  (registers zero*/gemini*)
-    from .strategies import strategy_from_config
+    from .strategies import strategy_class
 
     if not isinstance(name, str):
-        cls = type(strategy_from_config(name))  # checks the config (a ZeroConfig/GeminiConfig at fp32)
-        fields = {f.name: getattr(name, f.name) for f in dataclasses.fields(name) if f.name != "precision"}
-        return _ray_class(cls)(**fields, **kwargs)
+        return _ray_class(strategy_class(name))(config=name, **kwargs)
 
     if name not in StrategyRegistry:
         raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(sorted(StrategyRegistry))}")

@@ -13,7 +13,7 @@ import pytest
 from lowmem.diffusion.config import FineTuneConfig, OptimizerSection, load_yaml_config
 from lowmem.diffusion.data import DataConfig
 from lowmem.diffusion.training import LossConfig
-from lowmem.suite.cli import _explicit_flags, build_parser, main
+from lowmem.suite.cli import build_parser, main
 from lowmem.utils.settings import settings
 
 
@@ -26,7 +26,6 @@ def _finetune_parser() -> argparse.ArgumentParser:
 def _args(*argv: str) -> argparse.Namespace:
     argv = ["diffusion", "finetune", *argv]
     args = build_parser(argv).parse_args(argv)
-    args.explicit_flags = _explicit_flags(argv)
     return args
 
 
@@ -138,13 +137,13 @@ def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
     cfg = build_config(_args("--config", str(recipe)))
     want = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_optim_frac=0.5)
     assert cfg.parallel == cfg.launch.parallel == want and parallel_config(cfg) == want
-    strategy = build_strategy(cfg)
-    assert isinstance(strategy, GeminiStrategy) and strategy.core_config("fp32") == want
+    strategy = build_strategy(cfg, parallel_config(cfg))
+    assert isinstance(strategy, GeminiStrategy) and strategy.config is cfg.parallel
     # nested under its section, a zero config, loss-scaler settings as a mapping
     recipe.write_text("launch:\n  parallel: {zero: {stage: 1, offload: cpu, loss_scaler: {hysteresis: 3}}}\n")
     cfg = build_config(_args("--config", str(recipe)))
     assert cfg.parallel == ZeroConfig(stage=1, offload="cpu", loss_scaler=LossScalerConfig(hysteresis=3))
-    assert isinstance(build_strategy(cfg), ZeroStrategy)
+    assert isinstance(build_strategy(cfg, parallel_config(cfg)), ZeroStrategy)
     # an explicit --strategy replaces the file's parallel (flag > file); in code both at once are refused
     cfg = build_config(_args("--config", str(recipe), "--strategy", "gemini_offload"))
     assert cfg.parallel is None and parallel_config(cfg) == GeminiConfig(offload_tier="cpu", offload_param_frac=1.0,
@@ -152,6 +151,6 @@ def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
     with pytest.raises(ValueError, match="give one"):
         FineTuneConfig(strategy="zero2", parallel=ZeroConfig())
     assert FineTuneConfig(parallel={"zero": {"stage": 1}}).parallel == ZeroConfig(stage=1)
-    assert parallel_config(FineTuneConfig()) is None and build_strategy(FineTuneConfig(strategy="ddp")) == "ddp"
+    assert parallel_config(FineTuneConfig()) is None and build_strategy(FineTuneConfig(strategy="ddp"), None) == "ddp"
     with pytest.raises(ValueError, match="use_ema is not supported with the gemini"):
         FineTuneConfig(use_ema=True, parallel=GeminiConfig())

@@ -154,11 +154,11 @@ def test_offload_dir_reaches_the_strategy_object_not_the_environment(tmp_path, m
     folder = str(tmp_path / "nvme")
     for name in ("gemini_nvme", "gemini_auto"):
         cfg = FineTuneConfig(output_dir=str(tmp_path / name), strategy=name, offload_dir=folder)
-        check_run(cfg)
-        trainer = build_trainer(cfg, 2, enable_progress_bar=False)
-        core = trainer.strategy.core_config("fp32")
-        assert (core.offload_tier, core.offload_dir) == ("nvme", folder), name
-        assert parallel_config(cfg) == core  # what the Ray job builds its strategy from
+        parallel = check_run(cfg)  # the run's one sharding config
+        trainer = build_trainer(cfg, 2, enable_progress_bar=False, parallel=parallel)
+        assert trainer.strategy.config is parallel, name  # held, not rebuilt
+        assert (parallel.offload_tier, parallel.offload_dir) == ("nvme", folder), name
+        assert parallel_config(cfg) == parallel  # what the Ray job builds its strategy from
     assert dict(os.environ) == environ
     for name in ("gemini", "zero2", "auto"):
         with pytest.raises(InputError, match=f"--offload_dir .*only the strategies with an NVMe tier.*{name}"):

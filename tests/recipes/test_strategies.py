@@ -478,7 +478,7 @@ def recipes_strategies():
 
 
 def test_peer_failure_is_recognised():
-    from lowmem.recipes.strategies import _looks_like_peer_failure
+    from lowmem.recipes.faults import looks_like_peer_failure as _looks_like_peer_failure
 
     gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:30886: Connection reset by peer"
     assert _looks_like_peer_failure(RuntimeError(gloo))
@@ -583,3 +583,21 @@ def test_every_strategy_name_maps_onto_the_config_its_registered_strategy_builds
     for name in ("gemini", "zero2", "ddp", "auto"):
         with pytest.raises(InputError, match=f"--offload_dir /x: only the strategies with an NVMe tier .*{name}$"):
             strategies.parallel_for_strategy(name, "/x")
+
+
+def test_a_strategy_holds_the_config_it_is_given(tmp_path):
+    """`config=` is kept as is (validated once, where it was built); beside it, config keywords are refused."""
+    from lowmem.core_parallel import GeminiConfig, ZeroConfig
+
+    strategies = recipes_strategies()
+    gemini = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), chunk_mb=2.0)
+    zero = ZeroConfig(stage=1)
+    assert strategies.GeminiStrategy(config=gemini).config is gemini
+    assert strategies.ZeroStrategy(config=zero).config is zero
+    assert strategies.GeminiStrategy(config=gemini).offload_dir == str(tmp_path / "nvme")
+    with pytest.raises(TypeError, match="come from config="):
+        strategies.GeminiStrategy(config=gemini, chunk_mb=4.0)
+    with pytest.raises(TypeError, match="come from config="):
+        strategies.GeminiStrategy(config=gemini, offload="cpu")
+    with pytest.raises(TypeError, match="takes a ZeroConfig"):
+        strategies.ZeroStrategy(config=gemini)

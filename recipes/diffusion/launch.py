@@ -1,0 +1,227 @@
+"""One fine-tuning run, as `suite diffusion finetune` runs it: the checks before anything loads (`check_run`, which
+also builds the run's one sharding config), the Trainer with its strategy, loggers and callbacks (`build_trainer`),
+resume, and the fit itself, locally (`fit_finetune`) or on Ray Train workers (`fit_with_ray`).
+
+The sharding config (`ZeroConfig | GeminiConfig | None`) is built once per process, from `parallel` or from
+`--strategy` and `--offload_dir` (`recipes.strategies.parallel_for_strategy`), validated by its own
+`__post_init__`, and handed unchanged to the strategy object (`strategy.config`), locally and on Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ...diffusion.config import MIXED_PRECISION, FineTuneConfig
+from ...diffusion.errors import InputError
+from ..strategies import STRATEGY_NAMES, parallel_for_strategy, strategy_from_config
+from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
+from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
+from .datamodule import ImageCaptionData
+from .module import StableDiffusionFineTune
+
+__all__ = ["build_strategy", "build_trainer", "check_run", "fit_finetune", "fit_with_ray", "parallel_config",
+           "trainer_kwargs"]
+
+logger = logging.getLogger(__name__)
+
+
+# -- before anything loads --------------------------------------------------------------------------------------
+def check_run(cfg: FineTuneConfig) -> Any:
+    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded. Returns
+    the run's sharding config (`parallel_config`), built here once: the strategy is built from this object."""
+    _check_strategy_name(cfg.strategy)
+    parallel = parallel_config(cfg)  # --offload_dir with a strategy that has no NVMe tier: one line, before loading
+    cuda = torch.cuda.is_available()
+    if cfg.mixed_precision == "fp16" and not cuda:
+        raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
+                         "use bf16 or no")
+    if cfg.prior_generation_precision == "fp16" and not cuda:
+        raise InputError("--prior_generation_precision fp16: needs a CUDA device; use bf16 or fp32")
+    if cfg.use_8bit_adam and not (cuda and _installed("bitsandbytes")):
+        why = "no CUDA device" if not cuda else "bitsandbytes is not installed (pip install bitsandbytes)"
+        raise InputError(f"--use_8bit_adam: bitsandbytes' 8-bit AdamW cannot run here ({why})")
+    if cfg.report_to == "wandb" and not _installed("wandb"):
+        raise InputError("--report_to wandb: wandb is not installed (pip install wandb), use tensorboard or csv")
+    if cfg.dataset_name and not Path(cfg.dataset_name).is_dir() and not _installed("datasets"):
+        raise InputError(f"--dataset_name {cfg.dataset_name}: not a local folder, and reading a dataset from the "
+                         "Hugging Face cache needs the datasets package (pip install datasets)")
+    if cfg.dataset_config_name and not _installed("datasets"):
+        raise InputError("--dataset_config_name: needs the datasets package (pip install datasets)")
+    if cfg.non_ema_revision:
+        _check_non_ema_revision(cfg)
+    return parallel
+
+
+def _check_strategy_name(name: str) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    # ours by their table (no registration needed), Lightning's from its registry
+    names = sorted({*STRATEGY_NAMES, *StrategyRegistry.available_strategies()})
+    if name not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(names)})"
+        raise InputError(f"--strategy {name}: no such strategy{hint}")
+
+
+def _check_non_ema_revision(cfg: FineTuneConfig) -> None:
+    """--non_ema_revision names a revision of the hub id that is in the local cache (one line otherwise)."""
+    from ...diffusion.models import resolve_pretrained
+
+    if cfg.pretrained_model_name_or_path is None:
+        raise InputError(f"--non_ema_revision {cfg.non_ema_revision}: applies to a hub id "
+                         "(--pretrained_model_name_or_path), not to the tiny built-in pipeline")
+    resolve_pretrained(cfg.pretrained_model_name_or_path, revision=cfg.non_ema_revision, cache_dir=cfg.cache_dir,
+                       flag="--non_ema_revision")
+
+
+def parallel_config(cfg: FineTuneConfig) -> Any:
+    """The run's sharding config: `parallel` when given, else the one `--strategy` (and `--offload_dir`) name
+    (`recipes.strategies.parallel_for_strategy`); None for strategies that shard nothing here (auto, ddp, ...)."""
+    return cfg.parallel if cfg.parallel is not None else parallel_for_strategy(cfg.strategy, cfg.offload_dir)
+
+
+def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Path | None, int | None]:
+    """Validate the data (before any model is built), find the checkpoint to resume: data, steps, ckpt, step."""
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+    if cfg.resume_from_checkpoint and ckpt is None:
+        logger.info("no checkpoint found in %s; starting a new run", cfg.output_dir)
+    data = ImageCaptionData(cfg, tokenizer=None)
+    max_steps = cfg.total_steps(len(data.scan()), world)
+    resumed_step = checkpoint_step(ckpt) if ckpt else None
+    if ckpt is not None:
+        logger.info("resuming from %s (step %s of %d)", ckpt, "?" if resumed_step is None else resumed_step, max_steps)
+    return data, max_steps, ckpt, resumed_step
+
+
+# -- the Trainer ------------------------------------------------------------------------------------------------
+def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
+                   resumed_step: int | None = None, progress_bar: bool = True) -> dict[str, Any]:
+    """`pl.Trainer` arguments of a run, except the placement (strategy, devices, nodes)."""
+    cbs: list[pl.Callback] = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
+    if progress_bar:
+        cbs.append(progress_bar_callback())
+    if not sys.stdout.isatty():
+        cbs.append(PlainProgress(cfg.log_every_n_steps))
+    if cfg.prompts:
+        cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
+    cbs += [*(callbacks or []), FinishRun()]
+    return dict(
+        precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
+        accumulate_grad_batches=cfg.gradient_accumulation_steps,
+        gradient_clip_val=cfg.optimizer.max_grad_norm or None, logger=_loggers(cfg, resumed_step), callbacks=cbs,
+        enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=cfg.output_dir,
+        enable_progress_bar=progress_bar,
+    )
+
+
+def _loggers(cfg: FineTuneConfig, resumed_step: int | None = None) -> list[Any]:
+    """CSV (and TensorBoard) loggers under output_dir/logs; a resumed run gets its own CSV file, since
+    Lightning's CSV logger would overwrite the interrupted run's."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    version = "csv" if resumed_step is None else f"csv-resumed-at-{resumed_step}"
+    loggers: list[Any] = [CSVLogger(cfg.output_dir, name=cfg.logging_dir, version=version)]
+    if cfg.report_to in ("tensorboard", "all"):
+        try:
+            loggers.append(TensorBoardLogger(cfg.output_dir, name=cfg.logging_dir, version="tensorboard"))
+        except ModuleNotFoundError as exc:
+            logger.warning("TensorBoard logging unavailable (%s); CSV only", exc)
+    if cfg.report_to == "wandb" or (cfg.report_to == "all" and _installed("wandb")):
+        from lightning.pytorch.loggers import WandbLogger
+
+        save_dir = str(Path(cfg.output_dir) / cfg.logging_dir)
+        loggers.append(WandbLogger(project=cfg.tracker_project_name, save_dir=save_dir))
+    return loggers
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def build_strategy(cfg: FineTuneConfig, parallel: Any) -> Any:
+    """The Trainer's `strategy`: the sharded strategy holding `parallel` (the run's sharding config, the object
+    itself: no registry lookup, no environment variable), or `--strategy`'s name as is when it shards nothing here
+    (auto, ddp, Lightning's own)."""
+    return cfg.strategy if parallel is None else strategy_from_config(parallel)
+
+
+def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
+                  resumed_step: int | None = None, *, parallel: Any, **overrides: Any) -> pl.Trainer:
+    """The Lightning Trainer of a run whose sharding config is `parallel` (`check_run`'s; `overrides` go to
+    `pl.Trainer`)."""
+    if cfg.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # a progress bar only where a terminal shows it; elsewhere PlainProgress writes lines
+    bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
+    kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
+    kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes,
+                  strategy=build_strategy(cfg, parallel))
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+# -- the fit --------------------------------------------------------------------------------------------------
+def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
+    """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
+    parallel = check_run(cfg)
+    data, max_steps, ckpt, resumed_step = _prepare(cfg, cfg.devices * cfg.num_nodes)
+    module = StableDiffusionFineTune(cfg)
+    data.tokenizer = module.tokenizer
+    trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, parallel=parallel, **trainer_overrides)
+    with warnings.catch_warnings():
+        # ImageCaptionData restores the sampler position itself (its state_dict), which Lightning cannot see.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
+    return module
+
+
+def _ray_job(cfg: FineTuneConfig, parallel: Any, max_steps: int, ckpt: str | None, resumed_step: int | None) -> Any:
+    """The job every Ray worker builds (module-level, so cloudpickle sends it by reference); `parallel` is the
+    driver's sharding config, sent as is."""
+    from ..ray import FitJob
+
+    module = StableDiffusionFineTune(cfg)
+    data = ImageCaptionData(cfg, module.tokenizer)
+    strategy = parallel if parallel is not None else "ddp" if cfg.strategy == "auto" else cfg.strategy
+    return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
+                  trainer_kwargs=trainer_kwargs(cfg, max_steps, None, resumed_step, progress_bar=False))
+
+
+def fit_with_ray(cfg: FineTuneConfig) -> Any:
+    """`suite diffusion finetune --ray_address ...`: the same run on `num_workers` Ray Train workers."""
+    from ..ray import RayConfig, fit_on_ray
+
+    # Ray workers run in their own working folders: every path must be absolute.
+    paths = ("output_dir", "train_data_dir", "instance_data_dir", "class_data_dir", "pretrained_model_name_or_path",
+             "cache_dir", "tokenizer_name", "dataset_name")
+    cfg = dataclasses.replace(cfg, **{k: os.path.abspath(getattr(cfg, k)) for k in paths
+                                      if getattr(cfg, k) and os.path.exists(getattr(cfg, k))})
+    if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
+        cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
+    parallel = check_run(cfg)
+    if getattr(parallel, "offload_dir", None):  # a Gemini config's NVMe folder
+        parallel = dataclasses.replace(parallel, offload_dir=os.path.abspath(parallel.offload_dir))
+    workers = cfg.num_workers or cfg.devices * cfg.num_nodes
+    _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)
+    build = functools.partial(_ray_job, cfg, parallel, max_steps, str(ckpt / CKPT_FILE) if ckpt else None,
+                              resumed_step)
+    storage = os.path.join(cfg.output_dir, "ray")
+    return fit_on_ray(build, RayConfig(address=cfg.ray_address, num_workers=workers, storage_path=storage,
+                                       name="diffusion-finetune"))

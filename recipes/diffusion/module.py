@@ -1,0 +1,303 @@
+"""`StableDiffusionFineTune`: the LightningModule of the Stable Diffusion fine-tuning recipe (full, LoRA, DreamBooth).
+
+It loads the pipeline's components, freezes and casts what is not trained, computes the loss of a micro-batch
+(diffusers' training scripts' math, `diffusion.training`), builds AdamW and its schedule, and generates images from
+the current weights (validation, class images). The rest of the recipe lives beside it: `datamodule` (the data),
+`checkpoints` and `callbacks` (what runs during fit), `export` (the written result), `launch` (the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ...diffusion.config import FineTuneConfig
+from ...diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
+from ..strategies import GeminiStrategy, strategy_kind
+
+__all__ = ["StableDiffusionFineTune"]
+
+logger = logging.getLogger(__name__)
+
+
+class StableDiffusionFineTune(pl.LightningModule):
+    """Fine-tunes a Stable Diffusion UNet (whole, or LoRA adapters), optionally the text encoder too.
+
+    The VAE (and the text encoder unless trained) are frozen and, under mixed precision, held in the
+    half dtype. `components` overrides loading from `config.pretrained_model_name_or_path`.
+    """
+
+    def __init__(self, config: FineTuneConfig | None = None, components: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        from ...diffusion.attention import set_kernels_attention
+        from ...diffusion.models import load_components
+
+        self.config = cfg = config or FineTuneConfig()
+        uses_ema = cfg.use_ema and not cfg.lora
+        comps = components or load_components(cfg.pretrained_model_name_or_path, tiny_resolution=cfg.resolution,
+                                               revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
+                                               tokenizer_name=cfg.tokenizer_name,
+                                               non_ema_revision=cfg.non_ema_revision, ema_unet=uses_ema,
+                                               **self._load_options())
+        self.unet, self.vae, self.text_encoder = comps["unet"], comps["vae"], comps["text_encoder"]
+        self.tokenizer, self.noise_scheduler = comps["tokenizer"], comps["scheduler"]
+        # What the export keeps as the base ships it: the inference scheduler, the base folder (its untrained
+        # components are copied), a single file's safety checker and feature extractor.
+        self.inference_scheduler = comps.get("inference_scheduler", self.noise_scheduler)
+        self.base_source: Path | None = comps.get("source")
+        self.base_extras: dict[str, Any] = comps.get("extras") or {}
+        self.loss_cfg = cfg.loss_config(self.noise_scheduler.config.prediction_type)
+        if cfg.prediction_type:
+            self.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
+        set_kernels_attention(self.unet, cfg.attention_backend)
+        self._freeze_and_cast()
+        # the EMA starts from the UNet at --revision, the trained UNet from --non_ema_revision (diffusers' script)
+        ema_start = comps.get("ema_unet")
+        self.ema = (EMA(self.unet.parameters(), cfg.ema.ema_decay, foreach=cfg.ema.foreach_ema,
+                        offload=cfg.ema.offload_ema, start=None if ema_start is None else ema_start.parameters())
+                    if uses_ema else None)
+        del ema_start
+        self.strict_loading = False
+        self._t_last = None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the frozen models."""
+        return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.mixed_precision]
+
+    def _load_options(self) -> dict[str, Any]:
+        """How the components load: the frozen ones directly in the training dtype, and the UNet streamed into
+        Gemini's shards when Gemini trains all of it (no LoRA, no EMA, which need its values before setup)."""
+        cfg, dtype = self.config, self.weight_dtype
+        half = None if dtype == torch.float32 else dtype
+        trains_text_encoder = cfg.train_text_encoder and not cfg.lora
+        return {"vae_dtype": half, "text_encoder_dtype": None if trains_text_encoder else half,
+                "stream_unet": not cfg.lora and not cfg.use_ema and _is_gemini(cfg)}
+
+    def setup(self, stage: str) -> None:
+        if not isinstance(self.trainer.strategy, GeminiStrategy):
+            self.fill_hollow()
+
+    def fill_hollow(self) -> None:
+        """Give a streamed UNet's parameters their values in ordinary memory (no Gemini setup follows)."""
+        from ...core_parallel.gemini.lazy import fill_hollow
+
+        if fill_hollow(self.unet):
+            logger.info("the UNet was built for streaming into Gemini; loaded whole instead (strategy %s)",
+                        type(self.trainer.strategy).__name__ if self._trainer is not None else None)
+
+    def _freeze_and_cast(self) -> None:
+        from ...diffusion.lora import add_lora
+
+        cfg = self.config
+        self.vae.requires_grad_(False).to(self.weight_dtype)
+        self.text_encoder.requires_grad_(cfg.train_text_encoder and not cfg.lora)
+        if not cfg.train_text_encoder:
+            self.text_encoder.to(self.weight_dtype)
+        if cfg.lora:
+            self.unet.to(self.weight_dtype)
+            add_lora(self.unet, cfg.rank)
+            if cfg.train_text_encoder:
+                self.text_encoder.to(self.weight_dtype)
+                add_lora(self.text_encoder, cfg.rank, text_encoder=True)
+        if cfg.gradient_checkpointing:
+            from ...diffusion.memory import enable_checkpointing
+
+            # CLIP (transformers) recomputes only when the module is in train mode: see on_train_start.
+            # recompute every block but not the attention (same gradients, no second attention pass)
+            enable_checkpointing(self.unet, "keep_attention")
+            if cfg.train_text_encoder:
+                te = self.text_encoder
+                # transformers 5 renamed it (the old name warns)
+                (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
+
+    def set_modes(self) -> None:
+        """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them.
+
+        Lightning keeps submodules in the mode they were loaded in (`from_pretrained` gives eval), and
+        transformers' CLIP runs its gradient checkpointing only in train mode.
+        """
+        cfg = self.config
+        self.unet.train()
+        self.vae.eval()
+        self.text_encoder.train(cfg.train_text_encoder)
+
+    def on_train_start(self) -> None:
+        self.set_modes()
+
+    def trainable_names(self) -> set[str]:
+        """State-dict names of the trained parameters (what a checkpoint keeps)."""
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
+    # -- training -------------------------------------------------------------------------------------------
+    def _batch_tensors(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor | None]:
+        """Pixels, token ids and (with text_encoder_use_attention_mask) the attention mask of a batch, the class
+        images appended under prior preservation."""
+        pixels, ids, mask = batch["pixel_values"], batch["input_ids"], batch.get("attention_mask")
+        if self.loss_cfg.with_prior_preservation:
+            pixels = torch.cat([pixels, batch["class_pixel_values"]])
+            ids = torch.cat([ids, batch["class_input_ids"]])
+            if mask is not None:
+                mask = torch.cat([mask, batch["class_attention_mask"]])
+        return pixels, ids, mask
+
+    def encode_prompt(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The text encoder's hidden states of token ids; the attention mask is passed only with
+        text_encoder_use_attention_mask (diffusers' DreamBooth `encode_prompt`)."""
+        if self.config.text_encoder_use_attention_mask and mask is not None:
+            return self.text_encoder(ids, attention_mask=mask.to(ids.device), return_dict=False)[0]
+        return self.text_encoder(ids, return_dict=False)[0]
+
+    def step_noise(self, pixels: torch.Tensor, batch_idx: int) -> Any:
+        """The noise of this rank's slice of the global micro-batch (independent of the world size)."""
+        parts = 2 if self.loss_cfg.with_prior_preservation else 1
+        b, world, rank = pixels.shape[0] // parts, self.trainer.world_size, self.global_rank
+        shape = latent_shape(self.vae, pixels)
+        g = step_generator(self.config.seed, self.global_step, batch_idx % self.trainer.accumulate_grad_batches)
+        full = draw_step_noise((parts * b * world, *shape[1:]), self.noise_scheduler.config.num_train_timesteps,
+                               g, self.loss_cfg.noise_offset, self.loss_cfg.input_perturbation)
+
+        def mine(t: torch.Tensor) -> torch.Tensor:
+            t = t.view(parts, b * world, *t.shape[1:])[:, rank * b:(rank + 1) * b]
+            return t.reshape(parts * b, *t.shape[2:]).to(pixels.device)
+
+        full.latent_eps, full.noise, full.timesteps = mine(full.latent_eps), mine(full.noise), mine(full.timesteps)
+        if full.perturbation is not None:
+            full.perturbation = mine(full.perturbation)
+        return full
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The loss of one micro-batch at the current global step."""
+        pixels, ids, mask = self._batch_tensors(batch)
+        noise = self.step_noise(pixels, batch_idx)
+        with torch.no_grad():
+            latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
+        hidden = self.encode_prompt(ids, mask)
+        return diffusion_loss(self.unet, self.noise_scheduler, latents, hidden, noise.noise, noise.timesteps,
+                              self.loss_cfg, noise.perturbation)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch, batch_idx)
+        now = time.perf_counter()
+        # the mean over ranks (each rank's loss is over its own slice of the global batch)
+        self.log("train_loss", loss.detach(), prog_bar=True, on_step=True, sync_dist=True)
+        schedulers = self.lr_schedulers() if self._trainer is not None else None
+        if schedulers is not None:
+            sched = schedulers[0] if isinstance(schedulers, list) else schedulers
+            self.log("lr", float(sched.get_last_lr()[0]), prog_bar=True, on_step=True)
+        if self._t_last is not None:
+            images = batch["pixel_values"].shape[0] * self.trainer.world_size
+            self.log("images_per_s", images / max(now - self._t_last, 1e-9), prog_bar=True, on_step=True)
+        self._t_last = now
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:
+            self.ema.update()
+
+    def configure_optimizers(self) -> Any:
+        from diffusers.optimization import get_scheduler
+
+        o, train = self.config.optimizer, self.config.train
+        lr = o.learning_rate
+        if o.scale_lr:
+            lr *= train.gradient_accumulation_steps * train.train_batch_size * self.trainer.world_size
+        params = [p for p in self.parameters() if p.requires_grad]
+        adamw = torch.optim.AdamW
+        if o.use_8bit_adam:
+            import bitsandbytes as bnb  # check_run made sure it is importable and CUDA is there
+
+            adamw = bnb.optim.AdamW8bit
+        opt = adamw(params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
+                    eps=o.adam_epsilon)
+        # diffusers' scripts count warm-up and total steps in optimizer steps times processes; Lightning steps
+        # the scheduler once per optimizer step, so optimizer steps are the unit here.
+        sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
+                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=o.lr_num_cycles,
+                              power=o.lr_power)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoint state -----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict):
+            keep = self.trainable_names()
+            for key in [k for k in state if k not in keep]:
+                del state[key]
+        if self.ema is not None:
+            checkpoint["ema"] = self.ema.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.ema is not None and "ema" in checkpoint:
+            self.ema.load_state_dict(checkpoint["ema"])
+
+    # -- inference and export -------------------------------------------------------------------------------
+    def validation_scheduler(self) -> Any:
+        """The sampler of validation and class images: the base's own scheduler, or --validation_scheduler."""
+        name = self.config.validation_scheduler
+        if name is None:
+            return self.inference_scheduler
+        import diffusers
+
+        return getattr(diffusers, name).from_config(self.inference_scheduler.config)
+
+    def pipeline(self, use_ema: bool = False) -> Any:
+        """A `StableDiffusionPipeline` over the current modules with the base's scheduler and no safety
+        checker (as diffusers' validation builds it); EMA weights go into a UNet copy with `use_ema`."""
+        import copy
+
+        from ...diffusion.models import make_pipeline
+        from ...diffusion.streaming import gemini_of
+
+        if gemini_of(self.unet) is None:
+            self.fill_hollow()  # used before training: no Gemini will fill it
+        unet = self.unet
+        if use_ema and self.ema is not None:
+            unet = copy.deepcopy(self.unet)
+            self.ema.copy_to(unet.parameters())
+        comps = {"unet": unet, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer,
+                 "scheduler": self.validation_scheduler()}
+        return make_pipeline(comps)
+
+    def autocast(self, precision: str | None = None) -> Any:
+        """The training dtype's autocast (or `precision`'s): frozen half-precision models meet fp32 weights."""
+        import contextlib
+
+        precision = precision or self.config.mixed_precision
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, num_images: int, seed: int, *, use_ema: bool = False, batch_size: int = 1,
+                 precision: str | None = None) -> list[Any]:
+        """Images of `prompt` from the current weights (the EMA weights with `use_ema`), in eval mode and
+        under the training dtype's autocast; each model's train/eval mode is restored afterwards."""
+        from ...diffusion.export import generate_images
+
+        modes = {m: m.training for m in self.modules()}
+        self.eval()
+        try:
+            with self.autocast(precision):
+                return generate_images(self.pipeline(use_ema=use_ema), prompt, num_images, seed=seed,
+                                       steps=self.config.num_inference_steps, resolution=self.config.resolution,
+                                       batch_size=batch_size)
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+
+
+
+def _is_gemini(cfg: FineTuneConfig) -> bool:
+    """Whether the run shards with Gemini (its chunks can be filled from a file); makes no folder."""
+    from ...core_parallel import GeminiConfig
+
+    return isinstance(cfg.parallel, GeminiConfig) or (cfg.parallel is None and strategy_kind(cfg.strategy) == "gemini")
