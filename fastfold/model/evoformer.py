@@ -67,6 +67,22 @@ def _pair_bias(
     return layout.gather(bias, -2, full).unsqueeze(-4)
 
 
+def _row_attention(
+    layer_norm: nn.Module, mha: Attention, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None,
+    options: InferenceOptions, into: torch.Tensor | None,
+) -> torch.Tensor:
+    """`mha` self-attention of LayerNormed x [*, R, L, C] along L, each of the R rows on its own, computed by
+    blocks of rows (`into`: added into it block by block). mask: keep-mask [*, R, 1, 1, L]; bias: [*, 1, H, L, L]
+    or None. Returns the update [*, R, L, C] (or `into`)."""
+    chunk = attention_chunk(options, x.shape[-3], mha.heads, x.shape[-2], x.shape[-1], x.element_size())
+
+    def run(x_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
+        x_c = layer_norm(x_c)
+        return mha(x_c, x_c, mask=mask_c, bias=bias)
+
+    return chunked(run, [x, mask], x.dim() - 3, chunk, into=into)
+
+
 class MSARowAttentionWithPairBias(nn.Module):
     """AlphaFold2 suppl. Alg. 7: row-wise gated self-attention over the MSA with a bias from the pair."""
 
@@ -97,13 +113,7 @@ class MSARowAttentionWithPairBias(nn.Module):
     def _run(self, m, z, msa_mask, options, into, layout):
         bias = _pair_bias(self.layer_norm_z, self.linear_z, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(msa_mask)[..., :, None, None, :]  # [*, S, 1, 1, N]
-        chunk = attention_chunk(options, m.shape[-3], self.mha.heads, m.shape[-2], m.shape[-1], m.element_size())
-
-        def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
-            m_c = self.layer_norm_m(m_c)
-            return self.mha(m_c, m_c, mask=mask_c, bias=bias)
-
-        return chunked(run, [m, mask], m.dim() - 3, chunk, into=into)
+        return _row_attention(self.layer_norm_m, self.mha, m, mask, bias, options, into)
 
 
 class _MSAColumnOp(nn.Module):
@@ -136,15 +146,7 @@ class MSAColumnAttention(_MSAColumnOp):
     def _run(self, m, msa_mask, options, into):
         m_t = m.transpose(-2, -3)  # [*, N, S, C]
         mask = mask_keep(msa_mask).transpose(-1, -2)[..., :, None, None, :]  # [*, N, 1, 1, S]
-        chunk = attention_chunk(
-            options, m_t.shape[-3], self.mha.heads, m_t.shape[-2], m_t.shape[-1], m.element_size()
-        )
-
-        def run(m_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
-            m_c = self.layer_norm_m(m_c)
-            return self.mha(m_c, m_c, mask=mask_c)
-
-        return chunked(run, [m_t, mask], m_t.dim() - 3, chunk, into=into).transpose(-2, -3)
+        return _row_attention(self.layer_norm_m, self.mha, m_t, mask, None, options, into).transpose(-2, -3)
 
 
 class GlobalAttention(nn.Module):
@@ -422,13 +424,7 @@ class TriangleAttention(nn.Module):
             into = None if into is None else into.transpose(-2, -3)
         bias = _pair_bias(self.layer_norm, self.linear, z, options, layout)  # [*, 1, H, N, N]
         mask = mask_keep(pair_mask)[..., :, None, None, :]  # [*, N, 1, 1, N]
-        chunk = attention_chunk(options, z.shape[-3], self.mha.heads, z.shape[-2], z.shape[-1], z.element_size())
-
-        def run(z_c: torch.Tensor, mask_c: torch.Tensor) -> torch.Tensor:
-            x_c = self.layer_norm(z_c)
-            return self.mha(x_c, x_c, mask=mask_c, bias=bias)
-
-        out = chunked(run, [z, mask], z.dim() - 3, chunk, into=into)
+        out = _row_attention(self.layer_norm, self.mha, z, mask, bias, options, into)
         return out.transpose(-2, -3) if self.node == "ending" else out
 
 

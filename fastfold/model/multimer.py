@@ -13,7 +13,6 @@ Parameter files are read and written by `fastfold.params_multimer`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from collections.abc import Mapping
@@ -22,16 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ... import kernels
 from ..common import residue_constants as rc
 from ..common.geometry import (
-    atom14_to_atom37,
-    frames_to_atom14_positions,
     pseudo_beta,
     residue_constant_tensor,
-    torsion_angles_to_frames,
 )
 from ..common.rigid import Rigid
+from .alphafold import RecyclingModel
 from .config import (
     AlphaFoldConfig,
     EvoformerStackConfig,
@@ -45,7 +41,7 @@ from .evoformer import EvoformerStack, ExtraMSAStack, TemplatePairStack
 from .heads import AuxiliaryHeads
 from .options import DEFAULT_OPTIONS, InferenceOptions
 from .primitives import LayerNorm, Linear, row_blocks
-from .structure_module import AngleResnet
+from .structure_module import StructureModuleMultimer
 
 __all__ = [
     "FEATURE_NAMES",
@@ -58,23 +54,12 @@ __all__ = [
 ]
 
 FEATURE_NAMES = (
-    "aatype",
-    "residue_index",
-    "asym_id",
-    "entity_id",
-    "sym_id",
-    "seq_mask",
-    "target_feat",
-    "msa_feat",
-    "msa_mask",
-    "extra_msa",
-    "extra_msa_mask",
-    "extra_deletion_matrix",
-    "template_aatype",
-    "template_all_atom_positions",
-    "template_all_atom_mask",
-    "residx_atom37_to_atom14",
-    "atom37_atom_exists",
+    "aatype", "residue_index",
+    "asym_id", "entity_id", "sym_id",  # the chains: relative encoding, template pairs, ipTM
+    "seq_mask", "target_feat", "msa_feat", "msa_mask", "extra_msa", "extra_msa_mask",
+    "extra_deletion_matrix",  # where the monomer reads extra_has_deletion and extra_deletion_value
+    "template_aatype", "template_all_atom_positions", "template_all_atom_mask",  # no template_mask, pseudo-beta
+    "residx_atom37_to_atom14", "atom37_atom_exists",
 )
 """Features the multimer model reads (each with the recycling passes on its trailing axis), as
 `fastfold.data.multimer.process_multimer_features` writes them."""
@@ -401,136 +386,6 @@ class TemplateEmbedderMultimer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Structure module.
-
-
-class InvariantPointAttentionMultimer(nn.Module):
-    """AlphaFold-Multimer's IPA: scalar q/k/v without bias, per-head point projections (each head's x, y, z
-    blocks of points), all logit terms scaled by sqrt(1/3) together; the output point norm clipped at 1e-8."""
-
-    def __init__(self, cfg: StructureModuleConfig):
-        super().__init__()
-        h, self.cfg = cfg.ipa_heads, cfg
-        self.linear_q = Linear(cfg.c_s, h * cfg.ipa_scalar_qk, bias=False)
-        self.linear_k = Linear(cfg.c_s, h * cfg.ipa_scalar_qk, bias=False)
-        self.linear_v = Linear(cfg.c_s, h * cfg.ipa_scalar_v, bias=False)
-        self.linear_q_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_qk)
-        self.linear_k_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_qk)
-        self.linear_v_points = Linear(cfg.c_s, h * 3 * cfg.ipa_point_v)
-        self.linear_b = Linear(cfg.c_z, h)
-        self.head_weights = nn.Parameter(torch.full((h,), math.log(math.e - 1.0)))
-        self.linear_out = Linear(h * (cfg.c_z + cfg.ipa_scalar_v + 4 * cfg.ipa_point_v), cfg.c_s)
-
-    def _points(self, linear: Linear, s: torch.Tensor, frames: Rigid) -> torch.Tensor:
-        """Global points [*, N, H, P, 3] from the per-head layout [H, (x: P, y: P, z: P)]."""
-        local = linear(s).unflatten(-1, (self.cfg.ipa_heads, -1))  # [*, N, H, 3P]
-        local = torch.stack(local.chunk(3, dim=-1), dim=-1)  # [*, N, H, P, 3]
-        return frames.unsqueeze(-1).unsqueeze(-1).apply(local)
-
-    def forward(self, s: torch.Tensor, z_ln: torch.Tensor, bias: torch.Tensor, frames: Rigid, mask: torch.Tensor,
-                chunk: int | None) -> torch.Tensor:
-        """s: [*, N, C_s]; z_ln: the LayerNormed pair [*, N, N, C_z]; bias: `linear_b(z_ln)` as [*, H, N, N];
-        frames: batch shape [*, N]; mask: [*, N]. Returns the update to s [*, N, C_s], by blocks of `chunk`
-        query residues."""
-        c, h = self.cfg, self.cfg.ipa_heads
-        q = self.linear_q(s).unflatten(-1, (h, -1)) * math.sqrt(1.0 / c.ipa_scalar_qk)
-        k = self.linear_k(s).unflatten(-1, (h, -1))
-        v = self.linear_v(s).unflatten(-1, (h, -1))
-        q_pts = self._points(self.linear_q_points, s, frames)
-        k_pts = self._points(self.linear_k_points, s, frames)
-        v_pts = self._points(self.linear_v_points, s, frames)
-        w = nn.functional.softplus(self.head_weights) * math.sqrt(1.0 / (max(c.ipa_point_qk, 1) * 9.0 / 2))
-        outs = []
-        for r0, r1 in row_blocks(s.shape[-2], chunk):
-            d2 = ((q_pts[..., r0:r1, None, :, :, :] - k_pts[..., None, :, :, :, :]) ** 2).sum(-1)  # [*, i, j, H, P]
-            logits = -0.5 * torch.einsum("...ijhp,h->...hij", d2, w)
-            del d2
-            logits = logits + torch.einsum("...ihc,...jhc->...hij", q[..., r0:r1, :, :], k)
-            logits = logits + bias[..., r0:r1, :]
-            mask_2d = mask[..., r0:r1, None] * mask[..., None, :]
-            logits = (logits + 1e5 * (mask_2d[..., None, :, :] - 1)) * math.sqrt(1.0 / 3)
-            attn = torch.softmax(logits, dim=-1)  # [*, H, i, j]
-            del logits
-            o = torch.einsum("...hij,...jhc->...ihc", attn, v).flatten(-2)
-            o_pt = torch.einsum("...hij,...jhpx->...ihpx", attn, v_pts)
-            rows = Rigid(frames.rot[..., r0:r1, :, :], frames.trans[..., r0:r1, :])
-            o_pt = rows.unsqueeze(-1).unsqueeze(-1).invert_apply(o_pt)  # [*, i, H, P_v, 3] local
-            o_pt_norm = torch.sqrt(torch.clamp((o_pt**2).sum(-1), min=1e-16))
-            o_pair = torch.einsum("...hij,...ijc->...ihc", attn, z_ln[..., r0:r1, :, :]).flatten(-2)
-            feats = [o, *(o_pt[..., k].flatten(-2) for k in range(3)), o_pt_norm.flatten(-2), o_pair]
-            outs.append(self.linear_out(torch.cat(feats, dim=-1)))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-
-
-def quat_rigid(update: torch.Tensor) -> Rigid:
-    """AlphaFold-Multimer's `QuatRigid`: update [*, 6] = (b, c, d, translation); the rotation of the
-    quaternion (1, b, c, d) normalised (norm clipped at 1e-3)."""
-    x, y, zq = update[..., 0], update[..., 1], update[..., 2]
-    w = torch.ones_like(x)
-    inv = torch.rsqrt(torch.clamp(w * w + x * x + y * y + zq * zq, min=1e-6))
-    w, x, y, zq = w * inv, x * inv, y * inv, zq * inv
-    rows = [
-        [1 - 2 * (y * y + zq * zq), 2 * (x * y - w * zq), 2 * (x * zq + w * y)],
-        [2 * (x * y + w * zq), 1 - 2 * (x * x + zq * zq), 2 * (y * zq - w * x)],
-        [2 * (x * zq - w * y), 2 * (y * zq + w * x), 1 - 2 * (x * x + y * y)],
-    ]
-    rot = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
-    return Rigid(rot, update[..., 3:])
-
-
-class StructureModuleMultimer(nn.Module):
-    """AlphaFold-Multimer's structure module: the monomer fold block with multimer IPA and the quaternion
-    rigid update composed as rotation matrices; translations times 20 give Angstrom."""
-
-    def __init__(self, cfg: StructureModuleConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.layer_norm_s = LayerNorm(cfg.c_s)
-        self.layer_norm_z = LayerNorm(cfg.c_z)
-        self.linear_in = Linear(cfg.c_s, cfg.c_s)
-        self.ipa = InvariantPointAttentionMultimer(cfg)
-        self.layer_norm_ipa = LayerNorm(cfg.c_s)
-        self.transition = nn.ModuleList(Linear(cfg.c_s, cfg.c_s) for _ in range(cfg.transition_layers))
-        self.layer_norm_transition = LayerNorm(cfg.c_s)
-        self.bb_update = Linear(cfg.c_s, 6)
-        self.angle_resnet = AngleResnet(cfg.c_s, cfg.c_resnet, cfg.resnet_blocks)
-
-    def forward(self, s: torch.Tensor, z: torch.Tensor, aatype: torch.Tensor, mask: torch.Tensor,
-                options: InferenceOptions | None = None) -> dict[str, torch.Tensor]:
-        """s: [*, N, C_s]; z: [*, N, N, C_z]; aatype, mask: [*, N]. Returns `single`, `frames` [*, N, 4, 4]
-        (Angstrom), `angles`, `unnormalized_angles` [*, N, 7, 2], `atom14_positions` [*, N, 14, 3]."""
-        c = self.cfg
-        s_initial = self.layer_norm_s(s)
-        z_ln = self.layer_norm_z(z)
-        bias = self.ipa.linear_b(z_ln).movedim(-1, -3)
-        n = s.shape[-2]
-        per_row = n * (2 * 3 * c.ipa_heads * c.ipa_point_qk + 2 * z.shape[-1] + 4 * c.ipa_heads) * z.element_size()
-        chunk = None if options is None else options.rows_per_chunk(n, per_row)
-        s = self.linear_in(s_initial)
-        frames = Rigid.identity(tuple(s.shape[:-1]), s.dtype, s.device)
-        mask = mask.to(s.dtype)
-        for _ in range(c.num_layers):
-            s = self.layer_norm_ipa(s + self.ipa(s, z_ln, bias, frames, mask, chunk))
-            a = s
-            for i, linear in enumerate(self.transition):
-                a = linear(a)
-                if i < len(self.transition) - 1:
-                    a = torch.relu(a)
-            s = self.layer_norm_transition(s + a)
-            frames = frames.compose(quat_rigid(self.bb_update(s)))
-        raw, angles = self.angle_resnet(s, s_initial)
-        backbone = frames.scale_translation(c.position_scale)
-        all_frames = torsion_angles_to_frames(aatype.long(), backbone, angles)
-        return {
-            "single": s,
-            "frames": backbone.to_tensor_4x4(),
-            "angles": angles,
-            "unnormalized_angles": raw,
-            "atom14_positions": frames_to_atom14_positions(aatype.long(), all_frames),
-        }
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Confidence.
 
 
@@ -574,16 +429,21 @@ def ca_distance_change(prev: torch.Tensor, new: torch.Tensor, seq_mask: torch.Te
 # The model.
 
 
-class AlphaFoldMultimer(nn.Module):
+class AlphaFoldMultimer(RecyclingModel):
     """AlphaFold-Multimer: embedders, extra-MSA stack and Evoformer (outer product mean first), the multimer
     structure module and the heads with pTM, ipTM and the ranking confidence.
 
     `model(batch, options)` runs one pass per entry of the batch's trailing (recycling) axis, stopping early
     once the predicted Ca distances settle (`config.recycle_early_stop_tolerance`, as AlphaFold v2.3: the pass
     after the one that settles is the last), and returns AlphaFold-named outputs of the last pass plus
-    `num_recycles` (passes run - 1). Submodules: `input_embedder`, `recycling_embedder`, `template_embedder`,
-    `extra_msa_embedder`, `extra_msa_stack`, `evoformer`, `structure_module`, `aux_heads`.
+    `num_recycles` (passes run - 1), `iptm_score` and `ranking_confidence`. Submodules: `input_embedder`,
+    `recycling_embedder`, `template_embedder`, `extra_msa_embedder`, `extra_msa_stack`, `evoformer`,
+    `structure_module`, `aux_heads`. The recycling loop and the pass are `RecyclingModel`'s; the hooks below
+    are where AlphaFold-Multimer differs.
     """
+
+    FEATURE_NAMES = FEATURE_NAMES
+    RECYCLE_IN_PLACE = True
 
     def __init__(self, config: MultimerConfig):
         super().__init__()
@@ -597,108 +457,50 @@ class AlphaFoldMultimer(nn.Module):
         self.structure_module = StructureModuleMultimer(config.structure_module)
         self.aux_heads = AuxiliaryHeads(config)
 
-    def forward(
-        self, batch: Mapping[str, torch.Tensor], options: InferenceOptions | None = None
-    ) -> dict[str, torch.Tensor]:
-        """batch: processed features `[..., R]` (R recycling passes on the trailing axis; see FEATURE_NAMES).
-
-        Returns the last pass's outputs: `final_atom_positions` [*, N, 37, 3], `final_atom_mask`, `plddt` [*, N],
-        `predicted_aligned_error` [*, N, N], `ptm_score`, `iptm_score`, `ranking_confidence` [*], the logits of
-        every head, `single`, `pair`, `msa`, and `num_recycles`."""
-        options = options or DEFAULT_OPTIONS
-        feats = self._select_features(batch)
-        cycles = feats["aatype"].shape[-1]
-        tol = self.config.recycle_early_stop_tolerance
-        backend = kernels.use_backend(options.attention_backend)
-        with backend if options.attention_backend != "auto" else contextlib.nullcontext():
-            prev, stop = None, False
-            for i in range(cycles):
-                last = i == cycles - 1 or stop
-                f = {k: v[..., i] for k, v in feats.items()}
-                with torch.set_grad_enabled(torch.is_grad_enabled() and last):
-                    out = self.iteration(f, prev, options)
-                if last:
-                    out["num_recycles"] = torch.tensor(i)
-                    return out
-                if tol >= 0:
-                    prev_x = prev["final_atom_positions"] if prev is not None else torch.zeros_like(
-                        out["final_atom_positions"])
-                    change = ca_distance_change(prev_x, out["final_atom_positions"], f["seq_mask"].to(prev_x.dtype))
-                    stop = bool((change <= tol).all())
-                prev = {
-                    "msa_first_row": out["msa_first_row"].detach().clone(),
-                    "pair": out["pair"].detach(),
-                    "final_atom_positions": out["final_atom_positions"].detach(),
-                }
-                del out
-        raise ValueError("AlphaFoldMultimer: the feature batch has no recycling iterations (trailing axis of size 0)")
-
-    def _select_features(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        needed = [k for k in FEATURE_NAMES if not k.startswith("template_") or self.template_embedder is not None]
-        missing = [k for k in needed if batch.get(k) is None]
-        if missing:
-            raise KeyError(f"AlphaFoldMultimer: the feature batch lacks {', '.join(missing)}")
-        return {k: torch.as_tensor(batch[k]) for k in needed}
-
     def _embed(self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None, options: InferenceOptions):
-        """Returns m, z, msa_mask, pair_mask ready for the Evoformer."""
+        """Returns m, z, msa_mask, pair_mask ready for the Evoformer. AlphaFold-Multimer's embedding: the
+        chain-aware relative encoding; the template embedder sees the chains (`asym_id`) and its template rows
+        (from chi angles, no template mask feature) join the MSA before the extra-MSA stack."""
         dtype = self.input_embedder.linear_tf_m.weight.dtype
         seq_mask = f["seq_mask"].to(dtype)
         pair_mask = seq_mask[..., :, None] * seq_mask[..., None, :]
         m, z = self.input_embedder(f, dtype, options)
-        n = z.shape[-2]
-        if prev is None:
-            prev = {
-                "msa_first_row": m.new_zeros(()).expand(*m.shape[:-3], n, m.shape[-1]),
-                "pair": z.new_zeros(()).expand(z.shape),
-                "final_atom_positions": z.new_zeros(*z.shape[:-3], n, 37, 3),
-            }
-        self.recycling_embedder.add_pair_(z, f["aatype"], prev["pair"], prev["final_atom_positions"], options)
-        m[..., 0, :, :] += self.recycling_embedder.layer_norm_m(prev["msa_first_row"])
+        m, z = self._recycle(f, m, z, prev, options)
         msa_mask = f["msa_mask"].to(dtype)
         if self.template_embedder is not None and f["template_aatype"].shape[-2] > 0:
             templ = {k: v for k, v in f.items() if k.startswith("template_")}
             z = options.add_(z, self.template_embedder(templ, z, pair_mask, f["asym_id"], options))
-            rows, row_mask = self.template_embedder.template_single_embedder(templ, dtype)
-            m = torch.cat([m, rows], dim=-3)
-            msa_mask = torch.cat([msa_mask, row_mask], dim=-2)
-        dels = f["extra_deletion_matrix"].to(dtype)
-        a = self.extra_msa_embedder(
-            f["extra_msa"], torch.clamp(dels, 0.0, 1.0), torch.atan(dels / 3.0) * (2.0 / math.pi)
-        )
-        z = self.extra_msa_stack(a, z, f["extra_msa_mask"].to(dtype), pair_mask, options)
-        del a
+            m, msa_mask = self._add_rows(m, msa_mask, *self.template_embedder.template_single_embedder(templ, dtype))
+        z = self._extra_msa(f, z, pair_mask, dtype, options)
         return m, z, msa_mask, pair_mask
 
-    def iteration(self, f: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None,
-                  options: InferenceOptions) -> dict[str, torch.Tensor]:
-        """One pass on features without the recycling axis; `prev` holds the previous pass's `msa_first_row`,
-        `pair` and `final_atom_positions`."""
-        n_seq = f["msa_feat"].shape[-3]
-        m, z, msa_mask, pair_mask = self._embed(f, prev, options)
-        m, z, s = self.evoformer(m, z, msa_mask, pair_mask, options)
-        seq_mask = f["seq_mask"].to(s.dtype)
-        sm = self.structure_module(s, z, f["aatype"], seq_mask, options)
-        atom37_exists = f["atom37_atom_exists"].to(s.dtype)
-        positions = atom14_to_atom37(sm["atom14_positions"], f["residx_atom37_to_atom14"], atom37_exists)
-        msa = m[..., :n_seq, :, :]
-        out = self.aux_heads(s, sm["single"], z, msa, seq_mask, options)
+    def _extra_deletion_features(self, f: dict[str, torch.Tensor], dtype: torch.dtype):
+        """AlphaFold-Multimer derives them from the deletion counts `extra_deletion_matrix` [*, S_e, N]:
+        min(d, 1) and 2/pi atan(d / 3)."""
+        dels = f["extra_deletion_matrix"].to(dtype)
+        return torch.clamp(dels, 0.0, 1.0), torch.atan(dels / 3.0) * (2.0 / math.pi)
+
+    def _settled(self, prev: dict[str, torch.Tensor] | None, out: dict[str, torch.Tensor], f) -> bool:
+        """AlphaFold v2.3's early stop: the Ca distances moved by at most the tolerance since the previous pass
+        (zeros before the first); never with a negative tolerance."""
+        tol = self.config.recycle_early_stop_tolerance
+        if tol < 0:
+            return False
+        prev_x = prev["final_atom_positions"] if prev is not None else torch.zeros_like(out["final_atom_positions"])
+        change = ca_distance_change(prev_x, out["final_atom_positions"], f["seq_mask"].to(prev_x.dtype))
+        return bool((change <= tol).all())
+
+    def _last_pass(self, out: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+        """The outputs with `num_recycles` (passes run - 1; fewer than the batch holds after an early stop)."""
+        out["num_recycles"] = torch.tensor(index)
+        return out
+
+    def _confidences(self, out: dict[str, torch.Tensor], f: dict[str, torch.Tensor], seq_mask: torch.Tensor) -> None:
+        """AlphaFold-Multimer's confidences: pTM, interface pTM over pairs of different chains, and the ranking
+        confidence `iptm_weight * ipTM + ptm_weight * pTM`."""
         logits = out["predicted_aligned_error_logits"]
         out["ptm_score"] = compute_tm(logits, self.config.heads, seq_mask)
         out["iptm_score"] = compute_tm(logits, self.config.heads, seq_mask, f["asym_id"])
         out["ranking_confidence"] = (
             self.config.iptm_weight * out["iptm_score"] + self.config.ptm_weight * out["ptm_score"]
         )
-        out.update(
-            final_atom_positions=positions,
-            final_atom_mask=atom37_exists,
-            final_atom14_positions=sm["atom14_positions"],
-            final_affine_tensor=sm["frames"],
-            sidechain_angles=sm["angles"],
-            single=s,
-            pair=z,
-            msa=msa,
-            msa_first_row=m[..., 0, :, :],
-            structure_module=sm["single"],
-        )
-        return out
