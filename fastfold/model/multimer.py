@@ -1,6 +1,8 @@
 """The AlphaFold-Multimer model (v2.x / v3, inference): chain-aware relative positions, the multimer template
-embedder, the multimer structure module (IPA with per-head point projections, quaternion rigid update), the
-confidence heads with pTM and interface pTM (ipTM), ranked by 0.8 ipTM + 0.2 pTM.
+embedder, the multimer structure module (IPA with per-head point projections, quaternion rigid update; in
+`structure_module.py` beside the monomer one), the confidence heads with pTM and interface pTM (ipTM), ranked by
+0.8 ipTM + 0.2 pTM. The recycling loop and the pass are the monomer's (`alphafold.RecyclingModel`); the model
+overrides its hooks where AlphaFold-Multimer differs.
 
 Following the AlphaFold-Multimer paper (Evans et al. 2021, bioRxiv 2021.10.04.463034, suppl. 2-3) and the
 public AlphaFold v2.3 `modules_multimer` description; the numbers equal OpenFold's multimer model in float64
