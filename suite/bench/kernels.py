@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which size families to run (default: evoformer,diffusion)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per case (median; default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case before giving up")
+    parser.add_argument("--floor", action="store_true",
+                        help="attention: also SDPA without bias or mask (the floor: what the bias and mask cost)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -142,6 +144,7 @@ def _impl(op: str, impl: str):
         ("attention", "ours"): lambda q, k, v, bias, mask: kernels.attention(q, k, v, bias=bias, mask=mask),
         ("attention", "naive"): lambda q, k, v, bias, mask: naive_scores(
             q @ k.transpose(-1, -2), bias, mask, q.shape[-1] ** -0.5) @ v,
+        ("attention", "sdpa-nobias"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(q, k, v),
         ("attention", "sdpa"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias.masked_fill(~mask, float("-inf"))),
     }
@@ -161,7 +164,7 @@ def _worker(spec: dict) -> dict:
             with torch.no_grad():
                 return fn(**inputs)
         out = fn(**inputs)
-        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)  # the floor skips bias
 
     cuda = device.type == "cuda"
     step()  # warm-up: lazy initialisation must count neither as the op's memory nor its time
@@ -267,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case['op']} {case['size']} {case['mode']}", file=sys.stderr, flush=True)
         ours = _run_case(case, "ours", args, dtype)
-        for baseline in BASELINES[case["op"]]:
+        floor = ("sdpa-nobias",) if getattr(args, "floor", False) and case["op"] == "attention" else ()
+        for baseline in BASELINES[case["op"]] + floor:
             rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
     columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "cpu-time ratio", "ours MiB",
                "base MiB", "mem ratio", "error"]
