@@ -20,7 +20,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal
 
-from ..utils.settings import section
+from ..utils.settings import checked, section
 from .data.targets import AlignmentConfig
 
 __all__ = ["FLAGLESS", "AlignmentSettings", "FoldSettings", "ModelSettings", "RelaxSettings", "RunSettings"]
@@ -47,7 +47,7 @@ class ModelSettings:
     """size of the randomly initialised model used without --param_path"""
     precision: Literal["fp32", "bf16", "fp64"] = "fp32"
     """model precision"""
-    chunk_size: int | Literal["auto"] | None = None
+    chunk_size: int | Literal["auto"] | None = checked(None)
     """low-memory chunk size, or 'auto'"""
     model_device: str = "auto"
     """auto (CUDA when available), cpu, cuda or cuda:N (with --devices N > 1: auto, cpu or cuda; rank r runs on
@@ -56,9 +56,10 @@ class ModelSettings:
     """in-place residual updates in the model (FastFold's flag): one activation copy less"""
 
     def __post_init__(self) -> None:
-        c = self.chunk_size
-        if not (c is None or c == "auto" or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)):
-            raise ValueError(f"chunk_size must be a positive int or 'auto', got {c!r}")
+        if self.chunk_size is not None:  # None needs no check, and the check's module imports torch
+            from .model.options import check_chunk_size
+
+            check_chunk_size(self.chunk_size)
 
 
 @dataclass(kw_only=True)

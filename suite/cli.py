@@ -4,7 +4,8 @@ One dispatch table maps each subcommand to a module in `suite.commands` (or `sui
 Each module defines `add_arguments(parser)` and `run(args) -> int`; modules are imported only when their
 subcommand runs, so `suite --help` stays fast. Bad input raises `UsageError`: one line on stderr, exit 2; so
 does a missing optional package (the line names the extra that installs it).
-A traceback is shown only with `--debug`.
+A traceback is shown only with `--debug`. A command with a config file merges its flags and the file with
+`utils.settings.merge`, the one precedence rule (explicit flag > file > default).
 """
 
 from __future__ import annotations
@@ -58,25 +59,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _explicit_flags(argv: Sequence[str]) -> frozenset[str]:
-    """The destinations given on the command line, as opposed to defaults: the same parser run again on `argv`
-    with every default suppressed. A config file fills only the others (explicit flag > file > default), so an
-    explicit value equal to the default still wins over the file."""
-    quiet = build_parser(argv)
-    _suppress_defaults(quiet)
-    return frozenset(vars(quiet.parse_args(argv)))
-
-
-def _suppress_defaults(parser: argparse.ArgumentParser) -> None:
-    parser._defaults.clear()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _suppress_defaults(sub)
-        elif action.dest != "help":
-            action.default = argparse.SUPPRESS
-
-
 def _requested_command(argv: Sequence[str] | None) -> str | None:
     for token in argv or ():
         if token in COMMANDS:
@@ -89,7 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    args.explicit_flags = _explicit_flags(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help()

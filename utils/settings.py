@@ -31,10 +31,11 @@ from typing import Any
 
 from .errors import InputError
 
-__all__ = ["Setting", "add_flags", "assemble", "build", "from_mapping", "merge", "read_yaml", "section",
+__all__ = ["Setting", "add_flags", "assemble", "build", "checked", "from_mapping", "merge", "read_yaml", "section",
            "settings"]
 
 _SECTION = "typed_settings.section"  # the dataclasses.field metadata key of a section
+_CHECKED = "typed_settings.checked"  # the dataclasses.field metadata key of a setting its config judges itself
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,13 @@ def section(cls: type, *, default: Callable[[], Any] | None = None, rename: Mapp
     return dataclasses.field(default_factory=default or cls, metadata={_SECTION: spec})
 
 
+def checked(default: Any = None) -> Any:
+    """A setting field judged by its config's own check (`__post_init__`), not only by its annotation: a flag's
+    text that fits no member of the type and a file's value of another type reach the config as given, so one
+    check answers with one message whichever way the value came (flag, file or Python), e.g. a chunk size."""
+    return dataclasses.field(default=default, metadata={_CHECKED: True})
+
+
 @dataclass(frozen=True)
 class Setting:
     """One leaf field of a config."""
@@ -66,6 +74,8 @@ class Setting:
     """The value in the config's default instance."""
     help: str
     """The field's docstring on one line."""
+    checked: bool = False
+    """Values its type does not fit go on to the config's own check (a field declared with `checked`)."""
 
     @property
     def key(self) -> str:
@@ -107,7 +117,7 @@ def _walk(cls: type, default: Any, prefix: tuple[str, ...], spec: _SectionSpec, 
         if name in out:
             raise TypeError(f"{cls.__name__}: setting '{name}' ({'.'.join((*prefix, f.name))}) is already "
                             f"{out[name].key}")
-        out[name] = Setting(name, (*prefix, f.name), tp, value, docs.get(f.name, ""))
+        out[name] = Setting(name, (*prefix, f.name), tp, value, docs.get(f.name, ""), _CHECKED in f.metadata)
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -296,6 +306,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         if form is None:
             raise TypeError(f"{cls.__name__}.{s.key}: {_describe(s.type)} has no command-line form")
         kind, elem, choices = form
+        if s.checked:
+            elem = _as_given(elem)
         text = s.help
         if s.default is not None and s.default is not False and "default:" not in text:
             text = f"{text.rstrip('.')} (default: {s.default})"
@@ -307,6 +319,20 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             kw.update(type=elem, choices=choices, nargs="+" if kind == "list" else None)
         target.add_argument(f"--{s.name}", **kw)
     return chosen
+
+
+@functools.cache
+def _as_given(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, or the text itself when it does not parse (a `checked` setting: its config judges the text)."""
+
+    def lenient(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            return text
+
+    lenient.__name__ = getattr(parse, "__name__", "text")
+    return lenient
 
 
 # -- files ---------------------------------------------------------------------------------------------------
@@ -377,7 +403,9 @@ def from_mapping(data: Mapping[str, Any], cls: type, source: str,
             try:
                 out[s.name] = coerce(s.type, value)
             except TypeError:
-                raise InputError(f"{source}: {where}: expected {_describe(s.type)}, got {value!r}") from None
+                if not s.checked:
+                    raise InputError(f"{source}: {where}: expected {_describe(s.type)}, got {value!r}") from None
+                out[s.name] = value  # the config's own check judges it, as it judges a flag's or Python's value
             written[s.name] = where
 
     visit(data, ())
@@ -391,22 +419,21 @@ def _hint(key: str, table: Mapping[str, Setting], sections: set[tuple[str, ...]]
 
 
 # -- merging and building ------------------------------------------------------------------------------------
-def merge(cls: type, args: argparse.Namespace, file_values: Mapping[str, Any] | None = None, source: str = "",
-          explicit: Iterable[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The one merge rule: a flag given on the command line > the file's value > the default (left out).
+def merge(cls: type, args: argparse.Namespace, file_values: Mapping[str, Any] | None = None,
+          source: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """The one precedence rule of every command: a flag given on the command line > the file's value > the
+    default (left out).
 
-    `explicit` names the flags given (suite's `args.explicit_flags`); without it every setting present in
-    `args` counts as given (the flags of `add_flags(defaults=False)` are present only when given), so an
-    explicit value equal to the default still beats the file. Returns the flat values and where each came
-    from ("--name", or `source` for the file's), for `build`'s messages.
+    A setting is given when `args` holds it with a value other than None: `add_flags` (`defaults=False`, as a
+    command with a config file adds them) leaves a flag out of the namespace unless it is typed, and an optional
+    positional left out holds None (no flag gives None). So an explicit value equal to the default (`--seed 0`)
+    still beats the file (`seed: 3`). Returns the flat values and where each came from ("--name", or `source`
+    for the file's), for `build`'s messages.
     """
-    if explicit is None:
-        explicit = getattr(args, "explicit_flags", None)
-    given = set(vars(args) if explicit is None else explicit)
     values = dict(file_values or {})
     origin = dict.fromkeys(values, source)
     for name in settings(cls):
-        if name in given and hasattr(args, name):
+        if getattr(args, name, None) is not None:
             values[name], origin[name] = getattr(args, name), f"--{name}"
     return values, origin
 

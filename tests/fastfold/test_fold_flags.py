@@ -101,13 +101,13 @@ def _argv(flag: str, value: str | None) -> list[str]:
 
 @pytest.mark.parametrize("flag", sorted(set(OPENFOLD) | set(FASTFOLD)))
 def test_every_openfold_and_fastfold_flag_is_accepted_with_its_meaning_or_refused(tmp_path, flag):
-    from lowmem.suite.commands.fold import _apply_compat
+    from lowmem.suite.commands.fold_compat import apply_compat
 
     assert (flag in ACCEPTED) != (flag in REFUSED), f"{flag}: neither accepted with a meaning nor refused"
     if flag in ACCEPTED:
         value, effects = ACCEPTED[flag]
         args = _parse(tmp_path, _argv(flag, value))
-        _apply_compat(args)
+        apply_compat(args)
         for attr, want in effects.items():
             got = getattr(args, attr)
             assert want(got) if callable(want) else got == want, (flag, attr, got)
@@ -115,7 +115,7 @@ def test_every_openfold_and_fastfold_flag_is_accepted_with_its_meaning_or_refuse
         value, words = REFUSED[flag]
         args = _parse(tmp_path, _argv(flag, value))
         with pytest.raises(UsageError) as err:
-            _apply_compat(args)
+            apply_compat(args)
         message = str(err.value)
         assert message.startswith(flag) and words in message and "\n" not in message
 
@@ -130,10 +130,10 @@ def test_every_openfold_and_fastfold_flag_is_accepted_with_its_meaning_or_refuse
     (["--data_random_seed", "x"], "expected an integer"),
 ])
 def test_contradicting_or_impossible_compat_values_are_one_line(tmp_path, argv, message):
-    from lowmem.suite.commands.fold import _apply_compat
+    from lowmem.suite.commands.fold_compat import apply_compat
 
     with pytest.raises(UsageError, match=message):
-        _apply_compat(_parse(tmp_path, argv))
+        apply_compat(_parse(tmp_path, argv))
 
 
 def test_openfold_command_line_runs_with_a_folder_of_fasta_files(tmp_path, capsys):

@@ -112,9 +112,8 @@ def test_merge_explicit_flag_beats_the_file_which_beats_the_default():
     cfg = build(_Outer, values, origin)
     assert (cfg.inner.size, cfg.inner.scale, cfg.inner.mode) == (8, 2.0, "a")
     assert origin == {"inner_size": "--inner_size", "scale": "f.yaml"}
-    # with a parser that fills defaults, `explicit` (suite's args.explicit_flags) says what was given
-    args = _parser(defaults=True).parse_args(["--scale", "1.0"])
-    values, _ = merge(_Outer, args, file_values, "f.yaml", explicit={"scale"})
+    # the flag given, the file's value for the other: one rule, what the namespace holds (not None) is given
+    values, _ = merge(_Outer, p.parse_args(["--scale", "1.0"]), file_values, "f.yaml")
     cfg = build(_Outer, values)
     assert (cfg.inner.size, cfg.inner.scale) == (3, 1.0)
     assert build(_Outer, {}).inner.size == 8  # neither: the composed default
@@ -145,21 +144,20 @@ def test_two_settings_with_one_flat_name_are_refused():
     ("max_recycles: 3\n", "unknown setting 'max_recycles'"),
 ])
 def test_fold_config_values_are_checked_as_the_flags_check_them(tmp_path, text, expect):
-    from lowmem.suite.cli import _explicit_flags, build_parser
+    from lowmem.suite.cli import build_parser
     from lowmem.suite.commands.fold import fold_settings
 
     config = tmp_path / "fold.yaml"
     config.write_text(text)
     argv = ["fold", "x.fasta", "--config", str(config)]
     args = build_parser(argv).parse_args(argv)
-    args.explicit_flags = _explicit_flags(argv)
     with pytest.raises(InputError) as info:
         fold_settings(args)
     assert str(info.value).startswith(f"{config}: ") and expect in str(info.value), str(info.value)
 
 
 def test_fold_config_values_take_the_flags_types(tmp_path):
-    from lowmem.suite.cli import _explicit_flags, build_parser
+    from lowmem.suite.cli import build_parser
     from lowmem.suite.commands.fold import fold_settings
 
     config = tmp_path / "fold.yaml"
@@ -167,7 +165,6 @@ def test_fold_config_values_take_the_flags_types(tmp_path):
                       "relax: false\n")
     argv = ["fold", "x.fasta", "--config", str(config)]
     args = build_parser(argv).parse_args(argv)
-    args.explicit_flags = _explicit_flags(argv)
     fold_settings(args)
     assert (args.max_template_date, args.chunk_size, args.relax_max_minutes, args.num_recycle, args.relax) == (
         "2021-10-14", 64, 2.0, None, False)

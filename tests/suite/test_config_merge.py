@@ -3,20 +3,28 @@ explicit value equals the default (before, `suite fold --seed 0` lost to `seed: 
 
 from __future__ import annotations
 
-from lowmem.suite.cli import _explicit_flags, build_parser
+import argparse
+
+from lowmem.suite.cli import build_parser
 
 
 def _parse(argv):
-    args = build_parser(argv).parse_args(argv)
-    args.explicit_flags = _explicit_flags(argv)
-    return args
+    return build_parser(argv).parse_args(argv)
 
 
-def test_explicit_flags_are_the_given_ones_only():
-    argv = ["fold", "x.fasta", "--seed", "0", "--no-relax"]
-    explicit = _parse(argv).explicit_flags
-    assert {"seed", "relax", "fasta_path", "command"} <= explicit
-    assert "num_recycle" not in explicit and "output_dir" not in explicit and "log_level" not in explicit
+def test_the_namespace_holds_the_given_settings_only():
+    """What `utils.settings.merge` counts as given: the flags typed (a setting's flag has no default in the
+    namespace) and the positionals given (None when left out)."""
+    from lowmem.fastfold.settings import FoldSettings
+    from lowmem.utils.settings import merge
+
+    args = _parse(["fold", "x.fasta", "--seed", "0", "--no-relax"])
+    assert {"seed", "relax"} <= set(vars(args)) and "num_recycle" not in vars(args) and "output_dir" not in vars(args)
+    assert args.template_mmcif_dir is None  # a positional left out
+    values, origin = merge(FoldSettings, args, {"output_dir": "o", "seed": 3}, "f.yaml")
+    assert values == {"fasta_path": "x.fasta", "seed": 0, "relax": False, "output_dir": "o"}
+    assert origin == {"fasta_path": "--fasta_path", "seed": "--seed", "relax": "--relax", "output_dir": "f.yaml"}
+    assert merge(FoldSettings, argparse.Namespace(seed=None), {"seed": 3})[0] == {"seed": 3}
 
 
 def test_fold_explicit_default_value_beats_the_file_which_beats_the_default(tmp_path):
