@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,23 +179,13 @@ def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, 
                  export_dir: str | Path) -> list[ImageRecord]:
     """Records of `--dataset_name`: a local imagefolder, or a dataset already in the Hugging Face cache.
 
-    A cached dataset is read with `datasets` offline (nothing is downloaded); its images are written once as
-    PNG files to `export_dir`, so the rest of the pipeline (validation, resumable sampling) sees a folder.
+    A cached dataset is read with `datasets` from local files only (`_load_offline`: nothing is looked up or
+    downloaded, and the environment is left alone); its images are written once as PNG files to `export_dir`, so
+    the rest of the pipeline (validation, resumable sampling) sees a folder.
     """
     if Path(name).is_dir() and config_name is None:
         return scan_image_folder(name, cfg)
-    import os
-
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError as exc:
-        raise InputError(f"--dataset_name {name}: reading it needs the datasets package") from exc
-    try:
-        ds = datasets.load_dataset(name, config_name, cache_dir=cache_dir, split="train")
-    except Exception as exc:  # noqa: BLE001 - any failure: not available offline
-        raise InputError(f"--dataset_name {name}: cannot load it offline ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    ds = _load_offline(name, config_name, cache_dir)
     columns = list(ds.column_names)
     for column in (cfg.image_column, cfg.caption_column):
         if column not in columns:
@@ -217,6 +206,32 @@ def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, 
     if not records:
         raise InputError(f"--dataset_name {name}: the train split is empty")
     return records
+
+
+def _load_offline(name: str, config_name: str | None, cache_dir: str | None) -> Any:
+    """The train split of `--dataset_name` from local files only, whatever the environment says: a local folder
+    through `datasets.load_dataset` (its packaged builders read the folder), a Hub name through `datasets`' `Cache`
+    builder over its cache folder, the builder `load_dataset` itself falls back to offline. Offline is a property of
+    the call, not of the process: `load_dataset` takes no argument that keeps a Hub name off the network
+    (`DownloadConfig.local_files_only` is not read since datasets 3.0), and `HF_DATASETS_OFFLINE` is read once when
+    `datasets` is imported."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise InputError(f"--dataset_name {name}: reading it needs the datasets package") from exc
+    try:
+        if Path(name).is_dir():
+            return datasets.load_dataset(name, config_name, cache_dir=cache_dir, split="train")
+        from datasets.packaged_modules.cache.cache import Cache  # datasets >= 2.16
+
+        # the arguments load_dataset gives it offline: the Hub name, its last part, the newest cached version
+        builder = Cache(cache_dir=cache_dir, dataset_name=name.split("/")[-1], repo_id=name, config_name=config_name,
+                        version="auto", hash="auto")
+        builder.download_and_prepare()  # nothing to download: checks the cache folder is there
+        return builder.as_dataset(split="train")
+    except Exception as exc:  # noqa: BLE001 - any failure: not available offline
+        raise InputError(f"--dataset_name {name}: cannot load it offline ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
 def scan_instance_folder(folder: str | Path, prompt: str, flag: str) -> list[ImageRecord]:
@@ -323,10 +338,6 @@ class CaptionedImages(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return max(len(self.records), len(self.class_records))
 
-    def tokenize(self, text: str) -> torch.Tensor:
-        """Token ids `[max_length]` of `text`, padded and truncated."""
-        return self.tokens(text)[0]
-
     def tokens(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask `[max_length]` of `text`, padded and truncated."""
         out = self.tokenizer(text, padding="max_length", truncation=True, max_length=self.cfg.max_length,
@@ -402,8 +413,3 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.num_batches
-
-    @staticmethod
-    def batches_per_epoch(dataset_len: int, batch_size: int, world_size: int) -> int:
-        """Global batches that cover the data set once."""
-        return max(1, math.ceil(dataset_len / (batch_size * world_size)))

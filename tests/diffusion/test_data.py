@@ -7,7 +7,16 @@ import pytest
 import torch
 from PIL import Image
 
-from lowmem.diffusion.data import CaptionedImages, DataConfig, StepBatchSampler, load_rgb, preprocess, scan_image_folder
+from lowmem.diffusion.data import (
+    CaptionedImages,
+    DataConfig,
+    StepBatchSampler,
+    load_rgb,
+    preprocess,
+    scan_dataset,
+    scan_image_folder,
+)
+from lowmem.diffusion.errors import InputError
 from tests.diffusion.conftest import write_image
 
 
@@ -65,6 +74,19 @@ def test_sampler_is_world_size_invariant_and_resumes():
     resumed = StepBatchSampler(5, 2, 7, seed=3)
     resumed.start = 4
     assert list(resumed) == batches[4:] and len(resumed) == 7
+
+
+def test_dataset_name_leaves_the_environment_alone(tmp_path, monkeypatch):
+    """A Hub name is read offline by the call itself (datasets' cache builder), not by setting HF_DATASETS_OFFLINE
+    for the whole process; without `datasets` the error names the package."""
+    import os
+    import sys
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(InputError, match="needs the datasets package"):
+        scan_dataset("someone/captions", DataConfig(), export_dir=tmp_path)
+    assert "HF_DATASETS_OFFLINE" not in os.environ
 
 
 def test_dataset_items(image_folder):

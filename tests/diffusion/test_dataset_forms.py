@@ -48,7 +48,7 @@ def test_list_captions_one_drawn_per_sample(tmp_path, tiny):
     records = scan_image_folder(folder, DataConfig())
     assert records[0].caption == tuple(captions)
     data = CaptionedImages(records, tiny["tokenizer"], DataConfig())
-    by_caption = {tuple(data.tokenize(c).tolist()): c for c in captions}
+    by_caption = {tuple(data.tokens(c)[0].tolist()): c for c in captions}
     drawn = [by_caption[tuple(data[(0, seed)]["input_ids"].tolist())] for seed in range(40)]
     assert set(drawn) == set(captions)  # each caption is drawn
     assert drawn == [by_caption[tuple(data[(0, seed)]["input_ids"].tolist())] for seed in range(40)]  # seeded
