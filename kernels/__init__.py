@@ -4,7 +4,7 @@
     y = kernels.layer_norm(x, weight, bias)                 # x [*, N]
     p = kernels.softmax(x, mask=mask, bias=bias, scale=s)   # x [B, S, H, Q, K], mask [B, S, 1, 1, K], ...
     o = kernels.attention(q, k, v, bias=bias, mask=mask)    # q [*, H, Q, D], bias [*, H, Q, K] broadcastable
-    with kernels.use_backend("torch"): ...                  # or SUITE_KERNEL_BACKEND=auto|triton|torch
+    with kernels.use_backend("torch"): ...                  # default: set_default_backend (suite: SUITE_KERNEL_BACKEND)
 
 The kernels are torch.library custom ops, `getattr(torch.ops, kernels.OP_NAMESPACE).attention_fwd` and so on.
 """
@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 
 from .attention import attention, attention_reference
-from .backend import BACKENDS, ENV_VAR, OP_NAMESPACE, current_backend, triton_unavailable_reason, use_backend
+from .backend import (
+    BACKENDS,
+    ENV_VAR,
+    OP_NAMESPACE,
+    current_backend,
+    set_default_backend,
+    triton_unavailable_reason,
+    use_backend,
+)
 from .layer_norm import LayerNorm, layer_norm, layer_norm_reference
 from .softmax import softmax, softmax_reference
 
@@ -29,6 +37,7 @@ __all__ = [
     "current_backend",
     "layer_norm",
     "layer_norm_reference",
+    "set_default_backend",
     "softmax",
     "softmax_reference",
     "use_backend",
@@ -51,7 +60,7 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, str]:
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         requested = current_backend()
-    except ValueError as exc:  # a bad SUITE_KERNEL_BACKEND: report it (kernel calls raise it)
+    except ValueError as exc:  # a bad default (SUITE_KERNEL_BACKEND): report it (kernel calls raise it)
         return {op: f"error: {exc}" for op in _CPU_PATHS}
     reason = triton_unavailable_reason(device)
     report = {}

@@ -1,12 +1,22 @@
 """Backend choice for the kernels: `auto`, `triton` or `torch`.
 
-The choice comes from `kernels.use_backend(name)` (a context manager, innermost wins) or else from the
-environment variable `SUITE_KERNEL_BACKEND`; the default is `auto`.
+The choice comes from `kernels.use_backend(name)` (a context manager, innermost wins), else from the process's
+default, `kernels.set_default_backend(name)` (`auto` until set). The kernels read no environment variable for
+it: the user override `SUITE_KERNEL_BACKEND=auto|triton|torch` (`ENV_VAR`) is read once, by the `suite` command
+line at its start (`suite.cli.main`), and handed to `set_default_backend`. A program that calls the kernels
+itself and wants the same override reads it once at its own start:
+
+    kernels.set_default_backend(os.environ.get(kernels.ENV_VAR), source=kernels.ENV_VAR)
+
+A spawned process starts at `auto`: a launcher whose ranks should share the default hands them
+`current_backend()` and each rank's entry point sets it.
 
 - `auto`: the Triton kernels for CUDA tensors when Triton works and the dtype/shape is supported, otherwise
   the fast PyTorch path (`"cpu"` below: chunked attention, fused torch ops; it runs on any device).
 - `triton`: the Triton kernels. On CPU tensors they run only under `TRITON_INTERPRET=1` (set before
   `kernels` is imported, because Triton reads it when a kernel is defined); that is how the tests run them.
+  `TRITON_INTERPRET` is Triton's own variable, which the kernels must agree with: it is read here, once, when
+  this module is imported (`_INTERPRETED`), the one environment variable the kernels read.
 - `torch`: the plain PyTorch reference (`*_reference` in each kernel module).
 
 Every fallback is logged once (per op and reason), never silent.
@@ -29,12 +39,13 @@ from collections.abc import Iterator
 import torch
 
 __all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "direct_call", "op_name",
-           "select_path", "triton_installed", "triton_unavailable_reason", "use_backend"]
+           "select_path", "set_default_backend", "triton_installed", "triton_unavailable_reason", "use_backend"]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "SUITE_KERNEL_BACKEND"
+"""The user override of the default backend, read by the command line (never by the kernels)."""
 #: The implementation an op call ends up in: the Triton kernel, the fast PyTorch path, or the reference.
 Path = str
 
@@ -45,6 +56,7 @@ OP_NAMESPACE = __name__.partition(".")[0]
 # Triton decides at decoration time whether a kernel is interpreted, so the flag is read once at import.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("suite_kernel_backend", default=None)
+_default: tuple[str, str] = ("auto", "set_default_backend")  # (name, where it came from, for the error)
 _logged: set[str] = set()
 
 
@@ -54,12 +66,21 @@ def _check(name: str, source: str) -> str:
     return name
 
 
+def set_default_backend(name: str | None, *, source: str = "set_default_backend") -> None:
+    """Make `name` (`auto`, `triton` or `torch`; None or blank: `auto`; any case) the backend of kernel calls
+    outside `use_backend`, in this process and every thread of it. `source` says where the value came from (e.g.
+    `ENV_VAR`). An unknown name raises `ValueError` naming `source` when a kernel call needs the default (and
+    `backend_report` shows it), not here: an override that no call reads stops nothing."""
+    global _default
+    _default = ((name or "").strip().lower() or "auto", source)
+
+
 def current_backend() -> str:
-    """The backend requested now: the innermost `use_backend`, else `$SUITE_KERNEL_BACKEND`, else `auto`."""
+    """The backend requested now: the innermost `use_backend`, else the default (`set_default_backend`)."""
     name = _override.get()
     if name is not None:
         return name
-    return _check(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+    return _check(*_default)
 
 
 @contextlib.contextmanager

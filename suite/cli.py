@@ -14,6 +14,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -75,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if "SUITE_KERNEL_BACKEND" in os.environ:  # kernels.ENV_VAR, the documented user override: read here, once
+        from ..kernels import ENV_VAR, set_default_backend
+
+        set_default_backend(os.environ[ENV_VAR], source=ENV_VAR)
     module = importlib.import_module(COMMANDS[args.command][0], __package__)
     try:
         return int(module.run(args) or 0)

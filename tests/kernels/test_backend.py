@@ -9,8 +9,14 @@ from lowmem import kernels
 from lowmem.kernels import backend
 
 
-def test_env_var_and_context_manager(monkeypatch):
-    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "torch")
+@pytest.fixture(autouse=True)
+def _auto_after():
+    yield
+    kernels.set_default_backend(None)
+
+
+def test_default_and_context_manager():
+    kernels.set_default_backend("Torch ")
     assert kernels.current_backend() == "torch"
     with kernels.use_backend("triton"):
         assert kernels.current_backend() == "triton"
@@ -18,15 +24,34 @@ def test_env_var_and_context_manager(monkeypatch):
             assert kernels.current_backend() == "auto"
         assert kernels.current_backend() == "triton"
     assert kernels.current_backend() == "torch"
-    monkeypatch.delenv("SUITE_KERNEL_BACKEND")
+    kernels.set_default_backend(None)
     assert kernels.current_backend() == "auto"
 
 
-def test_bad_names_raise(monkeypatch):
+def test_kernels_read_no_environment(monkeypatch):
+    """The user override is read by the command line, once; a kernel call never reads the environment."""
+    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "torch")
+    assert kernels.current_backend() == "auto"
+
+
+def test_command_line_reads_the_override_once(monkeypatch, capsys):
+    import json
+
+    from lowmem.suite.cli import main
+
+    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "torch")
+    assert main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["kernel_backends"]
+    assert all(v.startswith("torch") for v in report.values())
+    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "triton")  # read at the start of main, not again
+    assert kernels.current_backend() == "torch"
+
+
+def test_bad_names_raise():
     with pytest.raises(ValueError, match="use_backend"):
         with kernels.use_backend("cuda"):
             pass
-    monkeypatch.setenv("SUITE_KERNEL_BACKEND", "fast")
+    kernels.set_default_backend("fast", source="SUITE_KERNEL_BACKEND")
     with pytest.raises(ValueError, match="SUITE_KERNEL_BACKEND"):
         kernels.layer_norm(torch.randn(2, 3), None, None)
 
@@ -68,8 +93,15 @@ def test_backend_report():
         assert "triton unavailable: CUDA is not available" in kernels.backend_report("cuda")["attention"]
 
 
-def test_backend_report_names_a_bad_env_var(monkeypatch):
+def test_backend_report_names_a_bad_env_var(monkeypatch, capsys):
+    import json
+
+    from lowmem.suite.cli import main
+
     monkeypatch.setenv("SUITE_KERNEL_BACKEND", "bogus")
+    assert main(["env", "--json"]) == 0
+    assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v
+               for v in json.loads(capsys.readouterr().out)["kernel_backends"].values())
     report = kernels.backend_report("cpu")
     assert all("SUITE_KERNEL_BACKEND" in v and "bogus" in v for v in report.values())
 
