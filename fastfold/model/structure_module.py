@@ -186,14 +186,8 @@ class StructureModule(nn.Module):
         self.bb_update = self._backbone_update(cfg)
         self.angle_resnet = AngleResnet(cfg.c_s, cfg.c_resnet, cfg.resnet_blocks)
 
-    def forward(
-        self,
-        s: torch.Tensor,
-        z: torch.Tensor,
-        aatype: torch.Tensor,
-        mask: torch.Tensor,
-        options: InferenceOptions | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def forward(self, s: torch.Tensor, z: torch.Tensor, aatype: torch.Tensor, mask: torch.Tensor,
+                options: InferenceOptions | None = None) -> dict[str, torch.Tensor]:
         """s: [*, N, C_s]; z: [*, N, N, C_z]; aatype: [*, N]; mask: seq_mask [*, N]; options: chunking of IPA.
 
         Returns `single` [*, N, C_s] (after the last block), `frames` [*, N, 4, 4] (Angstrom),
