@@ -203,8 +203,12 @@ def test_missing_feature_is_named(model, batch):
 
 
 def test_inference_options_validate():
-    for kwargs in ({"chunk_size": 0}, {"chunk_size": "big"}, {"attention_backend": "cuda"}, {"residual": "yes"}):
+    for kwargs in ({"attention_backend": "cuda"}, {"residual": "yes"}):
         with pytest.raises(ValueError, match="InferenceOptions"):
             InferenceOptions(**kwargs)
+    # the chunk size has one check and one message wherever it is given (tests/fastfold/test_chunk_size.py)
+    for bad in (0, "big", True):
+        with pytest.raises(ValueError, match=r"chunk_size must be a positive int or 'auto', got"):
+            InferenceOptions(chunk_size=bad)
     with pytest.raises(ValueError, match="column_attention"):
         config.EvoformerStackConfig(column_attention="row")
