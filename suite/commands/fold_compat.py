@@ -13,7 +13,7 @@ import os
 
 from ..errors import UsageError
 
-__all__ = ["COMPAT_FLAGS", "add_compat_arguments", "apply_compat", "compat_config_keys", "is_multimer"]
+__all__ = ["add_compat_arguments", "apply_compat", "compat_config_keys", "is_multimer"]
 
 log = logging.getLogger(__name__)
 
@@ -98,31 +98,6 @@ _MULTIMER_ONLY = ("uniprot_database_path", "pdb_seqres_database_path", "hmmsearc
                   "hmmbuild_binary_path")
 """Multimer-only inputs: monomer runs ignore them (as OpenFold's do), with a warning; multimer runs: see
 `_multimer_inputs`."""
-
-COMPAT_FLAGS = {
-    "openfold": (
-        "fasta_dir", "template_mmcif_dir", "--use_precomputed_alignments", "--use_custom_template",
-        "--use_single_seq_mode", "--output_dir", "--model_device", "--config_preset", "--jax_param_path",
-        "--openfold_checkpoint_path", "--save_outputs", "--cpus", "--preset", "--output_postfix",
-        "--data_random_seed", "--skip_relaxation", "--multimer_ri_gap", "--trace_model", "--subtract_plddt",
-        "--long_sequence_inference", "--cif_output", "--experiment_config_json",
-        "--use_deepspeed_evoformer_attention",
-    ),
-    "fastfold": (
-        "fasta_path", "template_mmcif_dir", "--use_precomputed_alignments", "--output_dir", "--model_name",
-        "--param_path", "--relaxation", "--cpus", "--gpus", "--preset", "--save_prediction_result",
-        "--data_random_seed", "--model_preset", "--chunk_size", "--enable_workflow", "--inplace",
-    ),
-    "data": (
-        "--uniref90_database_path", "--mgnify_database_path", "--pdb70_database_path", "--pdb_seqres_database_path",
-        "--uniref30_database_path", "--uniclust30_database_path", "--uniprot_database_path",
-        "--bfd_database_path", "--jackhmmer_binary_path", "--hhblits_binary_path", "--hhsearch_binary_path",
-        "--hmmsearch_binary_path", "--hmmbuild_binary_path", "--kalign_binary_path", "--max_template_date",
-        "--obsolete_pdbs_path", "--release_dates_path",
-    ),
-}
-"""The two scripts' command-line arguments (run_pretrained_openfold.py with OpenFold's add_data_args;
-FastFold's inference.py with its add_data_args): each is accepted here with its meaning or refused."""
 
 
 def _same_or_usage(args: argparse.Namespace, dest: str, value, flag: str, default=None) -> None:
