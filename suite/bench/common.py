@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -21,7 +20,6 @@ __all__ = [
     "fix_malloc",
     "fixed_mmap_threshold",
     "hwm_bytes",
-    "int_list",
     "machine_info",
     "malloc_trim",
     "peak_rss_bytes",
@@ -31,17 +29,6 @@ __all__ = [
     "time_fn",
     "write_json",
 ]
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type of a comma-separated list of positive integers (`1,2,4`; blank items skipped)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def time_fn(

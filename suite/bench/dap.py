@@ -18,13 +18,21 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .common import int_list
-
 logger = logging.getLogger(__name__)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int_list, default=[1, 2], help="DAP rank counts, e.g. 1,2,4")
+    parser.add_argument("--ranks", type=_int_list, default=[1, 2], help="DAP rank counts, e.g. 1,2,4")
     parser.add_argument("--n_res", type=int, default=384, help="residues")
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows")
     parser.add_argument("--blocks", type=int, default=2, help="Evoformer blocks")

@@ -32,13 +32,21 @@ import os
 import subprocess
 import sys
 
-from .common import int_list
-
 __all__ = ["add_arguments", "run"]
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n_res", type=int_list, default=[256, 512], help="residue counts, e.g. 256,512")
+    parser.add_argument("--n_res", type=_int_list, default=[256, 512], help="residue counts, e.g. 256,512")
     parser.add_argument("--blocks", type=int, default=4, help="Evoformer blocks (the released model has 48)")
     parser.add_argument("--extra_blocks", type=int, default=1, help="extra-MSA blocks (released: 4)")
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows (cluster centres)")
@@ -51,11 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed full-size passes before the timed ones")
     parser.add_argument("--multimer", action="store_true",
                         help="AlphaFold-Multimer (model_1_multimer_v3 widths) on a complex of --chains; DAP rows too")
-    parser.add_argument("--chains", type=int_list, default=[256, 256],
+    parser.add_argument("--chains", type=_int_list, default=[256, 256],
                         help="--multimer: chain lengths of the complex, e.g. 256,256")
     parser.add_argument("--n_templ", type=int, default=4, help="--multimer: templates")
     parser.add_argument("--template_blocks", type=int, default=2, help="--multimer: template pair blocks (released: 2)")
-    parser.add_argument("--dap_ranks", type=int_list, default=[1, 2],
+    parser.add_argument("--dap_ranks", type=_int_list, default=[1, 2],
                         help="--multimer: DAP rank counts, the first the baseline (one count: no DAP rows)")
     parser.add_argument("--parts", choices=["all", "chunk", "dap"], default="all",
                         help="--multimer: which comparisons to run")
