@@ -42,3 +42,13 @@ lint: install
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV)
+
+# Wheels for a lent GPU machine, which reaches no package index and lacks these (scripts/gpu_proof.sh installs
+# them; docs/benchmarks.md, "GPU proof: how to run"). Pure Python: one wheel each, any platform.
+GPU_WHEELS := diffusers==0.42.1 importlib-metadata==10.2.0 tensorboardX==2.6.5
+.PHONY: gpu-deps
+gpu-deps:
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
+	du -sh .whl

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dap": (".dap", "DAP: per-rank memory and time on 1, 2, ... ranks"),
     "fold": (".fold", "suite fold per-stage time; Ray vs one after another"),
     "command": (".command", "whole-command peak memory (process tree, page cache) vs a baseline command"),
+    "gpu": (".gpu", "the GPU proof: every GPU row in one command, each in its own time slice (issue 35)"),
 }
 
 
