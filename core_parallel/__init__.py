@@ -24,6 +24,7 @@ _LAZY = {
     "ZeroConfig": ".zero",
     "GeminiConfig": ".gemini",
     "OFFLOAD_TIERS": ".gemini",
+    "config_for_strategy": ".presets",
 }
 __getattr__ = lazy_getattr(__name__, _LAZY)
 

@@ -8,7 +8,9 @@ from them, and a recipe YAML (`recipes/configs/diffusion_*.yaml`) sets them as f
 or nested by section (`optimizer: {learning_rate: 1e-4}`); flags given on the command line override the file.
 
 `FineTuneConfig(learning_rate=1e-4, rank=4)` takes the flat names too, and `cfg.learning_rate` reads one
-(read-only; `dataclasses.replace(cfg, output_dir=...)` makes a changed copy).
+(read-only; `dataclasses.replace(cfg, output_dir=...)` makes a changed copy). One reads more than its setting:
+`cfg.parallel` is the run's sharding config, built and validated once with the config (the `parallel` setting as
+given, or the `core_parallel.ZeroConfig` / `GeminiConfig` that `--strategy` and `--offload_dir` name).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from ..core_parallel.gemini.config import GeminiConfig
 from ..core_parallel.loss_scaler import LossScalerConfig
+from ..core_parallel.presets import config_for_strategy
 from ..core_parallel.zero.config import ZeroConfig
 from ..kernels.backend import BACKENDS as KERNEL_BACKENDS
 from ..utils.settings import assemble, read_yaml, section, settings
@@ -312,7 +315,7 @@ class LaunchSection:
     """Lightning strategy name: auto, ddp, zero1, zero2, zero2_offload, gemini, gemini_offload, gemini_nvme,
     gemini_auto (each names a `parallel` config), or another strategy Lightning registers."""
     offload_dir: str | None = None
-    """Folder of the NVMe tier (gemini_nvme, gemini_auto); passed to the strategy object, local and on Ray."""
+    """Folder of the NVMe tier (gemini_nvme, gemini_auto); it becomes the `parallel` config's offload_dir."""
     parallel: ZeroConfig | GeminiConfig | None = None
     """The sharding config itself, instead of --strategy (config files and code): `{zero: {stage: 2, ...}}`
     (core_parallel.ZeroConfig's fields) or `{gemini: {placement: auto, offload_tier: nvme, offload_dir: /x,
@@ -321,6 +324,8 @@ class LaunchSection:
     """Processes (devices) per node."""
     num_nodes: int = 1
     """Nodes."""
+    sharding: ZeroConfig | GeminiConfig | None = field(default=None, init=False, repr=False, compare=False)
+    """Not a setting: the run's sharding config (`FineTuneConfig.parallel`), `build_sharding`'s."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, ("devices", "num_nodes"))
@@ -333,6 +338,18 @@ class LaunchSection:
                 raise ValueError("offload_dir goes inside parallel (gemini: {offload_tier: nvme, offload_dir: ...})")
             if self.parallel.precision != "fp32":
                 raise ValueError("parallel: precision is --mixed_precision's; leave the config's at fp32")
+
+    def build_sharding(self) -> ZeroConfig | GeminiConfig | None:
+        """The run's sharding config, built once: `parallel` as given, else the config `strategy` and `offload_dir`
+        name (`core_parallel.config_for_strategy`: a folder for a strategy without an NVMe tier is refused, the
+        config validates itself, gemini_nvme without a folder gets a temporary one); None for strategies that shard
+        nothing here (auto, ddp, Lightning's own). Kept in `sharding`: a copy of the section (`dataclasses.replace`)
+        builds its own."""
+        if self.sharding is None:
+            given = self.parallel
+            self.sharding = given if given is not None else config_for_strategy(self.strategy,
+                                                                                offload_dir=self.offload_dir)
+        return self.sharding
 
 
 @dataclass(kw_only=True)
@@ -392,7 +409,7 @@ class FineTuneConfig:
 
     def __post_init__(self) -> None:
         # the checks that need two sections; each section checks its own fields
-        if self.use_ema and (self.strategy.startswith("gemini") or isinstance(self.parallel, GeminiConfig)):
+        if self.use_ema and (self.strategy.startswith("gemini") or isinstance(self.launch.parallel, GeminiConfig)):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
         if self.with_prior_preservation:
@@ -400,6 +417,14 @@ class FineTuneConfig:
                 raise ValueError("with_prior_preservation needs instance_data_dir (DreamBooth)")
             if not self.class_data_dir or not self.class_prompt:
                 raise ValueError("with_prior_preservation needs class_data_dir and class_prompt")
+        # last, once every other setting is accepted: a refused one leaves no temporary NVMe folder behind
+        self.launch.build_sharding()
+
+    @property
+    def parallel(self) -> ZeroConfig | GeminiConfig | None:
+        """The run's sharding config, validated once: the `parallel` setting as given (`launch.parallel`), else the
+        `ZeroConfig` / `GeminiConfig` that `strategy` and `offload_dir` name; None when nothing is sharded here."""
+        return self.launch.sharding
 
     # -- derived component configs --------------------------------------------------------------------------
     @property
@@ -446,7 +471,7 @@ def _flat_property(path: tuple[str, ...], doc: str) -> property:
 
 
 for _s in settings(FineTuneConfig).values():
-    if len(_s.path) > 1:
+    if len(_s.path) > 1 and _s.name not in vars(FineTuneConfig):  # `parallel` is the run's config, defined above
         setattr(FineTuneConfig, _s.name, _flat_property(_s.path, _s.help))
 del _s
 

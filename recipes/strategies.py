@@ -21,10 +21,11 @@ Each strategy holds one config object, `strategy.config` (a `core_parallel.ZeroC
 validated by its own `__post_init__`), and hands it to `core_parallel.setup` unchanged but for the Trainer's
 precision (`dataclasses.replace`). An app that holds such a config passes it: `GeminiStrategy(config=config)`, or
 `strategy_from_config(config, collective_timeout_s=600)` for either kind, with no name lookup and no environment
-variable; an app that takes a name (`--strategy`) turns it into that config first: `parallel_for_strategy(
-"gemini_nvme", offload_dir=...)` (what the registered name's keywords build; None for `auto` and `ddp`). The
-keywords (`GeminiStrategy(offload="nvme", chunk_mb=64)`, the registered names) build the config once, in
-`__init__`.
+variable; an app that takes a name (`--strategy`) turns it into that config where it reads its settings:
+`core_parallel.config_for_strategy("gemini_nvme", offload_dir=...)` (None for `auto` and `ddp`). The names above
+are `core_parallel.presets.PRESETS`, one table: registered here with the same keywords, they build the same config.
+The keywords (`GeminiStrategy(offload="nvme", chunk_mb=64)`, the registered names) build the config once, in
+`__init__` (`core_parallel.presets.gemini_config` for Gemini's).
 
 Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parallel.setup(model,
 optimizer, config, group)`, the group being the default process group that Lightning's cluster
@@ -44,10 +45,8 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import uuid
-import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -62,6 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..core_parallel.groups import check_backend, world_rank
+from ..core_parallel.presets import GEMINI_OFFLOADS, PRESETS, gemini_config
 from ..utils.errors import InputError
 from ..utils.fileio import atomic_write, replace_dir
 from .faults import (
@@ -82,7 +82,6 @@ __all__ = [
     "STRATEGY_NAMES",
     "GeminiStrategy",
     "ZeroStrategy",
-    "parallel_for_strategy",
     "register_strategies",
     "strategy_class",
     "strategy_from_config",
@@ -93,8 +92,6 @@ logger = logging.getLogger(__name__)
 
 LIGHTNING_STATE = "lightning_state.pt"
 """File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
-GEMINI_OFFLOADS = ("none", "cpu", "nvme")
-"""Values of `GeminiStrategy(offload=...)`."""
 
 
 class _ShardedStrategy(DDPStrategy):
@@ -355,8 +352,8 @@ class GeminiStrategy(_ShardedStrategy):
             on the device (auto placement spills to CPU memory). None (default): "none", or the tier named by
             `offload_tier=`.
         offload_dir: folder of the NVMe tier, only with offload="nvme" (or offload_tier="nvme"); there without a
-            folder: a new temporary folder. Given with offload="none"/"cpu" it is an error;
-            given alone it selects the NVMe tier as before, with a DeprecationWarning.
+            folder: a new temporary folder. Given with offload="none"/"cpu" (the "cpu" tier) it is `GeminiConfig`'s
+            error; given alone it selects the NVMe tier as before, with `GeminiConfig`'s DeprecationWarning.
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
     """
 
@@ -369,7 +366,7 @@ class GeminiStrategy(_ShardedStrategy):
         if offload is not None:
             fields["offload"] = offload
         if config is None:
-            config = _gemini_config(fields)
+            config = gemini_config(**fields)
         else:
             _given_config(type(self), GeminiConfig, config, fields)
         super().__init__(config=config, collective_timeout_s=collective_timeout_s, **strategy_kwargs)
@@ -417,28 +414,6 @@ def strategy_from_config(config: Any, **kwargs: Any) -> ZeroStrategy | GeminiStr
     return strategy_class(config)(config=config, **kwargs)
 
 
-def parallel_for_strategy(name: str, offload_dir: str | os.PathLike | None = None) -> Any:
-    """The `ZeroConfig` / `GeminiConfig` a strategy name stands for (what `StrategyRegistry[name]`'s strategy
-    builds from its keywords, precision fp32), with `offload_dir` as its NVMe folder; None for names that shard
-    nothing here (auto, ddp, Lightning's own). gemini_nvme without a folder gets a new temporary one (made now).
-
-    One `InputError` for `offload_dir` with a name that has no NVMe tier.
-    """
-    if offload_dir is not None and name not in _NVME_NAMES:
-        raise InputError(f"--offload_dir {offload_dir}: only the strategies with an NVMe tier use it "
-                         f"({', '.join(_NVME_NAMES)}), not --strategy {name}")
-    if name not in _NAMED:
-        return None
-    cls, _, keywords = _NAMED[name]
-    if offload_dir is not None:
-        keywords = {**keywords, "offload": "nvme", "offload_dir": offload_dir}
-    if cls is ZeroStrategy:
-        from ..core_parallel import ZeroConfig
-
-        return ZeroConfig(**keywords)
-    return _gemini_config(keywords)
-
-
 def _given_config(strategy: type, config_type: type, config: Any, fields: dict[str, Any]) -> Any:
     """`config`, given to `strategy`: of its type, and no config field given beside it as a keyword."""
     if not isinstance(config, config_type):
@@ -446,64 +421,6 @@ def _given_config(strategy: type, config_type: type, config: Any, fields: dict[s
     if fields:
         raise TypeError(f"{strategy.__name__}: {sorted(fields)} come from config=, not from keyword arguments")
     return config
-
-
-def _gemini_config(fields: dict[str, Any]) -> Any:
-    """The `GeminiConfig` that `GeminiStrategy`'s keywords name: `offload` (the one-word tier and, under static
-    placement, fractions 1.0) with `offload_tier`/`offload_dir` resolved to one tier; the NVMe tier without a folder
-    gets a new temporary folder (removed again if the config refuses the other fields)."""
-    from ..core_parallel import GeminiConfig
-
-    fields = dict(fields)
-    offload = fields.pop("offload", None)
-    folder = fields.pop("offload_dir", None)
-    folder = os.fspath(folder) if folder is not None else None
-    tier = _gemini_tier(offload, fields.pop("offload_tier", None), folder)
-    made = tier == "nvme" and folder is None
-    if made:
-        folder = tempfile.mkdtemp(prefix="suite-offload-")
-        logger.info("gemini NVMe tier in %s", folder)
-    static = fields.get("placement", "static") == "static"
-    fractions = {"offload_param_frac": 1.0, "offload_optim_frac": 1.0} if static and offload in ("cpu", "nvme") else {}
-    try:
-        return GeminiConfig(offload_tier=tier, offload_dir=folder, **{**fractions, **fields})
-    except BaseException:
-        if made:
-            os.rmdir(folder)
-        raise
-
-
-def _gemini_tier(offload: str | None, tier: str | None, offload_dir: str | None) -> str:
-    """The `GeminiConfig.offload_tier` that `offload`, `offload_tier` and `offload_dir` name together; one
-    `InputError`, in the strategy's keywords, when they disagree."""
-    from ..core_parallel.gemini import OFFLOAD_TIERS
-
-    if offload is not None and offload not in GEMINI_OFFLOADS:
-        raise InputError(f"offload must be one of {', '.join(GEMINI_OFFLOADS)}, got {offload!r}")
-    if tier is not None and tier not in OFFLOAD_TIERS:
-        raise InputError(f"offload_tier must be one of {', '.join(OFFLOAD_TIERS)}, got {tier!r}")
-    if offload in OFFLOAD_TIERS and tier is not None and tier != offload:
-        raise InputError(f"offload={offload!r} and offload_tier={tier!r} name different tiers; give one of them")
-    if offload == "none" and tier == "nvme":
-        raise InputError("offload='none' and offload_tier='nvme' disagree; use offload='nvme'")
-    if offload in OFFLOAD_TIERS:
-        tier = offload
-    elif tier is None:
-        if offload is None and offload_dir is not None:
-            warnings.warn(  # stacklevel: the caller of GeminiStrategy(...), past _gemini_config and __init__
-                "GeminiStrategy(offload_dir=...) without offload: taken as the NVMe tier; say offload='nvme' "
-                "(a folder alone will stop selecting it)", DeprecationWarning, stacklevel=4,
-            )
-            tier = "nvme"
-        else:
-            tier = "cpu"
-    if offload_dir is not None and tier != "nvme":
-        named = f"offload={offload!r}" if offload is not None else f"offload_tier={tier!r}"
-        raise InputError(
-            f"offload_dir={offload_dir!r} applies to the NVMe tier only; {named} keeps off-device data in "
-            "CPU memory (drop offload_dir, or use offload='nvme')"
-        )
-    return tier
 
 
 def _check_arguments(collective_timeout_s: float, strategy_kwargs: dict[str, Any]) -> None:
@@ -538,37 +455,24 @@ def _load_lightning_state(path: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# name -> (strategy, description, keywords): what `Trainer(strategy=name)` builds, and what `parallel_for_strategy`
-# turns the name into (the same keywords, so both give one config)
-_NAMED: dict[str, tuple[type[_ShardedStrategy], str, dict[str, Any]]] = {
-    "zero1": (ZeroStrategy, "ZeRO stage 1: optimizer state and master weights sharded", {"stage": 1}),
-    "zero2": (ZeroStrategy, "ZeRO stage 2: gradients sharded too", {"stage": 2}),
-    "zero2_offload": (ZeroStrategy, "ZeRO stage 2, master weights and optimizer state in CPU memory",
-                      {"stage": 2, "offload": "cpu"}),
-    "gemini": (GeminiStrategy, "Gemini (chunked ZeRO-3), all on the device", {}),
-    "gemini_offload": (GeminiStrategy, "Gemini, optimizer state and master weights in CPU memory", {"offload": "cpu"}),
-    "gemini_nvme": (GeminiStrategy, "Gemini, optimizer state and master weights on NVMe (a temporary folder)",
-                    {"offload": "nvme"}),
-    "gemini_auto": (GeminiStrategy, "Gemini with auto placement within the device budget", {"placement": "auto"}),
-}
-_NVME_NAMES = ("gemini_nvme", "gemini_auto")
-STRATEGY_NAMES = ("auto", "ddp", *_NAMED)
+_KINDS: dict[str, type[_ShardedStrategy]] = {"zero": ZeroStrategy, "gemini": GeminiStrategy}
+"""The strategy of each kind of `core_parallel.presets.PRESETS`."""
+STRATEGY_NAMES = ("auto", "ddp", *PRESETS)
 """The strategy names the apps' `--strategy` takes (the sharded ones registered below, plus Lightning's)."""
 
 
 def strategy_kind(name: str) -> str | None:
     """"zero" or "gemini" for the names of this module's strategies, None for the others (auto, ddp, ...)."""
-    if name not in _NAMED:
-        return None
-    return "zero" if _NAMED[name][0] is ZeroStrategy else "gemini"
+    return PRESETS[name].kind if name in PRESETS else None
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
-    """Register the names above (skipping names already there); returns the names registered now."""
+    """Register the names of `core_parallel.presets.PRESETS`, each as the strategy of its kind with its keywords
+    (skipping names already there); returns the names registered now."""
     added = []
-    for name, (cls, description, init_kwargs) in _NAMED.items():
+    for name, preset in PRESETS.items():
         if name not in registry:
-            registry.register(name, cls, description=description, **init_kwargs)
+            registry.register(name, _KINDS[preset.kind], description=preset.description, **preset.keywords)
             added.append(name)
     return added
 

@@ -9,6 +9,7 @@ device (`static`: the two fractions; `auto`: what does not fit the budget), and 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,6 +23,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _PLACEMENTS = ("static", "auto")
 _PRECISIONS = ("fp32", "fp16", "bf16")
+_PACKAGE = __name__.partition(".")[0]  # a deprecation warning points at the first frame outside it
 OFFLOAD_TIERS = ("cpu", "nvme")
 """Values of `GeminiConfig.offload_tier`: where data placed off the device lives."""
 
@@ -41,6 +43,15 @@ def parse_bytes(value: int | float | str, field: str = "value") -> int:
     if result <= 0:
         raise InputError(f"{field} must be > 0 bytes, got {value!r}")
     return result
+
+
+def _caller_level() -> int:
+    """`warnings.warn`'s stacklevel, from the function calling this one, of the first frame outside this package: the
+    user's call, whether it built the config itself or through a strategy or a preset."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == _PACKAGE:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(kw_only=True)
@@ -116,7 +127,7 @@ class GeminiConfig:
                 warnings.warn(
                     "GeminiConfig(offload_dir=...) without offload_tier: taken as offload_tier='nvme'; "
                     "name the tier (offload_tier='nvme'), a folder alone will stop selecting it",
-                    DeprecationWarning, stacklevel=4,
+                    DeprecationWarning, stacklevel=_caller_level(),
                 )
             self.offload_tier = "nvme" if self.offload_dir is not None else "cpu"
         if self.offload_tier not in OFFLOAD_TIERS:

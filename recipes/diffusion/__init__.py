@@ -7,7 +7,7 @@
 | `checkpoints` | the checkpoint-N/ folders: `CheckpointEvery` writes them, `find_checkpoint` finds one |
 | `callbacks` | validation images, progress lines, the end of a run (`ValidateEvery`, `PlainProgress`, `FinishRun`) |
 | `export` | the trained weights gathered and written (`materialize`, `write_component`, `export`) |
-| `launch` | one run: checks, the sharding config, the Trainer, local and Ray fit (`fit_finetune`, `fit_with_ray`) |
+| `launch` | one run: checks, the Trainer holding `cfg.parallel`, local and Ray fit (`fit_finetune`, `fit_with_ray`) |
 
     from lowmem.recipes import StableDiffusionFineTune, ImageCaptionData
     cfg = FineTuneConfig(rank=4, max_train_steps=100, output_dir="out")
@@ -29,7 +29,6 @@ from .launch import (
     check_run,
     fit_finetune,
     fit_with_ray,
-    parallel_config,
     trainer_kwargs,
 )
 from .module import StableDiffusionFineTune
@@ -37,5 +36,5 @@ from .module import StableDiffusionFineTune
 # `export` (the function) stays in its module: here the name is the submodule's.
 __all__ = ["CKPT_FILE", "CheckpointEvery", "FinishRun", "ImageCaptionData", "PlainProgress",
            "StableDiffusionFineTune", "ValidateEvery", "build_strategy", "build_trainer", "check_run",
-           "find_checkpoint", "fit_finetune", "fit_with_ray", "materialize", "parallel_config", "trainer_kwargs",
+           "find_checkpoint", "fit_finetune", "fit_with_ray", "materialize", "trainer_kwargs",
            "write_component"]

@@ -1,10 +1,10 @@
-"""One fine-tuning run, as `suite diffusion finetune` runs it: the checks before anything loads (`check_run`, which
-also builds the run's one sharding config), the Trainer with its strategy, loggers and callbacks (`build_trainer`),
-resume, and the fit itself, locally (`fit_finetune`) or on Ray Train workers (`fit_with_ray`).
+"""One fine-tuning run, as `suite diffusion finetune` runs it: the checks before anything loads (`check_run`), the
+Trainer with its strategy, loggers and callbacks (`build_trainer`), resume, and the fit itself, locally
+(`fit_finetune`) or on Ray Train workers (`fit_with_ray`).
 
-The sharding config (`ZeroConfig | GeminiConfig | None`) is built once per process, from `parallel` or from
-`--strategy` and `--offload_dir` (`recipes.strategies.parallel_for_strategy`), validated by its own
-`__post_init__`, and handed unchanged to the strategy object (`strategy.config`), locally and on Ray.
+The sharding config (`ZeroConfig | GeminiConfig | None`) is the config's own, `cfg.parallel`: built once with
+the `FineTuneConfig`, from `parallel` or from `--strategy` and `--offload_dir`, and validated there. Here it is
+handed unchanged to the strategy object (`strategy.config`), locally and on Ray.
 """
 
 from __future__ import annotations
@@ -23,24 +23,21 @@ import torch
 
 from ...diffusion.config import MIXED_PRECISION, FineTuneConfig
 from ...diffusion.errors import InputError
-from ..strategies import STRATEGY_NAMES, parallel_for_strategy, strategy_from_config
+from ..strategies import STRATEGY_NAMES, strategy_from_config
 from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
 from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
 from .datamodule import ImageCaptionData
 from .module import StableDiffusionFineTune
 
-__all__ = ["build_strategy", "build_trainer", "check_run", "fit_finetune", "fit_with_ray", "parallel_config",
-           "trainer_kwargs"]
+__all__ = ["build_strategy", "build_trainer", "check_run", "fit_finetune", "fit_with_ray", "trainer_kwargs"]
 
 logger = logging.getLogger(__name__)
 
 
 # -- before anything loads --------------------------------------------------------------------------------------
-def check_run(cfg: FineTuneConfig) -> Any:
-    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded. Returns
-    the run's sharding config (`parallel_config`), built here once: the strategy is built from this object."""
+def check_run(cfg: FineTuneConfig) -> None:
+    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded."""
     _check_strategy_name(cfg.strategy)
-    parallel = parallel_config(cfg)  # --offload_dir with a strategy that has no NVMe tier: one line, before loading
     cuda = torch.cuda.is_available()
     if cfg.mixed_precision == "fp16" and not cuda:
         raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
@@ -59,7 +56,6 @@ def check_run(cfg: FineTuneConfig) -> Any:
         raise InputError("--dataset_config_name: needs the datasets package (pip install datasets)")
     if cfg.non_ema_revision:
         _check_non_ema_revision(cfg)
-    return parallel
 
 
 def _check_strategy_name(name: str) -> None:
@@ -84,12 +80,6 @@ def _check_non_ema_revision(cfg: FineTuneConfig) -> None:
                          "(--pretrained_model_name_or_path), not to the tiny built-in pipeline")
     resolve_pretrained(cfg.pretrained_model_name_or_path, revision=cfg.non_ema_revision, cache_dir=cfg.cache_dir,
                        flag="--non_ema_revision")
-
-
-def parallel_config(cfg: FineTuneConfig) -> Any:
-    """The run's sharding config: `parallel` when given, else the one `--strategy` (and `--offload_dir`) name
-    (`recipes.strategies.parallel_for_strategy`); None for strategies that shard nothing here (auto, ddp, ...)."""
-    return cfg.parallel if cfg.parallel is not None else parallel_for_strategy(cfg.strategy, cfg.offload_dir)
 
 
 def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Path | None, int | None]:
@@ -154,17 +144,16 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def build_strategy(cfg: FineTuneConfig, parallel: Any) -> Any:
-    """The Trainer's `strategy`: the sharded strategy holding `parallel` (the run's sharding config, the object
+def build_strategy(cfg: FineTuneConfig) -> Any:
+    """The Trainer's `strategy`: the sharded strategy holding `cfg.parallel` (the run's sharding config, the object
     itself: no registry lookup, no environment variable), or `--strategy`'s name as is when it shards nothing here
     (auto, ddp, Lightning's own)."""
-    return cfg.strategy if parallel is None else strategy_from_config(parallel)
+    return cfg.strategy if cfg.parallel is None else strategy_from_config(cfg.parallel)
 
 
 def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
-                  resumed_step: int | None = None, *, parallel: Any, **overrides: Any) -> pl.Trainer:
-    """The Lightning Trainer of a run whose sharding config is `parallel` (`check_run`'s; `overrides` go to
-    `pl.Trainer`)."""
+                  resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
+    """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -172,7 +161,7 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
     bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
     kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
     kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes,
-                  strategy=build_strategy(cfg, parallel))
+                  strategy=build_strategy(cfg))
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
 
@@ -180,11 +169,11 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 # -- the fit --------------------------------------------------------------------------------------------------
 def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
     """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
-    parallel = check_run(cfg)
+    check_run(cfg)
     data, max_steps, ckpt, resumed_step = _prepare(cfg, cfg.devices * cfg.num_nodes)
     module = StableDiffusionFineTune(cfg)
     data.tokenizer = module.tokenizer
-    trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, parallel=parallel, **trainer_overrides)
+    trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, **trainer_overrides)
     with warnings.catch_warnings():
         # ImageCaptionData restores the sampler position itself (its state_dict), which Lightning cannot see.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
@@ -194,7 +183,7 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
 
 def _ray_job(cfg: FineTuneConfig, parallel: Any, max_steps: int, ckpt: str | None, resumed_step: int | None) -> Any:
     """The job every Ray worker builds (module-level, so cloudpickle sends it by reference); `parallel` is the
-    driver's sharding config, sent as is."""
+    driver's sharding config (`cfg.parallel`, its NVMe folder absolute), sent as is."""
     from ..ray import FitJob
 
     module = StableDiffusionFineTune(cfg)
@@ -215,8 +204,9 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
                                       if getattr(cfg, k) and os.path.exists(getattr(cfg, k))})
     if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
         cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
-    parallel = check_run(cfg)
-    if getattr(parallel, "offload_dir", None):  # a Gemini config's NVMe folder
+    check_run(cfg)
+    parallel = cfg.parallel
+    if getattr(parallel, "offload_dir", None):  # a Gemini config's NVMe folder, as the paths above
         parallel = dataclasses.replace(parallel, offload_dir=os.path.abspath(parallel.offload_dir))
     workers = cfg.num_workers or cfg.devices * cfg.num_nodes
     _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)

@@ -18,7 +18,7 @@ import torch
 
 from ...diffusion.config import FineTuneConfig
 from ...diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
-from ..strategies import GeminiStrategy, strategy_kind
+from ..strategies import GeminiStrategy
 
 __all__ = ["StableDiffusionFineTune"]
 
@@ -297,7 +297,7 @@ class StableDiffusionFineTune(pl.LightningModule):
 
 
 def _is_gemini(cfg: FineTuneConfig) -> bool:
-    """Whether the run shards with Gemini (its chunks can be filled from a file); makes no folder."""
+    """Whether the run shards with Gemini (its chunks can be filled from a file)."""
     from ...core_parallel import GeminiConfig
 
-    return isinstance(cfg.parallel, GeminiConfig) or (cfg.parallel is None and strategy_kind(cfg.strategy) == "gemini")
+    return isinstance(cfg.parallel, GeminiConfig)

@@ -72,3 +72,28 @@ def test_the_tier_moves_data_not_numbers(tmp_path):
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(on_nvme[name], on_cpu[name], rtol=0, atol=0)  # bit for bit
         torch.testing.assert_close(on_cpu[name].double(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_presets_leave_the_folder_to_the_config(tmp_path, monkeypatch):
+    """`core_parallel.presets` (the strategy names, GeminiStrategy's keywords) checks no folder itself: the config's
+    one check answers, its deprecation warning points at the caller, and a temporary folder made for an NVMe tier
+    named without one is removed again when the config refuses the other fields."""
+    import tempfile
+
+    from lowmem.core_parallel.presets import config_for_strategy, gemini_config
+
+    with pytest.warns(DeprecationWarning, match="name the tier") as record:
+        cfg = gemini_config(offload_dir=str(tmp_path))
+    assert record[0].filename == __file__ and (cfg.offload_tier, cfg.offload_param_frac) == ("nvme", 0.0)
+    with pytest.raises(InputError, match=r"offload_dir='/x' applies to offload_tier='nvme' only; offload_tier='cpu'"):
+        gemini_config(offload="none", offload_dir="/x")
+    auto = config_for_strategy("gemini_auto", offload_dir=str(tmp_path))
+    assert auto == GeminiConfig(placement="auto", offload_tier="nvme", offload_dir=str(tmp_path))
+    assert config_for_strategy("gemini_auto") == GeminiConfig(placement="auto") and config_for_strategy("ddp") is None
+    with pytest.raises(InputError, match="^offload_dir /x: only the strategies with an NVMe tier"):
+        config_for_strategy("gemini_offload", offload_dir="/x")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(InputError, match="prefetch"):
+        gemini_config(offload="nvme", prefetch=-1)
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -104,6 +104,7 @@ def test_explicit_flag_beats_the_file_which_beats_the_default(tmp_path):
     ("parallel: {zero: {precision: bf16}}\n", "parallel: zero.precision: the precision is --mixed_precision's"),
     ("strategy: zero2\nparallel: {zero: {}}\n", "strategy 'zero2' and parallel both name the strategy"),
     ("offload_dir: /x\nparallel: {gemini: {}}\n", "offload_dir goes inside parallel"),
+    ("strategy: gemini\noffload_dir: /x\n", "offload_dir /x: only the strategies with an NVMe tier use it"),
 ])
 def test_bad_recipe_is_one_line_naming_the_key_and_the_file_exit_2(tmp_path, capsys, text, expect):
     recipe = tmp_path / "bad.yaml"
@@ -127,7 +128,7 @@ def test_bad_flag_value_names_the_flag(capsys, tmp_path):
 def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
     from lowmem.core_parallel import GeminiConfig, ZeroConfig
     from lowmem.core_parallel.loss_scaler import LossScalerConfig
-    from lowmem.recipes.diffusion import build_strategy, parallel_config
+    from lowmem.recipes.diffusion import build_strategy
     from lowmem.recipes.strategies import GeminiStrategy, ZeroStrategy
     from lowmem.suite.commands.diffusion import build_config
 
@@ -136,21 +137,60 @@ def test_parallel_section_yaml_forms_and_the_strategy_built_from_it(tmp_path):
                       "offload_optim_frac: 0.5}\n")
     cfg = build_config(_args("--config", str(recipe)))
     want = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_optim_frac=0.5)
-    assert cfg.parallel == cfg.launch.parallel == want and parallel_config(cfg) == want
-    strategy = build_strategy(cfg, parallel_config(cfg))
+    assert cfg.parallel == cfg.launch.parallel == want
+    strategy = build_strategy(cfg)
     assert isinstance(strategy, GeminiStrategy) and strategy.config is cfg.parallel
     # nested under its section, a zero config, loss-scaler settings as a mapping
     recipe.write_text("launch:\n  parallel: {zero: {stage: 1, offload: cpu, loss_scaler: {hysteresis: 3}}}\n")
     cfg = build_config(_args("--config", str(recipe)))
     assert cfg.parallel == ZeroConfig(stage=1, offload="cpu", loss_scaler=LossScalerConfig(hysteresis=3))
-    assert isinstance(build_strategy(cfg, parallel_config(cfg)), ZeroStrategy)
+    assert isinstance(build_strategy(cfg), ZeroStrategy) and build_strategy(cfg).config is cfg.parallel
     # an explicit --strategy replaces the file's parallel (flag > file); in code both at once are refused
     cfg = build_config(_args("--config", str(recipe), "--strategy", "gemini_offload"))
-    assert cfg.parallel is None and parallel_config(cfg) == GeminiConfig(offload_tier="cpu", offload_param_frac=1.0,
-                                                                        offload_optim_frac=1.0)
+    assert cfg.launch.parallel is None and cfg.parallel == GeminiConfig(offload_tier="cpu", offload_param_frac=1.0,
+                                                                       offload_optim_frac=1.0)
     with pytest.raises(ValueError, match="give one"):
         FineTuneConfig(strategy="zero2", parallel=ZeroConfig())
     assert FineTuneConfig(parallel={"zero": {"stage": 1}}).parallel == ZeroConfig(stage=1)
-    assert parallel_config(FineTuneConfig()) is None and build_strategy(FineTuneConfig(strategy="ddp"), None) == "ddp"
+    assert FineTuneConfig().parallel is None and build_strategy(FineTuneConfig(strategy="ddp")) == "ddp"
     with pytest.raises(ValueError, match="use_ema is not supported with the gemini"):
         FineTuneConfig(use_ema=True, parallel=GeminiConfig())
+
+
+def test_the_run_s_sharding_config_is_built_once_with_the_config(tmp_path, monkeypatch, capsys):
+    """`--strategy NAME [--offload_dir DIR]` becomes `cfg.parallel` where the config is built
+    (`core_parallel.config_for_strategy`); a copy keeps it, a copy with another strategy builds its own; a refused
+    setting leaves no temporary NVMe folder; a folder the strategy cannot use is one line naming the flag."""
+    import tempfile
+
+    from lowmem.core_parallel import GeminiConfig, ZeroConfig
+
+    cfg = FineTuneConfig(strategy="zero2")
+    assert cfg.parallel == ZeroConfig(stage=2) and cfg.launch.parallel is None and cfg.strategy == "zero2"
+    assert dataclasses.replace(cfg, output_dir="elsewhere").parallel is cfg.parallel  # the Ray path's copy
+    assert dataclasses.replace(cfg, devices=2).parallel == cfg.parallel  # a launch setting: built again, equal
+    assert dataclasses.replace(cfg, strategy="zero1").parallel == ZeroConfig(stage=1)
+    assert dataclasses.replace(cfg, strategy="ddp").parallel is None
+    assert pickle.loads(pickle.dumps(cfg)).parallel == cfg.parallel  # what Ray workers get
+    # gemini_nvme without a folder: one temporary folder, made once every other setting is accepted
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for refused in (dict(use_ema=True), dict(num_workers=0), dict(with_prior_preservation=True)):
+        with pytest.raises(ValueError):
+            FineTuneConfig(strategy="gemini_nvme", **refused)
+    assert list(tmp_path.iterdir()) == []
+    nvme = FineTuneConfig(strategy="gemini_nvme")
+    assert [str(p) for p in tmp_path.iterdir()] == [nvme.parallel.offload_dir]
+    assert nvme.parallel == GeminiConfig(offload_tier="nvme", offload_dir=nvme.parallel.offload_dir,
+                                         offload_param_frac=1.0, offload_optim_frac=1.0)
+    assert dataclasses.replace(nvme, seed=3).parallel is nvme.parallel and len(list(tmp_path.iterdir())) == 1
+    # the flag and the script commands' launcher flag: one line naming --offload_dir
+    rc = main(["diffusion", "finetune", "--strategy", "zero2", "--offload_dir", "/x", "--output_dir",
+               str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["suite diffusion: error: --offload_dir /x: only the strategies with an NVMe tier use "
+                               "it (gemini_nvme, gemini_auto), not --strategy zero2"], err
+    rc = main(["diffusion", "train_text_to_image", "--pretrained_model_name_or_path", "x", "--train_data_dir",
+               str(tmp_path), "--strategy", "gemini_nvme", "--offload_dir", " "])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["suite diffusion: error: --offload_dir must be a folder path or None, got an empty "
+                               "string"], err

@@ -148,18 +148,19 @@ def test_offload_dir_reaches_the_strategy_object_not_the_environment(tmp_path, m
     import os
 
     from lowmem.diffusion.errors import InputError
-    from lowmem.recipes.diffusion import build_trainer, check_run, parallel_config
+    from lowmem.recipes.diffusion import build_trainer, check_run
 
     environ = dict(os.environ)
     folder = str(tmp_path / "nvme")
     for name in ("gemini_nvme", "gemini_auto"):
         cfg = FineTuneConfig(output_dir=str(tmp_path / name), strategy=name, offload_dir=folder)
-        parallel = check_run(cfg)  # the run's one sharding config
-        trainer = build_trainer(cfg, 2, enable_progress_bar=False, parallel=parallel)
-        assert trainer.strategy.config is parallel, name  # held, not rebuilt
+        parallel = cfg.parallel  # the run's one sharding config, built with the config
+        check_run(cfg)
+        trainer = build_trainer(cfg, 2, enable_progress_bar=False)
+        assert trainer.strategy.config is parallel and cfg.parallel is parallel, name  # held, not rebuilt
         assert (parallel.offload_tier, parallel.offload_dir) == ("nvme", folder), name
-        assert parallel_config(cfg) == parallel  # what the Ray job builds its strategy from
     assert dict(os.environ) == environ
-    for name in ("gemini", "zero2", "auto"):
-        with pytest.raises(InputError, match=f"--offload_dir .*only the strategies with an NVMe tier.*{name}"):
-            check_run(FineTuneConfig(output_dir=str(tmp_path / "x"), strategy=name, offload_dir=folder))
+    refused = f"offload_dir {re.escape(folder)}: only the strategies with an NVMe tier"
+    for name in ("gemini", "zero2", "auto"):  # refused where the config is built, before anything loads
+        with pytest.raises(InputError, match=f"{refused}.*{name}"):
+            FineTuneConfig(output_dir=str(tmp_path / "x"), strategy=name, offload_dir=folder)

@@ -45,7 +45,6 @@ def test_ray_strategy_from_a_config_and_the_diffusion_job_keeps_offload_dir(tmp_
     from lowmem.core_parallel import GeminiConfig
     from lowmem.diffusion.config import FineTuneConfig
     from lowmem.recipes import GeminiStrategy
-    from lowmem.recipes.diffusion import check_run
     from lowmem.recipes.diffusion.launch import _ray_job
     from lowmem.recipes.ray import ray_strategy
 
@@ -55,7 +54,7 @@ def test_ray_strategy_from_a_config_and_the_diffusion_job_keeps_offload_dir(tmp_
     assert strategy.config is config and strategy.collective_timeout_s == 60
     cfg = FineTuneConfig(output_dir=str(tmp_path / "out"), strategy="gemini_nvme", offload_dir=str(tmp_path / "d"),
                          max_train_steps=1)
-    job = _ray_job(cfg, check_run(cfg), 1, None, None)
+    job = _ray_job(cfg, cfg.parallel, 1, None, None)
     assert job.strategy == GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "d"),
                                         offload_param_frac=1.0, offload_optim_frac=1.0)
     assert _ray_job(FineTuneConfig(output_dir=str(tmp_path / "o2")), None, 1, None, None).strategy == "ddp"

@@ -488,12 +488,16 @@ def test_peer_failure_is_recognised():
 
 
 # ---- one tier field, strategies built from configs ---------------------------------------------------------
+_CPU_TIER_WITH_FOLDER = r"offload_dir='/x' applies to offload_tier='nvme' only; offload_tier='cpu' keeps"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(offload="cpu", offload_dir="/x"), r"offload_dir='/x' applies to the NVMe tier only; offload='cpu'"),
-        (dict(offload="none", offload_dir="/x"), r"offload_dir='/x' applies to the NVMe tier only; offload='none'"),
-        (dict(offload_tier="cpu", offload_dir="/x"), r"applies to the NVMe tier only; offload_tier='cpu'"),
+        # the folder is GeminiConfig's to judge: offload="cpu" and "none" are its "cpu" tier
+        (dict(offload="cpu", offload_dir="/x"), _CPU_TIER_WITH_FOLDER),
+        (dict(offload="none", offload_dir="/x"), _CPU_TIER_WITH_FOLDER),
+        (dict(offload_tier="cpu", offload_dir="/x"), _CPU_TIER_WITH_FOLDER),
         (dict(offload="cpu", offload_tier="nvme"), r"offload='cpu' and offload_tier='nvme' name different tiers"),
         (dict(offload="none", offload_tier="nvme"), r"offload='none' and offload_tier='nvme' disagree"),
         (dict(offload="disk"), r"offload must be one of none, cpu, nvme, got 'disk'"),
@@ -526,7 +530,7 @@ def test_gemini_strategy_tiers(tmp_path, monkeypatch):
     assert Path(auto.offload_dir).name.startswith("suite-offload-")  # a temporary folder, not the environment's
     Path(auto.offload_dir).rmdir()
     # a folder alone: the NVMe tier as before (same fractions), with a DeprecationWarning at the caller
-    with pytest.warns(DeprecationWarning, match="offload='nvme'") as record:
+    with pytest.warns(DeprecationWarning, match="name the tier") as record:  # GeminiConfig's, at the caller
         old = strategies.GeminiStrategy(offload_dir=tmp_path / "old")
     assert record[0].filename == __file__
     old_cfg = old.core_config("fp32")
@@ -561,13 +565,14 @@ def test_every_strategy_name_maps_onto_the_config_its_registered_strategy_builds
     `Trainer(strategy=NAME)` builds, so building the strategy from the config changes no number."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lowmem.core_parallel import config_for_strategy
     from lowmem.utils.errors import InputError
 
     strategies = recipes_strategies()
     assert set(strategies.STRATEGY_NAMES) - {"auto", "ddp"} == set(SHARDED)
     for name in strategies.STRATEGY_NAMES:
         for folder in ((None, str(tmp_path / "nvme")) if name in ("gemini_nvme", "gemini_auto") else (None,)):
-            config = strategies.parallel_for_strategy(name, folder)
+            config = config_for_strategy(name, offload_dir=folder)
             if name in ("auto", "ddp"):
                 assert config is None and strategies.strategy_kind(name) is None
                 continue
@@ -581,8 +586,8 @@ def test_every_strategy_name_maps_onto_the_config_its_registered_strategy_builds
             assert type(built) is type(registered) and built.core_config("fp32") == config
             assert strategies.strategy_kind(name) == name.split("_")[0].rstrip("12")
     for name in ("gemini", "zero2", "ddp", "auto"):
-        with pytest.raises(InputError, match=f"--offload_dir /x: only the strategies with an NVMe tier .*{name}$"):
-            strategies.parallel_for_strategy(name, "/x")
+        with pytest.raises(InputError, match=f"^offload_dir /x: only the strategies with an NVMe tier .*{name}$"):
+            config_for_strategy(name, offload_dir="/x")
 
 
 def test_a_strategy_holds_the_config_it_is_given(tmp_path):
