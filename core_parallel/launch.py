@@ -49,6 +49,7 @@ def _worker(
     backend: str,
     collective_timeout: float,
     env: dict[str, str],
+    kernel_backend: tuple[str, str],
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,
@@ -66,6 +67,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    from ..kernels.backend import set_default_backend
+
+    # the parent's kernel backend: a spawned rank reads no override itself
+    set_default_backend(kernel_backend[0], source=kernel_backend[1])
     torch.set_num_threads(1)
     try:
         if backend != "none":
@@ -114,6 +119,8 @@ def run_on_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     check_backend(backend, LAUNCH_BACKENDS)
+    from ..kernels.backend import default_backend
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -121,7 +128,8 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, collective_timeout, dict(env or {}), fn, args, kwargs, results),
+            args=(r, world_size, port, backend, collective_timeout, dict(env or {}), default_backend(),
+                  fn, args, kwargs, results),
             daemon=True,
         )
         for r in range(world_size)

@@ -278,6 +278,7 @@ class _Launched:
 
         from ..core_parallel import Axis, Topology
         from ..core_parallel.launch import free_port
+        from ..kernels.backend import default_backend
 
         ctx = mp.get_context("spawn")
         port, world = free_port(), self.devices
@@ -287,7 +288,8 @@ class _Launched:
         try:
             for r in range(1, world):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_follow, args=(r, world, port, backend, self.timeout_s, threads, theirs),
+                proc = ctx.Process(target=_follow, args=(r, world, port, backend, self.timeout_s, threads,
+                                                         default_backend(), theirs),
                                    daemon=True, name=f"dap-rank-{r}")
                 proc.start()
                 theirs.close()
@@ -360,15 +362,19 @@ def _first_report(followers: list, wait_s: float) -> BaseException | None:
         time.sleep(0.1)
 
 
-def _follow(rank: int, world: int, port: int, backend: str, timeout_s: float, threads: int, conn: Any) -> None:
-    """A launched runtime's rank > 0: run what rank 0 sends until it sends None (or goes away)."""
+def _follow(rank: int, world: int, port: int, backend: str, timeout_s: float, threads: int,
+            kernel_backend: tuple[str, str], conn: Any) -> None:
+    """A launched runtime's rank > 0: run what rank 0 sends until it sends None (or goes away), with rank 0's
+    kernel backend (`kernel_backend`: `kernels.backend.default_backend()` there)."""
     import os
     import traceback
 
     topology = None
     try:
         from ..core_parallel import Axis, Topology
+        from ..kernels.backend import set_default_backend
 
+        set_default_backend(kernel_backend[0], source=kernel_backend[1])
         torch.set_num_threads(threads)
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":

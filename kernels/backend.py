@@ -38,8 +38,9 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "direct_call", "op_name",
-           "select_path", "set_default_backend", "triton_installed", "triton_unavailable_reason", "use_backend"]
+__all__ = ["BACKENDS", "ENV_VAR", "OP_NAMESPACE", "Path", "current_backend", "default_backend", "direct_call",
+           "op_name", "select_path", "set_default_backend", "triton_installed", "triton_unavailable_reason",
+           "use_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,12 @@ def set_default_backend(name: str | None, *, source: str = "set_default_backend"
     `backend_report` shows it), not here: an override that no call reads stops nothing."""
     global _default
     _default = ((name or "").strip().lower() or "auto", source)
+
+
+def default_backend() -> tuple[str, str]:
+    """The default as set (`name`, `source`), unchecked: what a launcher hands its spawned ranks, which pass it
+    back to `set_default_backend(name, source=source)` so that every rank runs the kernels its parent was asked for."""
+    return _default
 
 
 def current_backend() -> str:

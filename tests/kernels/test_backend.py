@@ -47,6 +47,23 @@ def test_command_line_reads_the_override_once(monkeypatch, capsys):
     assert kernels.current_backend() == "torch"
 
 
+def _rank_backend(rank: int, world: int) -> str:
+    return backend.current_backend()
+
+
+def test_spawned_ranks_run_the_parents_backend():
+    """`run_on_ranks` (and the DAP runtime's followers) hand the parent's default to every rank: a spawned rank
+    reads no override of its own."""
+    from lowmem.core_parallel import run_on_ranks
+
+    before = backend.default_backend()
+    try:
+        kernels.set_default_backend("torch", source="test")
+        assert run_on_ranks(_rank_backend, 2, backend="none", timeout=120) == ["torch", "torch"]
+    finally:
+        kernels.set_default_backend(before[0], source=before[1])
+
+
 def test_bad_names_raise():
     with pytest.raises(ValueError, match="use_backend"):
         with kernels.use_backend("cuda"):
