@@ -60,6 +60,28 @@ def test_ray_strategy_from_a_config_and_the_diffusion_job_keeps_offload_dir(tmp_
     assert _ray_job(FineTuneConfig(output_dir=str(tmp_path / "o2")), None, 1, None, None).strategy == "ddp"
 
 
+def test_fit_with_ray_sends_the_run_s_config_with_an_absolute_folder(tmp_path, monkeypatch):
+    """Ray workers run in their own working folders: the job gets `cfg.parallel` with its NVMe folder absolute (a
+    copy, every other field the same), and the config it sends pickles with its sharding config."""
+    import dataclasses
+    import os
+
+    from ray import cloudpickle
+
+    from lowmem.diffusion.config import FineTuneConfig
+    from lowmem.recipes.diffusion import fit_with_ray
+
+    monkeypatch.chdir(tmp_path)
+    sent = {}
+    monkeypatch.setattr("lowmem.recipes.ray.fit_on_ray", lambda build, config: sent.update(build=build))
+    cfg = FineTuneConfig(output_dir="out", strategy="gemini_auto", offload_dir="nvme", ray_address="local",
+                         max_train_steps=1)
+    fit_with_ray(cfg)
+    job_cfg, parallel = cloudpickle.loads(cloudpickle.dumps(sent["build"])).args[:2]
+    assert parallel == dataclasses.replace(cfg.parallel, offload_dir=os.path.join(tmp_path, "nvme"))
+    assert job_cfg.parallel == cfg.parallel and job_cfg.parallel.offload_dir == "nvme"
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):
