@@ -120,11 +120,12 @@ def gemini(ctx: StageContext) -> None:
                         f"{size['batch']} --steps {size['steps']} (one device; fused Adam on every side, DDP "
                         "gradient_as_bucket_view; peak = max_memory_allocated over the steps on CUDA)")
     path, strategies = ctx.work / "gemini.json", size["strategies"]
-    limit = ctx.limit(40 * len(strategies), reserve=75)
+    want, reserve = 40 * len(strategies), min(75.0, 0.4 * ctx.rec.left())  # the snapshot and the CPU tier after it
+    limit = ctx.limit(want, reserve) or 15
     argv = ctx.suite("bench", "gemini", "--ranks", "1", "--params", size["params"], "--width", str(size["width"]),
                      "--batch", str(size["batch"]), "--steps", str(size["steps"]), "--strategies", ",".join(strategies),
-                     "--timeout", str(int((limit or 15) / len(strategies)) - 3), "--json", str(path))
-    child = ctx.run(argv, want=40 * len(strategies), reserve=75, what="gemini vs fsdp2 vs ddp")
+                     "--timeout", str(max(5, int(limit / len(strategies)) - 3)), "--json", str(path))
+    child = ctx.run(argv, want, reserve, what="gemini vs fsdp2 vs ddp")
     results: dict[str, dict] = {}
     for row in json.loads(path.read_text())["rows"] if child and path.exists() else []:
         if "note" in row:

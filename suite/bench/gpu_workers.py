@@ -394,6 +394,9 @@ def _sd_variant(variant: str, spec: dict, cfg: dict, device) -> None:
 
 
 def _sd(spec: dict) -> None:
+    from diffusers import UNet2DConditionModel  # noqa: F401  (imported before any setup_s is timed)
+    from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: F401
+
     device = _device(spec["device"])
     note = emulate_card(spec.get("cap_gib"), device)
     if note:
