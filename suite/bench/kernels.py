@@ -144,7 +144,9 @@ def _impl(op: str, impl: str):
         ("attention", "ours"): lambda q, k, v, bias, mask: kernels.attention(q, k, v, bias=bias, mask=mask),
         ("attention", "naive"): lambda q, k, v, bias, mask: naive_scores(
             q @ k.transpose(-1, -2), bias, mask, q.shape[-1] ** -0.5) @ v,
-        ("attention", "sdpa-nobias"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(q, k, v),
+        # leading dims flattened to SDPA's 4-D [B, H, L, D]: its fused kernels (flash) take nothing else
+        ("attention", "sdpa-nobias"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(
+            *(t.flatten(0, -4) for t in (q, k, v))).view(q.shape),
         ("attention", "sdpa"): lambda q, k, v, bias, mask: F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias.masked_fill(~mask, float("-inf"))),
     }

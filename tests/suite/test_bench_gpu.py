@@ -117,11 +117,12 @@ def test_markdown_marks_missed_targets_and_escapes_cells():
     assert "| fold | T | 1.5 | **missed** |" in md and "| 1.235 | x\\|y | **no** |" in md and "- n" in md
 
 
-def test_floor_baseline_runs_forward_and_backward():
+@pytest.mark.parametrize("lead", [[1, 2], [1, 3, 2]], ids=["sd", "evoformer"])
+def test_floor_baseline_runs_forward_and_backward(lead):
     from lowmem.suite.bench import kernels as bench
 
-    case = {"op": "attention", "size": "t", "mode": "fwd+bwd", "q": [1, 2, 5, 8], "k": [1, 2, 7, 8],
-            "bias": [1, 1, 5, 7], "mask": [1, 1, 1, 7]}
+    case = {"op": "attention", "size": "t", "mode": "fwd+bwd", "q": lead + [5, 8], "k": lead + [7, 8],
+            "bias": [1] * (len(lead) - 1) + [2, 5, 7], "mask": [1] * len(lead) + [1, 7]}
     got = bench._worker({"case": case, "impl": "sdpa-nobias", "device": "cpu", "dtype": "float32", "repeat": 1,
                          "measure": "time"})
     assert got["ms"] > 0
@@ -130,6 +131,22 @@ def test_floor_baseline_runs_forward_and_backward():
 def test_emulated_card_is_a_no_op_on_cpu():
     assert gpu_workers.emulate_card(8, torch.device("cpu")) == "no 8 GiB cap on cpu"
     assert gpu_workers.emulate_card(None, torch.device("cpu")) == ""
+
+
+def test_emulated_card_caps_the_allocator_and_reports_the_smaller_card(monkeypatch):
+    gib, fractions = 2**30, []
+
+    class Props:
+        total_memory = 80 * gib
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
+    note = gpu_workers.emulate_card(24, torch.device("cuda", 0))
+    assert fractions == [0.3] and "emulated 24 GiB card" in note
+    assert torch.cuda.mem_get_info(0) == (21 * gib, 24 * gib)  # what fastfold's auto chunks size themselves by
+    assert gpu_workers.emulate_card(100, torch.device("cuda", 0)).startswith("the card has 80.0 GiB")
 
 
 # ---- on a GPU: run by `suite bench gpu`'s first stage (pytest -m gpu) ------------------------------------------
