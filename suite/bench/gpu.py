@@ -7,11 +7,11 @@ plus what earlier stages left unused), so a hang or an out-of-memory error in on
 
 | stage | what | share of 420 s |
 |---|---|---|
-| checks | the kernels (Triton compiled) and Gemini against their references on the device; `pytest -m gpu` | 70 |
+| checks | the kernels (Triton compiled) and Gemini against their references on the device; `pytest -m gpu` | 80 |
 | kernels | `suite bench kernels --floor`, fwd+bwd bf16, Evoformer and SD sizes | 85 |
-| sd | SD-1.5's UNet at 512 px: plain diffusers-style loop vs ours with Gemini, whole card and 8 GiB | 105 |
+| sd | SD-1.5's UNet at 512 px: plain diffusers-style loop vs ours with Gemini, whole card and 8 GiB | 100 |
 | gemini | `suite bench gemini` at 1B (Gemini, FSDP2, DDP); memory snapshot; CPU tier beyond 24 GiB | 85 |
-| fold | AlphaFold model: auto chunks vs unchunked vs chunk 4, N_res 512-2048; largest N_res in 24 GiB | 75 |
+| fold | AlphaFold model: auto chunks vs unchunked vs chunk 4, N_res 512-2048; largest N_res in 24 GiB | 70 |
 
 A stage that would start with less than its minimum left is skipped and says so. After every stage `DIR/gpu.json`
 and `DIR/gpu.md` (a table per measurement, the targets of the issues, met or not) are rewritten, so a run cut
@@ -54,11 +54,11 @@ class Stage:
 
 
 STAGES = (
-    Stage("checks", 70, 20, "CUDA paths: kernels' and Gemini's parity on the device, fp32 and bf16; pytest -m gpu"),
+    Stage("checks", 80, 20, "CUDA paths: kernels' and Gemini's parity on the device, fp32 and bf16; pytest -m gpu"),
     Stage("kernels", 85, 30, "kernels fwd+bwd: LayerNorm vs F.layer_norm, softmax vs naive, attention vs SDPA"),
-    Stage("sd", 105, 40, "SD-1.5 UNet 512 px: plain diffusers-style loop vs ours (Gemini), whole card and 8 GiB"),
+    Stage("sd", 100, 40, "SD-1.5 UNet 512 px: plain diffusers-style loop vs ours (Gemini), whole card and 8 GiB"),
     Stage("gemini", 85, 30, "Gemini vs FSDP2 vs DDP at 1B on one device; snapshot; CPU tier beyond 24 GiB"),
-    Stage("fold", 75, 25, "AlphaFold model: auto chunks vs unchunked vs chunk 4; largest N_res in 24 GiB"),
+    Stage("fold", 70, 25, "AlphaFold model: auto chunks vs unchunked vs chunk 4; largest N_res in 24 GiB"),
 )
 _INJECT = ("crash", "hang", "ok")
 

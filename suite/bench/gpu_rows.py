@@ -212,10 +212,10 @@ def _fold_plan(ctx: StageContext) -> list[tuple[int, str, float | None, int, int
     if ctx.smoke:
         return [(16, "none", None, 0, 1, 60), (16, "auto", None, 0, 1, 60), (16, "4", None, 0, 1, 60),
                 (24, "auto", 24, 0, 1, 60)]
-    plan = [(n, c, None, 1, 3 if n == 512 else 2, 20 if n == 512 else 30) for n in (512, 1024)
-            for c in ("none", "auto", "4")]
-    plan += [(2048, "auto", 24, 0, 1, 45), (2048, "none", None, 0, 1, 30), (2048, "auto", None, 0, 1, 40),
-             (3072, "auto", 24, 0, 1, 60), (2048, "4", None, 0, 1, 60), (4096, "auto", 24, 0, 1, 90)]
+    plan = [(512, "none", None, 1, 3, 15), (512, "auto", None, 1, 3, 15), (1024, "none", None, 1, 2, 25),
+            (1024, "auto", None, 1, 2, 25), (2048, "auto", 24, 0, 1, 45), (512, "4", None, 1, 3, 25),
+            (1024, "4", None, 1, 2, 40), (2048, "none", None, 0, 1, 30), (2048, "auto", None, 0, 1, 40),
+            (3072, "auto", 24, 0, 1, 60), (2048, "4", None, 0, 1, 60), (4096, "auto", 24, 0, 1, 90)]
     return plan
 
 

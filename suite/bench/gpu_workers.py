@@ -32,7 +32,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
@@ -153,9 +153,9 @@ def _errors(fn, ref, tensors64, kwargs, dtype, device, backend) -> list[tuple[fl
     return pairs
 
 
-def kernel_parity(device_name: str, dtype_name: str) -> list[dict]:
-    """One row per case: worst error over output and gradients as a fraction of the rule's bound (<= 1 passes),
-    and which implementation ran (a Triton fallback is named)."""
+def kernel_parity(device_name: str, dtype_name: str) -> Iterator[dict]:
+    """One row per case, as each is done: worst error over output and gradients as a fraction of the rule's bound
+    (<= 1 passes), and which implementation ran (a Triton fallback is named)."""
     import os
 
     import torch
@@ -166,14 +166,13 @@ def kernel_parity(device_name: str, dtype_name: str) -> list[dict]:
     backend = "triton" if device.type == "cuda" else "auto"
     handler = _Fallbacks()
     logging.getLogger(kernels.__name__).addHandler(handler)
-    rows = []
     for name, fn, ref, tensors, kwargs in _kernel_cases(torch.Generator().manual_seed(0)):
         before = len(handler.messages)
         try:
             pairs = _errors(fn, ref, tensors, kwargs, dtype, device, backend)
         except Exception as exc:  # noqa: BLE001 - a failing case is a row, the next case still runs
-            rows.append({"check": f"kernels {name}", "dtype": dtype_name, "ok": False,
-                         "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+            yield {"check": f"kernels {name}", "dtype": dtype_name, "ok": False,
+                   "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             continue
         worst = max(ours / (2 * base + ATOL[dtype_name]) for ours, base in pairs)
         fallback = handler.messages[before:]
@@ -182,9 +181,8 @@ def kernel_parity(device_name: str, dtype_name: str) -> list[dict]:
                 "triton interpreted" if os.environ.get("TRITON_INTERPRET") == "1" else "triton compiled")
         else:
             path = "cpu path"
-        rows.append({"check": f"kernels {name}", "dtype": dtype_name, "path": path, "out_err": pairs[0][0],
-                     "torch_err": pairs[0][1], "worst_vs_bound": worst, "ok": worst <= 1.0})
-    return rows
+        yield {"check": f"kernels {name}", "dtype": dtype_name, "path": path, "out_err": pairs[0][0],
+               "torch_err": pairs[0][1], "worst_vs_bound": worst, "ok": worst <= 1.0}
 
 
 def _gemini_net(device):

@@ -155,7 +155,7 @@ def test_emulated_card_caps_the_allocator_and_reports_the_smaller_card(monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernels_match_float64_on_cuda_with_triton_compiled(dtype):
-    rows = gpu_workers.kernel_parity("cuda", dtype)
+    rows = list(gpu_workers.kernel_parity("cuda", dtype))
     bad = [r for r in rows if not r["ok"] or r.get("path") != "triton compiled"]
     assert not bad, bad
 
