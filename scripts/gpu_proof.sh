@@ -29,4 +29,4 @@ PYEOF
 export PYTHONPATH="$NS:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-exec "$PY" -m lowmem.suite bench gpu --out "$OUT" "$@"
+exec "$PY" -m lowmem.suite bench gpu --out "$OUT" --budget-s 420 "$@"
