@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def _orchestrate(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         payload["elapsed_s"] = time.monotonic() - t0
         _write(out, payload, args)
+        shutil.rmtree(work, ignore_errors=True)  # the stages' records, now in the payload
     print(_summary(payload), flush=True)
     print(f"[gpu] wrote {out / 'gpu.json'}, {out / 'gpu.md'}, {out / 'gpu.log'}", flush=True)
     return 0
