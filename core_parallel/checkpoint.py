@@ -50,7 +50,8 @@ Protocol a sharded optimizer implements (ZeRO here, Gemini in `core_parallel.gem
   (`restore_param_groups`) and loss scaler, and bring the model's parameters up to date.
 Parameters not in `ShardedState.params` are saved from `model.state_dict()` by rank 0 alone, after
 `sharded_state()` ran on every rank, so the model's state_dict must then return real values for them
-without communicating. Without an optimizer every rank calls `model.state_dict()` (it may be a collective)
+without communicating; an optional `end_sharded_state()`, called on every rank once the save is done (or
+failed), ends that mode. Without an optimizer every rank calls `model.state_dict()` (it may be a collective)
 and rank 0 writes it. Loading never calls `model.state_dict()`: the expected names come from
 `named_parameters(remove_duplicate=False)` and the persistent buffers.
 
@@ -229,6 +230,16 @@ def save_checkpoint(
     small JSON-able dict stored in the index (step counters, scheduler state, ...). Returns the path.
     """
     path = Path(path)
+    try:
+        return _save(path, model, optimizer, extra)
+    finally:
+        # Gemini: model.state_dict() gathers full values again (sharded_state() switched it to placeholders)
+        end = getattr(optimizer, "end_sharded_state", None)
+        if end is not None:
+            end()
+
+
+def _save(path: Path, model: torch.nn.Module, optimizer: Any | None, extra: dict[str, Any] | None) -> Path:
     group = _group_of(optimizer)
     world, rank = world_rank(group)
     state = optimizer.sharded_state() if optimizer is not None else None

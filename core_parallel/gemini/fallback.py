@@ -15,7 +15,9 @@ of its plain class again, so the fast path pays no Python call per op.
 
 Reading the data outside a training or evaluation pass (between steps, before the first forward) raises
 `GeminiParamError` naming the parameter and its module: gathering there would be a collective that only the
-ranks doing the read join.
+ranks doing the read join. Moves and casts (`.to()`, `.cpu()`, `.half()`, ... as `module.to(device)` or a
+Lightning stage's setup applies them) read no data when they change nothing: a move to the device and dtype the
+parameter already has is the parameter itself, anywhere; one that would change them raises, naming both.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ _METADATA = frozenset({
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_inference", "is_shared", "is_pinned",
     "is_set_to", "_is_view", "data_ptr", "untyped_storage", "register_hook", "register_post_accumulate_grad_hook",
     "requires_grad_", "retain_grad", "__hash__", "__setstate__", "_fix_weakref", "__dlpack_device__",
+    "_has_compatible_shallow_copy_type",
 })
 # Properties whose value is a view of the data (the others, shape, dtype, grad, ..., are metadata).
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -152,15 +155,76 @@ def _as_view(out, mgr, pidx: int, keys: set[int]):
     return tree_map_only(torch.Tensor, wrap, out)
 
 
+_CASTS = {"half": torch.float16, "float": torch.float32, "double": torch.float64, "bfloat16": torch.bfloat16}
+_MOVES = frozenset({"to", "cpu", "cuda", "type", *_CASTS})
+
+
+def _same_device(target, actual: torch.device) -> bool:
+    if target is None:
+        return True
+    target = torch.device(target)
+    if target.type != actual.type:
+        return False
+    if target.index is None and target.type == "cuda":
+        return actual.index == torch.cuda.current_device()
+    return target.index is None or target.index == actual.index
+
+
+def _move_target(name: str, t: torch.Tensor, args, kwargs) -> tuple[object, torch.dtype | None] | None:
+    """(device, dtype) that the move or cast `name(t, *args, **kwargs)` asks for; None: it is not one (a
+    `type()` query, `to(copy=True)`, a memory-format change)."""
+    if name in _CASTS:
+        return None, _CASTS[name]
+    if name == "cpu":
+        return "cpu", None
+    if name == "cuda":
+        device = kwargs.get("device", args[0] if args else None)
+        return torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"), None
+    if name == "type":
+        dtype = kwargs.get("dtype", args[0] if args else None)
+        return (None, dtype) if isinstance(dtype, torch.dtype) else None
+    kwargs = dict(kwargs)
+    if kwargs.pop("copy", False):
+        return None
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if memory_format not in (None, torch.preserve_format):
+        return None
+    return device, dtype
+
+
+def _move(name: str, mgr, pidx: int, args, kwargs):
+    """A move or cast of a guarded tensor: itself when it changes nothing (no data read), else one error."""
+    t = args[0]
+    if name == "type" and len(args) == 1 and not kwargs:  # the type's name: metadata
+        return _plain(torch.Tensor.type, args, kwargs)
+    target = _move_target(name, t, args[1:], kwargs)
+    if target is None:
+        return None
+    device, dtype = target
+    if _same_device(device, t.device) and (dtype is None or dtype == t.dtype):
+        return t
+    raise GeminiParamError(
+        f"{_describe(mgr, pidx)} cannot be moved or cast ({name} to device={device}, dtype={dtype}): Gemini keeps "
+        f"it in chunks on {t.device} in {t.dtype}; choose the device and precision before setup (the Trainer's "
+        "accelerator and precision), or read full values through model.state_dict()"
+    )
+
+
 def _intercept(func, args, kwargs):
     name = _op_name(func)
     if name in _METADATA or name in ("__get__", "__set__", "__delete__"):
         return _plain(func, args, kwargs)
+    if name == "data.__set__" and len(args) == 2 and args[1] is args[0]:
+        return None  # `p.data = p`: what Module._apply does after a move that changed nothing
     leaves, _ = tree_flatten((args, kwargs))
     refs = [t._gemini for t in leaves if _is_guarded(t)]
     if not refs:  # e.g. an arg mixing guarded and plain subclasses: nothing of ours to read
         return _plain(func, args, kwargs)
     mgr, pidx = refs[0]
+    if name in _MOVES and _is_guarded(args[0]):
+        moved = _move(name, mgr, pidx, args, kwargs)
+        if moved is not None:
+            return moved
     if name in ("detach", "data.__get__"):  # an alias, no element read: gather when it is used
         return _as_view(_plain(func, args, kwargs), mgr, pidx, mgr.storage_keys({mgr.slot_of[pidx].chunk}))
     if not mgr.reads_allowed():

@@ -396,6 +396,7 @@ class ChunkManager:
         start a new step's ledger."""
         self.pass_open = False
         self.release_idle()
+        self.state_io.drop_cache()
         if self.nvme is not None:
             self.nvme.flush()
         self.trace.freeze()

@@ -355,6 +355,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
         info = {"kind": "gemini", "precision": mgr.config.precision, "optimizer": type(self.inner).__name__}
         return ShardedState(params=params, param_groups=groups, loss_scaler=self.loss_scaler.state_dict(), info=info)
 
+    def end_sharded_state(self) -> None:
+        """The save is done (no communication): model.state_dict() gathers full values again."""
+        self.manager.end_checkpoint()
+
     def _gi(self, j: int) -> int:
         return self.group_of[self.order[j]]
 

@@ -34,6 +34,10 @@ class StateDictIO:
         self._placeholders: dict[int, torch.Tensor] = {}
         self._frozen_stash: dict[int, torch.Tensor] = {}  # rank 0, during a save: frozen parameters' values
         self._io_cache: dict[int, torch.Tensor] = {}  # chunk -> [size] fp32 gathered for one module's save
+        # chunk -> modules whose save holds it: a parameter registered by a module and by its child (a tied
+        # `decoder.bias`), or a parent's and a child's parameters in one chunk, are read by the parent's
+        # save after the child's save released the chunk; the chunk goes when the outermost save is done
+        self._io_refs: dict[int, int] = {}
         self._io_storage: set[int] = set()  # released chunks given scratch storage for torch's load copy
 
     def gather(self, pidxs: Iterable[int]) -> None:
@@ -43,6 +47,12 @@ class StateDictIO:
         for ci in sorted({self.slot_of[p].chunk for p in pidxs}):
             if ci not in self._io_cache:
                 self._io_cache[ci] = self.chunks[ci].gather_fp32(self.chunks[ci].master)
+            self._io_refs[ci] = self._io_refs.get(ci, 0) + 1
+
+    def drop_cache(self) -> None:
+        """Forget every gathered chunk (a save that raised half-way left some): the weights change next."""
+        self._io_cache.clear()
+        self._io_refs.clear()
 
     def param_value(self, pidx: int) -> torch.Tensor:
         """Full fp32 master value of a parameter in its original dtype; during a checkpoint save, one shared
@@ -94,6 +104,11 @@ class StateDictIO:
     def release(self, pidxs: Iterable[int]) -> None:
         """Forget what `gather` / `load` held for parameters `pidxs` (scratch storage of released chunks)."""
         for ci in {self.slot_of[p].chunk for p in pidxs}:
+            refs = self._io_refs.get(ci, 0) - 1
+            if refs > 0:
+                self._io_refs[ci] = refs
+                continue
+            self._io_refs.pop(ci, None)
             self._io_cache.pop(ci, None)
             c = self.chunks[ci]
             if ci in self._io_storage and c.sm.data is ChunkState.RELEASED:
