@@ -43,14 +43,17 @@ import argparse
 import functools
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core_parallel.groups import GLOO, NCCL
+from ..utils.errors import InputError
+from ..utils.ray_cluster import AUTH_HINT, check_ray_address, is_auth_failure, resolve_auto_address
 
-__all__ = ["FitJob", "RayConfig", "RayFitResult", "add_ray_arguments", "fit_on_ray", "ray_strategy"]
+__all__ = ["FitJob", "RayConfig", "RayFitResult", "add_ray_arguments", "connect_ray", "fit_on_ray", "ray_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,8 @@ class RayFitResult:
     metrics: dict[str, float]
     """Rank 0's final `trainer.callback_metrics`, plus `epoch` and `step`."""
     checkpoint_path: str | None
-    """The final sharded checkpoint folder, or None when none was written."""
+    """The final checkpoint: our strategies' sharded folder, Lightning's one file for "ddp"; None when none was
+    written."""
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +158,8 @@ def _ray_class(base: type) -> type:
 
     if issubclass(base, RayDDPStrategy):
         return base
+    if issubclass(RayDDPStrategy, base):  # "ddp" (DDPStrategy): Ray's own class is the Ray-compatible one
+        return RayDDPStrategy
     return type(f"Ray{base.__name__}", (base, RayDDPStrategy), {"__module__": __name__})
 
 
@@ -191,8 +197,18 @@ def _report_callback(checkpoint_dir: str) -> Any:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
             trainer.save_checkpoint(checkpoint_dir)
-            checkpoint = Checkpoint.from_directory(checkpoint_dir) if trainer.is_global_zero else None
-            ray.train.report(metrics, checkpoint=checkpoint)
+            if not trainer.is_global_zero:
+                ray.train.report(metrics, checkpoint=None)
+            elif os.path.isdir(checkpoint_dir):  # our strategies' sharded folder
+                ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir))
+            else:  # Lightning's one file (ddp): Ray reports folders, and copies this one (SYNC upload) at once
+                with tempfile.TemporaryDirectory(prefix="suite-ray-report-") as folder:
+                    linked = os.path.join(folder, os.path.basename(checkpoint_dir))
+                    try:
+                        os.link(checkpoint_dir, linked)
+                    except OSError:
+                        shutil.copyfile(checkpoint_dir, linked)
+                    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
     return _ReportAtEnd()
 
@@ -218,23 +234,29 @@ def _train_worker(config: dict[str, Any]) -> None:
     trainer.fit(job.module, datamodule=job.datamodule, ckpt_path=job.ckpt_path)
 
 
-def _connect(config: RayConfig) -> bool:
-    """Connect to (or start) Ray; True when this call started it (and should shut it down)."""
+def connect_ray(address: str, num_cpus: int = 1, *, flag: str = "--ray_address") -> bool:
+    """Join the Ray cluster at `address` (checked first: a wrong, unreachable or token-refusing address is one
+    `InputError` line within seconds, `utils.ray_cluster.check_ray_address`), or start a private local Ray with
+    `num_cpus` CPUs for "local" (and for "auto" when no cluster is found, logged). True when this call started
+    or joined Ray (the caller shuts it down); False when Ray was already initialised in this process."""
     import ray
 
     if ray.is_initialized():
         return False
-    cpus = max(1, int(round(config.num_workers * config.cpus_per_worker)))
-    if config.address == "auto":
-        try:
-            ray.init(address="auto", include_dashboard=False, log_to_driver=False)
-            return True
-        except ConnectionError:
-            logger.warning("--ray_address auto: no running Ray cluster found; starting a local Ray with %d CPUs", cpus)
-    if config.address in ("local", "auto"):
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+    if address == "auto" and resolve_auto_address() is None:
+        logger.warning("%s auto: no running Ray cluster found; starting a local Ray with %d CPUs", flag, num_cpus)
+        address = "local"
+    if address == "local":
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        return True
+    address = check_ray_address(address, flag=flag)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # Ray's errors here are many types; the user needs the one line
+        if is_auth_failure(f"{type(exc).__name__}: {exc}"):
+            raise InputError(f"{flag} {address}: the Ray cluster refused this driver ({AUTH_HINT})") from None
+        raise InputError(f"{flag} {address}: could not join the Ray cluster ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}; {AUTH_HINT})") from exc
     return True
 
 
@@ -244,11 +266,10 @@ def fit_on_ray(build: Callable[[], FitJob], config: RayConfig) -> RayFitResult:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    storage = config.storage_path or tempfile.mkdtemp(prefix="suite-ray-")
-    storage = os.path.abspath(storage)
-    checkpoint_dir = config.checkpoint_dir or os.path.join(storage, config.name, "final.ckpt")
-    started = _connect(config)
+    started = connect_ray(config.address, max(1, int(round(config.num_workers * config.cpus_per_worker))))
     try:
+        storage = os.path.abspath(config.storage_path or tempfile.mkdtemp(prefix="suite-ray-"))
+        checkpoint_dir = config.checkpoint_dir or os.path.join(storage, config.name, "final.ckpt")
         trainer = TorchTrainer(
             _train_worker,
             train_loop_config={"build": build, "use_gpu": config.use_gpu, "checkpoint_dir": checkpoint_dir},
@@ -265,6 +286,6 @@ def fit_on_ray(build: Callable[[], FitJob], config: RayConfig) -> RayFitResult:
     if result.error is not None:
         raise RuntimeError(f"Ray training failed: {result.error}") from result.error
     metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}
-    written = os.path.isdir(checkpoint_dir)
+    written = os.path.exists(checkpoint_dir)
     logger.info("Ray run %s finished: checkpoint %s", config.name, checkpoint_dir if written else "none")
     return RayFitResult(metrics=metrics, checkpoint_path=checkpoint_dir if written else None)

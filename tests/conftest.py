@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Ray a test starts (its own, a child's, a worker's) is single-machine: node address 127.0.0.1, its servers
+# bound there (Ray's laptop mode; on Linux it otherwise listens on every interface). Read when ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Without CUDA, Triton kernels run in the interpreter on CPU tensors. Triton reads this when a kernel is
 # decorated, so it is set before any test module imports `kernels`.
 if not torch.cuda.is_available():

@@ -205,6 +205,10 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
     if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
         cfg = dataclasses.replace(cfg, resume_from_checkpoint=os.path.abspath(cfg.resume_from_checkpoint))
     check_run(cfg)
+    if cfg.ray_address not in ("local", "auto"):  # before any work: a wrong address is one line within seconds
+        from ...utils.ray_cluster import check_ray_address
+
+        check_ray_address(cfg.ray_address)
     parallel = cfg.parallel
     if getattr(parallel, "offload_dir", None):  # a Gemini config's NVMe folder, as the paths above
         parallel = dataclasses.replace(parallel, offload_dir=os.path.abspath(parallel.offload_dir))

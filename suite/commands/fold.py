@@ -305,72 +305,11 @@ def _check_device(device: str) -> None:
 
 
 def _check_ray_address(address: str | None, timeout: float = 3.0) -> str | None:
-    """The Ray cluster to join, checked to answer within `timeout` seconds; "auto" is resolved the way Ray
-    resolves it (RAY_ADDRESS, then the cluster this machine started last) and the result is said."""
-    import logging
-    import os
-    import socket
+    """The Ray cluster to join, checked to answer (the one check every `--ray_address` entry point runs:
+    `utils.ray_cluster.check_ray_address`)."""
+    from ...utils.ray_cluster import check_ray_address
 
-    if address is None:
-        return None
-    source = ""
-    if address == "auto":
-        if os.environ.get("RAY_ADDRESS"):
-            address, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
-        else:
-            current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "ray_current_cluster")
-            try:
-                with open(current) as f:
-                    address, source = f.read().strip(), current
-            except OSError:
-                raise _usage("--ray_address auto: no running Ray cluster found (RAY_ADDRESS unset, no "
-                             f"{current}); start one with 'ray start --head' or give its address") from None
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise _usage(f"--ray_address {address!r}: expected host:port, ray://host:port or auto")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as exc:
-        raise _usage(f"--ray_address {address}: no answer within {timeout:.0f} s ({exc.strerror or exc})") from None
-    if not address.startswith("ray://"):
-        _check_ray_auth(address)
-    if source:
-        logging.getLogger(__name__).warning("--ray_address auto: joining the Ray cluster at %s (from %s)",
-                                            address, source)
-    return address
-
-
-_RAY_PROBE = """
-import sys
-from ray._raylet import GcsClient
-GcsClient(address=sys.argv[1])
-"""
-"""Connects to a Ray GCS as `ray.init` does first (fetching the cluster id): a cluster with token authentication
-refuses it at once when this side has no token or a wrong one."""
-
-
-def _check_ray_auth(address: str, timeout: float = 15.0) -> None:
-    """Refuse a GCS address whose cluster needs an authentication token this side lacks (Ray's token auth:
-    RAY_AUTH_MODE=token with RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), in one line, instead of
-    Ray's multi-line error after the features started. The probe runs in a child process (Ray's client logs
-    and retries there); anything but an authentication refusal is left to Ray to report."""
-    import os
-    import subprocess
-    import sys
-
-    # Ray's client waits up to a minute for an endpoint that is not a GCS: a few seconds are enough here
-    env = {**os.environ, "RAY_gcs_rpc_server_connect_timeout_s": "2", "RAY_gcs_rpc_server_reconnect_timeout_s": "3"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", _RAY_PROBE, address], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return
-    text = proc.stderr + proc.stdout
-    if proc.returncode != 0 and ("AuthenticationError" in text or "InvalidAuthToken" in text):
-        raise _usage(f"--ray_address {address}: the Ray cluster requires an authentication token and refused this "
-                     "one (none set, or a wrong one): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
-                     "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) to the cluster's token")
+    return check_ray_address(address, timeout=timeout)
 
 
 def _build_config(fs, args: argparse.Namespace, targets):

@@ -247,10 +247,10 @@ def test_cuda_device_without_cuda_is_refused(tmp_path, capsys):
 
 
 def test_ray_address_auto_says_which_cluster_it_joins(tmp_path, monkeypatch, caplog):
-    from lowmem.suite.commands import fold as fold_command
     from lowmem.suite.commands.fold import _check_ray_address
+    from lowmem.utils import ray_cluster
 
-    monkeypatch.setattr(fold_command, "_check_ray_auth", lambda address: None)  # a plain socket, not a GCS
+    monkeypatch.setattr(ray_cluster, "check_ray_auth", lambda address, flag: None)  # a plain socket, not a GCS
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

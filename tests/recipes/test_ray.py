@@ -1,20 +1,43 @@
-"""One Ray Train run on a private local Ray with 2 CPU workers (Ray start is slow: one run only)."""
+"""Ray Train runs on one private local Ray (127.0.0.1, 2 CPUs, started once for the module: Ray start is slow):
+"ddp" and a sharded name on 2 workers against the plain loop; a wrong address is one line within seconds."""
 
 from __future__ import annotations
 
+import functools
+import socket
+import time
+
 import pytest
+import torch
 
 from lowmem.recipes.ray import FitJob, RayConfig, fit_on_ray
+from lowmem.utils.errors import InputError
 from tests._paths import tests_only_path as _tests_only_path
 from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
 
 pytest.importorskip("ray.train.lightning")
 
 
-def _build_job() -> FitJob:
+def _build_job(strategy: str = "zero2") -> FitJob:
     kwargs = trainer_defaults(max_epochs=2)
     kwargs.pop("default_root_dir")
-    return FitJob(module=make_module(), strategy="zero2", trainer_kwargs=kwargs)
+    return FitJob(module=make_module(), strategy=strategy, trainer_kwargs=kwargs)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One 2-CPU Ray for this module's runs (`fit_on_ray` joins it and leaves it running), on 127.0.0.1."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as mp:
+        # Local Ray workers inherit the driver's environment: make `tests` importable there.
+        mp.setenv("PYTHONPATH", _tests_only_path())
+        mp.setenv("OMP_NUM_THREADS", "1")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 def test_config_validation():
@@ -82,17 +105,134 @@ def test_fit_with_ray_sends_the_run_s_config_with_an_absolute_folder(tmp_path, m
     assert job_cfg.parallel == cfg.parallel and job_cfg.parallel.offload_dir == "nvme"
 
 
+def test_every_cluster_here_is_on_the_loopback(local_ray):
+    """Issue 31: a Ray a test starts listens on 127.0.0.1 only (tests/conftest.py puts Ray in single-machine mode)."""
+    import shutil
+    import subprocess
+
+    assert local_ray.util.get_node_ip_address() == "127.0.0.1"
+    gcs = local_ray.get_runtime_context().gcs_address
+    assert gcs.startswith("127.0.0.1:"), gcs
+    listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout if shutil.which("ss") else ""
+    port = gcs.rpartition(":")[2]
+    for line in listening.splitlines():
+        if f":{port} " in line:
+            assert "127.0.0.1" in line, line
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero2_on_two_ray_workers_matches_reference(tmp_path, monkeypatch):
+def test_zero2_on_two_ray_workers_matches_reference(tmp_path, local_ray):
     from lowmem import core_parallel
 
-    # Local Ray workers inherit the driver's environment: make `tests` importable there.
-    monkeypatch.setenv("PYTHONPATH", _tests_only_path())
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
     result = fit_on_ray(_build_job, config)
     assert result.metrics["step"] == 4, result.metrics
     assert result.checkpoint_path is not None
     out = core_parallel.consolidate_checkpoint(result.checkpoint_path, tmp_path / "model.safetensors")
     assert_close(load(str(out)), reference_weights(epochs=2), "zero2 on Ray")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_the_default_on_two_ray_workers_matches_reference(tmp_path, local_ray):
+    """Issue 31: FitJob's default "ddp" ran into an MRO error when the workers built its strategy."""
+    assert FitJob(module=None).strategy == "ddp"
+    config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
+    result = fit_on_ray(functools.partial(_build_job, "ddp"), config)
+    assert result.metrics["step"] == 4, result.metrics
+    assert result.checkpoint_path is not None  # Lightning's one file
+    state = torch.load(result.checkpoint_path, map_location="cpu", weights_only=True)["state_dict"]
+    assert_close(state, reference_weights(epochs=2), "ddp on Ray")
+
+
+def test_every_strategy_name_of_ours_builds_for_ray():
+    from lightning.pytorch.strategies import DDPStrategy
+    from ray.train.lightning import RayDDPStrategy
+
+    from lowmem.core_parallel.presets import PRESETS
+    from lowmem.recipes.ray import ray_strategy
+
+    for name in ("ddp", *PRESETS):
+        strategy = ray_strategy(name)
+        assert isinstance(strategy, RayDDPStrategy) and isinstance(strategy, DDPStrategy), name
+
+
+def _one_line_within(seconds: float, fn, *args) -> str:
+    start = time.monotonic()
+    with pytest.raises(InputError) as info:
+        fn(*args)
+    assert time.monotonic() - start < seconds
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_closed_port_fails_fit_on_ray_at_once(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver, whatever ran before here
+    config = RayConfig(address="127.0.0.1:1", num_workers=2)
+    message = _one_line_within(30, fit_on_ray, _build_job, config)
+    assert message.startswith("--ray_address 127.0.0.1:1: no answer within 3 s"), message
+
+
+def test_a_port_that_is_no_ray_cluster_fails_within_seconds(monkeypatch):
+    """A port that answers but is no GCS: Ray itself retries for minutes; the probe says so in one line."""
+    from lowmem.recipes.ray import connect_ray
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        message = _one_line_within(30, connect_ray, address)
+    assert f"--ray_address {address}: this port answers, but not as a Ray cluster's GCS" in message, message
+
+
+def test_join_failures_are_one_line_with_the_token_hint(monkeypatch):
+    """What `ray.init` raises after the address checked out (e.g. a token refusal the probe could not see)."""
+    import ray
+
+    from lowmem.recipes import ray as recipes_ray
+    from lowmem.utils.ray_cluster import AUTH_HINT
+
+    monkeypatch.setattr(recipes_ray, "check_ray_address", lambda address, flag: address)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def refuse(**kwargs):
+        raise ray.exceptions.AuthenticationError("InvalidAuthToken: the token does not match")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    message = _one_line_within(5, recipes_ray.connect_ray, "10.0.0.1:6379")
+    assert message == f"--ray_address 10.0.0.1:6379: the Ray cluster refused this driver ({AUTH_HINT})"
+    assert "RAY_AUTH_MODE=token" in message and "RAY_AUTH_TOKEN" in message
+
+
+def test_ray_client_address_needs_grpcio(monkeypatch):
+    import sys
+
+    from lowmem.utils.errors import MissingExtraError
+    from lowmem.utils.ray_cluster import check_ray_address
+
+    monkeypatch.setitem(sys.modules, "grpc", None)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"ray://127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(MissingExtraError, match=r"a ray:// \(Ray Client\) address needs grpcio"):
+            check_ray_address(address)
+        with pytest.raises(InputError, match="expected host:port, ray://host:port or auto"):
+            check_ray_address(address.replace("ray://", "http://"))
+
+
+def test_suite_diffusion_finetune_wrong_address_is_exit_2_at_once(tmp_path, capsys):
+    from lowmem.suite.cli import main
+
+    out = tmp_path / "out"
+    start = time.monotonic()
+    assert main(["diffusion", "finetune", "--output_dir", str(out), "--ray_address", "127.0.0.1:1",
+                 "--max_train_steps", "1"]) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    assert "--ray_address 127.0.0.1:1: no answer within 3 s" in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 and "Traceback" not in err, err
