@@ -23,13 +23,15 @@ if config is not None:                             # None when --ray_address was
     result.checkpoint_path                         # the final sharded checkpoint folder (or None)
 ```
 
-How it works: `fit_on_ray` connects to the cluster (`address="local"` starts a private local Ray with
-`num_workers * cpus_per_worker` CPUs, no dashboard; `"auto"` joins the running cluster and, when there
-is none, starts that local Ray with a logged warning), then a `TorchTrainer` starts `num_workers` workers,
-Ray creates the torch process group (gloo on CPU, NCCL on GPU, with `collective_timeout_s`), and each
-worker builds the job and a `Trainer` with the Ray cluster environment and a Ray-compatible subclass of
-the named strategy (it also derives from Ray's `RayDDPStrategy`, so `ray.train.lightning.prepare_trainer`
-accepts it). At the end of training every rank writes its part of the final checkpoint into
+How it works: `fit_on_ray` connects to the cluster (`connect_ray`: `address="local"` starts a private local Ray
+with `num_workers * cpus_per_worker` CPUs, no dashboard; `"auto"` joins the running cluster and, when there
+is none, starts that local Ray with a logged warning; any other address is checked first, and a closed port, a
+port that is no Ray GCS or a token refusal is one `InputError` line within seconds), then a `TorchTrainer` starts
+`num_workers` workers, Ray creates the torch process group (gloo on CPU, NCCL on GPU, with
+`collective_timeout_s`), and each worker builds the job and a `Trainer` with the Ray cluster environment and a
+Ray-compatible subclass of the named strategy (it also derives from Ray's `RayDDPStrategy`, so
+`ray.train.lightning.prepare_trainer` accepts it; "ddp" is `RayDDPStrategy` itself). At the end of training
+every rank writes its part of the final checkpoint (Lightning's one file for "ddp") into
 `checkpoint_dir` (default: `<storage_path or a temporary folder>/<name>/final.ckpt`), and rank 0
 reports it with the metrics. For more than one node `checkpoint_dir` and `storage_path` must be on a
 filesystem all nodes share.
