@@ -59,12 +59,15 @@ def setup_gemini(
 
     The model object is kept (same class, same parameter objects, same state_dict keys); its parameters
     hold data only while a module computes with them. `model.memory_report()` is added. Parameters are
-    packed in `named_parameters()` order, which is their order of use for most models.
+    packed in `named_parameters()` order, which is their order of use for most models. A model set up before
+    (a second `Trainer.fit`) keeps its chunks and current weights; the new optimizer starts with fresh state.
     """
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a GeminiConfig, got {type(config).__name__}")
     world, rank = world_rank(group)
     params, infos = _param_infos(model, optimizer)
+    if getattr(model, "gemini_manager", None) is not None:
+        return model, _new_optimizer(model, optimizer, config, (world, rank), params, infos)
     device = params[0].device
     dtype = _DTYPES[config.precision]
     elems = None if config.chunk_mb is None else chunk_elems_from_mb(config.chunk_mb, dtype.itemsize)
@@ -83,3 +86,32 @@ def setup_gemini(
     logger.info("gemini: %d parameters in %d chunks of at most %d elements (%d padding) on %d rank(s)",
                 len(params), len(specs), max(s.size for s in specs), padding, world)
     return model, GeminiOptimizer(optimizer, manager, index_of, config)
+
+
+def _new_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: GeminiConfig,
+                   world_rank: tuple[int, int], params: list, infos: list[ParamInfo]) -> GeminiOptimizer:
+    """`model` is set up already (a second `fit` on one Trainer, a new optimizer in a plain loop): keep its chunks
+    (they hold the current weights) and wrap the new optimizer over them, with fresh state as torch starts one."""
+    mgr = model.gemini_manager
+    what = None
+    if [id(p) for p in params] != [id(p) for p in mgr.params]:
+        what = "other parameters"
+    elif any(mgr.is_trainable(i.index) != i.trainable for i in infos):
+        what = "other parameters frozen"
+    elif config != mgr.config:
+        what = f"another config ({mgr.config})"
+    elif world_rank != (mgr.world, mgr.rank):
+        what = f"another process group ({mgr.world} ranks)"
+    elif any(set(c.states) != set(state_kinds(optimizer)) for c in mgr.trainable_chunks):
+        what = f"an optimizer keeping other state than {type(optimizer).__name__}"
+    if what is not None:
+        raise ValueError(f"the model is set up by Gemini already (same parameters, frozen ones, config, process group "
+                         f"and optimizer kind); this setup has {what}: set up a fresh copy of the model instead")
+    mgr.end_checkpoint()
+    mgr.zero_grad()
+    for c in mgr.trainable_chunks:
+        for buf in c.states.values():
+            buf.view().zero_()
+            buf.done()
+    index_of = {id(p): i for i, p in enumerate(params)}
+    return GeminiOptimizer(optimizer, mgr, index_of, config)
