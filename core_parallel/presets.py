@@ -16,6 +16,7 @@ tier named without one.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import tempfile
@@ -27,7 +28,7 @@ from ..utils.errors import InputError
 from .gemini.config import OFFLOAD_TIERS, GeminiConfig
 from .zero.config import ZeroConfig
 
-__all__ = ["GEMINI_OFFLOADS", "PRESETS", "Preset", "config_for_strategy", "gemini_config"]
+__all__ = ["GEMINI_OFFLOADS", "PRESETS", "Preset", "check_strategy_name", "config_for_strategy", "gemini_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ def config_for_strategy(name: str, *, offload_dir: str | os.PathLike | None = No
     One `InputError` naming `offload_dir` for a folder given with a name that has no NVMe tier.
     """
     preset = PRESETS.get(name)
+    if preset is None:
+        check_strategy_name(name)
     if offload_dir is not None and not (preset and preset.takes_offload_dir):
         takers = ", ".join(n for n, p in PRESETS.items() if p.takes_offload_dir)
         raise InputError(f"offload_dir {offload_dir}: only the strategies with an NVMe tier use it ({takers}), "
@@ -81,6 +84,16 @@ def config_for_strategy(name: str, *, offload_dir: str | os.PathLike | None = No
     if offload_dir is not None:
         keywords.update(offload="nvme", offload_dir=offload_dir)
     return ZeroConfig(**keywords) if preset.kind == "zero" else gemini_config(**keywords)
+
+
+def check_strategy_name(name: str) -> None:
+    """One `InputError` for a name that is not ours but close to one of ours (`zer02`: did you mean 'zero2'?); other
+    names (Lightning's `auto`, `ddp`, ...) pass."""
+    if name in PRESETS:
+        return
+    close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.8)
+    if close:
+        raise InputError(f"strategy {name!r} is not a strategy name; did you mean {close[0]!r}?")
 
 
 def gemini_config(*, offload: str | None = None, **fields: Any) -> GeminiConfig:

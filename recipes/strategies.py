@@ -172,6 +172,8 @@ class _ShardedStrategy(DDPStrategy):
         if not any(isinstance(cb, StopOnSigterm) for cb in trainer.callbacks):
             trainer.callbacks.append(StopOnSigterm())
         self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        self.precision_plugin.convert_module(self.model)  # as DDPStrategy: *-true converts, before the optimizer
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             _check_clipping(trainer)
@@ -182,8 +184,6 @@ class _ShardedStrategy(DDPStrategy):
                     f"configure_optimizers returned {len(self.optimizers)}"
                 )
             self._setup_core(trainer)
-        else:
-            self.precision_plugin.convert_module(self.model)
         self.setup_precision_plugin()
 
     def _setup_core(self, trainer: Any) -> None:
@@ -438,7 +438,24 @@ def _split_config_kwargs(kwargs: dict[str, Any], config_cls: type) -> tuple[dict
         raise InputError("set the precision with Trainer(precision=...), not on the strategy")
     config = {k: v for k, v in kwargs.items() if k in fields}
     rest = {k: v for k, v in kwargs.items() if k not in fields}
+    _check_strategy_keywords(rest, fields)
     return config, rest
+
+
+def _check_strategy_keywords(rest: dict[str, Any], fields: set[str]) -> None:
+    """A keyword that is neither a config field nor one of DDPStrategy's named arguments is a TypeError naming it
+    (DDPStrategy would pass it to a DistributedDataParallel wrapper these strategies never build, i.e. ignore it)."""
+    import difflib
+    import inspect
+
+    ddp = {n for n, p in inspect.signature(DDPStrategy.__init__).parameters.items()
+           if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - {"self", "timeout"}
+    for name in rest:
+        if name not in ddp:
+            known = sorted(fields | ddp | {"offload", "collective_timeout_s"})
+            close = ["collective_timeout_s"] if name == "timeout" else difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown strategy keyword {name!r}{hint}")
 
 
 def _check_clipping(trainer: Any) -> None:

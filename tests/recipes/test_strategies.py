@@ -312,9 +312,9 @@ def test_registered_names_and_precision_plugin():
     trainer = make_trainer("zero2", 1, Path("."), 1, precision="bf16-mixed")
     assert isinstance(trainer.strategy, recipes.ZeroStrategy)
     assert isinstance(trainer.precision_plugin, ShardedPrecision)
-    assert trainer.precision_plugin.core_precision == "bf16"
-    with pytest.raises(ValueError, match="precision"):
-        ShardedPrecision("16-true")
+    assert trainer.precision_plugin.core_precision == "fp32"  # fp32 parameters, bf16 autocast
+    with pytest.raises(ValueError, match="precision='64-true'.*ddp"):
+        ShardedPrecision("64-true")
     with pytest.raises(ValueError, match="collective_timeout_s"):
         recipes.GeminiStrategy(collective_timeout_s=0)
 
