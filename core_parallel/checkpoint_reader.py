@@ -272,6 +272,19 @@ class CheckpointReader:
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
 
+    def model_tensor(self, name: str) -> torch.Tensor | None:
+        """One tensor of the model file (`model_tensors` reads them all), or None when the file lacks it."""
+        if name not in self.index.get("model_keys", []) or not self.index.get("model_file"):
+            return None
+        from safetensors import SafetensorError, safe_open
+
+        path = self._file(self.index["model_file"])
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name) if name in f.keys() else None
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
+
     def state_dict(self, dtype: str = "working") -> dict[str, torch.Tensor]:
         """A plain model state_dict: masters cast to the working dtype (or float32), model tensors, aliases."""
         if dtype not in ("working", "float32"):

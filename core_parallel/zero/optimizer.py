@@ -313,8 +313,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         names = [[s.name for s in self._slots if s.group == gi] for gi in range(len(self.param_groups))]
         restore_param_groups(self.param_groups, reader.param_groups, names)
+        saved = set(reader.param_names())
         with torch.no_grad():
             for s in self._slots:
+                if s.name not in saved and self._load_unmanaged(reader, s):
+                    continue
                 reader.check_param(s.name, s.shape)
                 s.master.copy_(reader.read(s.name, "master", s.start, s.end))
                 state: dict[str, Any] = {}
@@ -329,6 +332,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler.load_state_dict(reader.loss_scaler)
         self._clear_grads()
         self._reducer.gather_params()
+
+    def _load_unmanaged(self, reader: CheckpointReader, s: Slot) -> bool:
+        """A parameter of the optimizer that the checkpoint holds in its model file, not as a sharded parameter:
+        Gemini saves frozen parameters there (it never steps them, so they have no optimizer state). Its master
+        comes from the file's full-precision value; False when the model file lacks it too."""
+        value = reader.model_tensor(s.name)
+        if value is None or value.numel() != s.param.numel():
+            return False
+        s.master.copy_(value.reshape(-1)[s.start : s.end])
+        self.inner.state.pop(s.master, None)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state and the loss scaler (same world size to reload)."""
