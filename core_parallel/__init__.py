@@ -17,6 +17,7 @@ _LAZY = {
     "world_rank": ".groups",
     "InputError": "..utils.errors",
     "CheckpointError": ".checkpoint",
+    "PeerLostError": ".peers",
     "setup": ".api",
     "save_checkpoint": ".api",
     "load_checkpoint": ".api",

@@ -13,7 +13,8 @@ meets the others at a barrier, and reads what it needs (well under a millisecond
   has reached its own. Waiting spins with `sched_yield` for a short while, then sleeps in short naps, so
   more ranks than cores still make progress; a rank that does not arrive within the process group's timeout
   (as its own collectives would wait) raises `PeerLostError`, naming the rank.
-- A dead peer ends the wait within a fraction of a second, not after that timeout: every rank records its pid,
+- A dead peer ends the wait within a fraction of a second, not after that timeout (`core_parallel.peers`, which
+  ZeRO uses too): every rank records its pid,
   pid namespace and process start time in its cache line, and a waiting rank checks in `/proc` that the ranks
   it waits for still run (a zombie, or a pid reused by another process, counts as dead). gloo notices a dead
   peer through its closed socket; shared memory has no such signal. A rank that is alive but busy (validation,
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import world_rank
+from .peers import PeerLostError, identity, running, watchable
 
 __all__ = ["HostCollectives", "PeerLostError", "host_collectives_supported"]
 
@@ -46,18 +48,6 @@ _LINE = 64  # bytes per rank: one cache line each (counter, pid, pid namespace, 
 _ALIGN = 4096
 _SPINS = 2000  # sched_yield rounds before napping
 _LIVENESS_S = 0.25  # seconds between checks that the ranks a barrier waits for still run
-
-
-class PeerLostError(dist.DistBackendError):
-    """A rank of the group died, or did not arrive within the timeout: the collective cannot complete.
-
-    A `torch.distributed.DistBackendError`, as gloo and NCCL raise when a peer is lost, so callers that handle
-    those (the Lightning strategies' "lost contact with rank N" advice) handle this one too. `ranks`: the ranks
-    that died or did not arrive; `dead`: whether they are known to have exited (False: alive but late)."""
-
-    def __init__(self, message: str, ranks: list[int], dead: bool) -> None:
-        super().__init__(message)
-        self.ranks, self.dead = list(ranks), dead
 
 
 def host_collectives_supported() -> bool:
@@ -216,7 +206,7 @@ class HostCollectives:
     def _check_alive(self) -> None:
         """Raise `PeerLostError` if a rank this one is waiting for has exited."""
         for r, pid, start in self._watched:
-            if self._arrived[r] < self._seq and not _running(pid, start):
+            if self._arrived[r] < self._seq and not running(pid, start):
                 raise PeerLostError(f"host collectives: rank {r} (pid {pid}) exited; rank {self.rank} cannot "
                                     f"complete the collective it waits in", [r], dead=True)
 
@@ -232,58 +222,16 @@ def _group_timeout(group: dist.ProcessGroup | None) -> float:
         return default_pg_timeout.total_seconds()
 
 
-# ---- process identity --------------------------------------------------------------------------------
+# ---- process identity (core_parallel.peers) -----------------------------------------------------------
 # Each rank's line: [counter, pid, pid namespace inode, process start time (clock ticks after boot)].
-def _pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 when unreadable): equal for processes that see the same pids."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of a running process (field 22 of /proc/PID/stat); None when gone or a zombie; -1 unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return -1
-    fields = stat[stat.rfind(b")") + 2 :].split()  # the command name in parentheses may hold spaces
-    try:
-        state, start = fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return -1
-    return None if state in (b"Z", b"X", b"x") else start
-
-
 def _write_identity(buf: mmap.mmap, rank: int) -> None:
-    line = np.frombuffer(buf, dtype=np.int64, count=4, offset=rank * _LINE)
-    pid = os.getpid()
-    line[1:4] = (pid, _pid_namespace(), _start_time(pid) or -1)
+    np.frombuffer(buf, dtype=np.int64, count=4, offset=rank * _LINE)[1:4] = identity()
 
 
 def _watchable_peers(counters: np.ndarray, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """The peers whose liveness this rank can read: same pid namespace, and their start time readable as
-    recorded (otherwise /proc here shows another process under that pid, or nothing useful)."""
-    ns = _pid_namespace()
-    out = []
-    for r in range(world):
-        pid, peer_ns, start = (int(v) for v in counters[r * _LINE // 8 + 1 : r * _LINE // 8 + 4])
-        if r == rank or ns == 0 or peer_ns != ns or start <= 0:
-            continue
-        now = _start_time(pid)
-        if now is None or now == start:  # None: exited already, the first barrier will say so
-            out.append((r, pid, start))
-    return out
-
-
-def _running(pid: int, start: int) -> bool:
-    """Whether the process recorded as (pid, start) still runs (unreadable /proc: assume it does)."""
-    now = _start_time(pid)
-    return now is not None and (now == -1 or now == start)
+    """(rank, pid, start) of the peers whose liveness this rank can read (`peers.watchable`)."""
+    line = _LINE // 8
+    return watchable([tuple(int(v) for v in counters[r * line + 1 : r * line + 4]) for r in range(world)], rank)
 
 
 def _round_up(n: int, k: int) -> int:

@@ -27,6 +27,9 @@ What happens:
   updated shards are all-gathered into the model's parameters.
 - Parameters with no gradient on any rank in a step (frozen, unused) are skipped by the inner optimizer,
   as on one process; a parameter with a gradient on some ranks only gets the average with zeros elsewhere.
+- A rank that dies (killed, OOM) makes the others' next collective raise `core_parallel.peers.PeerLostError`
+  naming it (`backward`, `step`, `clip_grad_norm`, `grad_norm`, `load_sharded_state`), not the transport's
+  "Connection reset by peer" alone (kept as the cause).
 
 Checkpoints: this class implements the protocol of `core_parallel.checkpoint` (`sharded_state`,
 `load_sharded_state`); use `core_parallel.save_checkpoint` / `load_checkpoint`. `state_dict()` is this
@@ -36,6 +39,7 @@ rank's own shard (for same-layout resumes only).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -47,6 +51,7 @@ import torch.distributed as dist
 from .. import flat
 from ..groups import world_rank
 from ..loss_scaler import DynamicLossScaler
+from ..peers import PeerWatch, named_peer_failures
 from .config import ZeroConfig
 from .reducer import GradReducer, Slot
 
@@ -58,6 +63,17 @@ __all__ = ["ZeroOptimizer"]
 logger = logging.getLogger(__name__)
 
 _OWN_BUCKET_BYTES = 1 << 20  # parameters this large (or the bucket size, if smaller) may get their own bucket
+
+
+def _names_lost_ranks(method: Callable) -> Callable:
+    """A collective of `method` failing because a rank died raises `PeerLostError` naming it (`core_parallel.peers`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ZeroOptimizer, *args: Any, **kwargs: Any) -> Any:
+        with named_peer_failures(self._peers):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _cast_inputs_hook(dtype: torch.dtype) -> Callable:
@@ -96,6 +112,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.config = config
         self.process_group = group
         self.world, self.rank = world_rank(group)
+        self._peers = PeerWatch.create(group)  # a rank that dies is named in the survivors' errors
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.model = model
         self._slots = self._build_slots(model, optimizer)
@@ -174,6 +191,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """ZeRO stage (1 or 2)."""
         return self.config.stage
 
+    @_names_lost_ranks
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` with the loss scaled under fp16, then (outside no_sync) gradient reduction."""
         self._prepared = None
@@ -220,6 +238,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return False
         return any(s.master.grad is not None and not bool(torch.isfinite(s.master.grad).all()) for s in self._slots)
 
+    @_names_lost_ranks
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm before clipping.
 
@@ -235,6 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 s.master.grad.mul_(coef.to(s.master.grad.device))
         return total
 
+    @_names_lost_ranks
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (reduced, unscaled) gradients across all shards, as a float32 scalar."""
         self._prepare_grads()
@@ -248,6 +268,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sq.sqrt().float()
 
     @torch.no_grad()
+    @_names_lost_ranks
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Reduce, unscale, clip (`max_grad_norm`), update the shards and all-gather the parameters.
 
@@ -307,6 +328,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
         return ShardedState(params=params, param_groups=groups, loss_scaler=self.loss_scaler.state_dict(), info=info)
 
+    @_names_lost_ranks
     def load_sharded_state(self, reader: CheckpointReader) -> None:
         """Read this rank's ranges from a checkpoint, then refresh the model's parameters."""
         from ..checkpoint import restore_param_groups

@@ -118,19 +118,19 @@ def test_a_dead_rank_ends_the_others_wait_at_once(victim):
 
 
 def test_liveness_sees_zombies_and_reused_pids():
-    from lowmem.core_parallel import host_comm as hcm
+    from lowmem.core_parallel import peers as hcm
 
-    me = hcm._start_time(os.getpid())
+    me = hcm.start_time(os.getpid())
     assert me is not None and me > 0
-    assert hcm._running(os.getpid(), me)
-    assert not hcm._running(os.getpid(), me + 1)  # the pid now belongs to another process
+    assert hcm.running(os.getpid(), me)
+    assert not hcm.running(os.getpid(), me + 1)  # the pid now belongs to another process
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         # exited but not reaped: a zombie, as a rank is while the launcher that spawned it is stuck
         deadline = time.monotonic() + 30
-        while hcm._start_time(child.pid) is not None and time.monotonic() < deadline:
+        while hcm.start_time(child.pid) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert hcm._start_time(child.pid) is None
+        assert hcm.start_time(child.pid) is None
         assert os.path.exists(f"/proc/{child.pid}")  # still there, as a zombie
     finally:
         child.wait()
