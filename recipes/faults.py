@@ -5,7 +5,8 @@
   The error names the rank, the last complete checkpoint on disk and how to resume from it. An app that
   moves its checkpoints after `trainer.save_checkpoint` (a staging folder renamed into place) names the
   final folder and its resume advice with `strategy.note_checkpoint(path, resume="...")`.
-- SIGTERM (a preempted or cancelled job) is not taken for success: training goes on to the end of the
+- SIGTERM (a preempted or cancelled job) is not taken for success (`core_parallel.preemption.Preemption`, which
+  plain loops use the same way): training goes on to the end of the
   current optimizer step, every rank agrees on stopping, a checkpoint is written, one line says where and
   how to resume, and the process exits with code 143 (128 + SIGTERM). Lightning's own handler would stop at
   the next batch, possibly mid-accumulation, without a checkpoint and with exit code 0. The checkpoint is
@@ -22,17 +23,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from ..core_parallel.preemption import SIGTERM_EXIT_CODE, Preemption
+
 __all__ = ["SIGTERM_EXIT_CODE", "StopOnSigterm", "looks_like_peer_failure", "peer_failure_message", "resume_hint",
            "save_at_sigterm", "watch_sigterm"]
 
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
-"""Exit code after a SIGTERM: what a shell reports for a process the signal ended, so job scripts see a failure."""
 
 # Messages by which gloo, NCCL and the TCP store report a peer that died or stopped answering.
 _PEER_FAILURE = re.compile(
@@ -83,25 +83,13 @@ def resume_hint(path: str | None, advice: str | None) -> str:
     return f"Last complete checkpoint: {path}; resume with {advice}."
 
 
-def watch_sigterm(trainer: Any, flag: threading.Event) -> None:
-    """Make SIGTERM set `flag` (acted on at the next optimizer-step boundary, `StopOnSigterm`), still calling the
-    handler that was there before Lightning's. Call after Lightning registered its own handler (Trainer._run),
-    which is replaced: it runs a collective inside the handler and stops at the next batch without a checkpoint,
-    exiting 0. Lightning's teardown restores the handler it found."""
-    flag.clear()
-    if threading.current_thread() is not threading.main_thread():
-        return
+def watch_sigterm(trainer: Any, preemption: Preemption) -> None:
+    """Install `preemption`'s SIGTERM handler (`core_parallel.preemption`, acted on at the next optimizer-step
+    boundary, `StopOnSigterm`), still calling the handler that was there before Lightning's. Call after Lightning
+    registered its own handler (Trainer._run), which is replaced: it runs a collective inside the handler and
+    stops at the next batch without a checkpoint, exiting 0. Lightning's teardown restores the handler it found."""
     connector = getattr(trainer, "_signal_connector", None)
-    chained = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
-    if not callable(chained) or chained in (signal.SIG_DFL, signal.SIG_IGN):
-        chained = None
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        flag.set()
-        if chained is not None:
-            chained(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    preemption.install(chain=getattr(connector, "_original_handlers", {}).get(signal.SIGTERM))
 
 
 def save_at_sigterm(trainer: Any, module: Any) -> None:

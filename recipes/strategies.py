@@ -31,7 +31,8 @@ Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parall
 optimizer, config, group)`, the group being the default process group that Lightning's cluster
 environment created. The optimizer wrapper then carries the training step: backward (loss scaling under
 fp16), `no_sync()` while Lightning accumulates gradients, the global-norm clip for `gradient_clip_val`,
-and the step. Checkpoints are folders: `core_parallel`'s sharded format (index JSON + safetensors
+and the step. Checkpoints (`state_dict_type="sharded"`, the default; `"full"` writes one Lightning file
+instead: `recipes.checkpoints`) are folders: `core_parallel`'s sharded format (index JSON + safetensors
 shards, loadable on any number of ranks, `suite checkpoint consolidate`) plus `lightning_state.pt` with
 the loop, callback and scheduler state. The folder replaces the old one in one rename once every rank
 has written its part, so a crash mid-save leaves the previous checkpoint intact.
@@ -45,7 +46,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -60,10 +60,12 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..core_parallel.groups import check_backend, world_rank
+from ..core_parallel.groups import check_backend
+from ..core_parallel.preemption import Preemption
 from ..core_parallel.presets import GEMINI_OFFLOADS, PRESETS, gemini_config
 from ..utils.errors import InputError
 from ..utils.fileio import atomic_write, replace_dir
+from .checkpoints import LIGHTNING_STATE, check_state_dict_type, load_full_checkpoint, optimizer_param_names
 from .faults import (
     SIGTERM_EXIT_CODE,
     StopOnSigterm,
@@ -90,9 +92,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LIGHTNING_STATE = "lightning_state.pt"
-"""File in a checkpoint folder holding Lightning's own state (loops, callbacks, LR schedulers)."""
-
 
 class _ShardedStrategy(DDPStrategy):
     """What ZeRO and Gemini share: setup through `core_parallel`, the training hooks, checkpoints, faults."""
@@ -102,6 +101,7 @@ class _ShardedStrategy(DDPStrategy):
         *,
         config: Any,
         collective_timeout_s: float = 1800.0,
+        state_dict_type: str = "sharded",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -129,10 +129,13 @@ class _ShardedStrategy(DDPStrategy):
         self.config = config
         """The `core_parallel` config, validated once where it was built, handed to `core_parallel.setup`."""
         self.collective_timeout_s = float(collective_timeout_s)
+        self.state_dict_type = check_state_dict_type(state_dict_type)
+        """"sharded": checkpoints are folders; "full": one Lightning file (`recipes.checkpoints`)."""
         self._core_optimizer: Any = None
+        self._param_names: list[list[str]] | None = None
         self._last_checkpoint: str | None = None
         self._resume_advice: str | None = None
-        self._sigterm = threading.Event()
+        self._preemption = Preemption()  # the default group, resolved when asked
 
     def core_config(self, precision: str) -> Any:
         """`self.config` at this run's precision (the one field the Trainer decides)."""
@@ -193,6 +196,7 @@ class _ShardedStrategy(DDPStrategy):
         config = self.core_config(plugin.core_precision)
         user_optimizer = self.optimizers[0]
         logger.info("%s: core_parallel.setup with %s", type(self).__name__, config)
+        self._param_names = optimizer_param_names(self.model, user_optimizer)  # ZeRO swaps in master shards
         model, optimizer = core_parallel.setup(self.model, user_optimizer, config, group=self.process_group)
         self.model = model
         self._core_optimizer = optimizer
@@ -230,7 +234,8 @@ class _ShardedStrategy(DDPStrategy):
         return {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write the sharded folder `filepath` on all ranks; it appears complete or not at all."""
+        """Write the sharded folder `filepath` on all ranks, or with state_dict_type="full" the one file (rank 0,
+        streamed from a temporary sharded folder: `recipes.checkpoints`); it appears complete or not at all."""
         from .. import core_parallel
 
         if storage_options is not None:
@@ -239,7 +244,12 @@ class _ShardedStrategy(DDPStrategy):
         staging = Path(self.broadcast(os.fspath(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")))
         # The optimizer goes in even for weights-only saves: the master shards are the weights, and a
         # model-only save would gather Gemini's chunks on rank 0 alone.
+        if self.state_dict_type == "full" and path.is_dir() and not (path / LIGHTNING_STATE).is_file():
+            raise IsADirectoryError(f"the checkpoint path exists and is a folder: {path}")
         core_parallel.save_checkpoint(staging, self.model, self._core_optimizer)
+        if self.state_dict_type == "full":
+            self._save_full(checkpoint, staging, path)
+            return
         if self.is_global_zero:
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             with atomic_write(staging / LIGHTNING_STATE, "wb") as f:
@@ -248,6 +258,23 @@ class _ShardedStrategy(DDPStrategy):
         if self.is_global_zero:
             replace_dir(staging, path)
         self.barrier("sharded_checkpoint_renamed")
+        self._last_checkpoint, self._resume_advice = os.fspath(path), None
+
+    def _save_full(self, checkpoint: dict[str, Any], staging: Path, path: Path) -> None:
+        from .checkpoints import write_full_checkpoint
+
+        try:
+            if self.is_global_zero:
+                state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+                groups = None if self._core_optimizer is None else [
+                    {k: v for k, v in g.items() if k != "params"} for g in self._core_optimizer.param_groups]
+                if path.is_dir():  # a sharded checkpoint of the same name, as FSDPStrategy replaces it
+                    shutil.rmtree(path)
+                write_full_checkpoint(staging, path, state, groups)
+        finally:
+            self.barrier("full_checkpoint_written")
+            if self.is_global_zero:
+                shutil.rmtree(staging, ignore_errors=True)
         self._last_checkpoint, self._resume_advice = os.fspath(path), None
 
     def note_checkpoint(self, path: str | os.PathLike, resume: str | None = None) -> None:
@@ -260,11 +287,14 @@ class _ShardedStrategy(DDPStrategy):
         from .. import core_parallel
 
         path = Path(checkpoint_path)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_file():  # state_dict_type="full", or any Lightning checkpoint file (ddp's)
+            return load_full_checkpoint(path, self.model, self._core_optimizer if fitting else None,
+                                        self._param_names, strict=self.lightning_module.strict_loading)
         if not (path / LIGHTNING_STATE).is_file():
             raise FileNotFoundError(
                 f"{path} is not a checkpoint folder written by {type(self).__name__} (no {LIGHTNING_STATE})"
             )
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         core_parallel.load_checkpoint(path, self.model, self._core_optimizer if fitting else None)
         state = _load_lightning_state(path / LIGHTNING_STATE)
         state["state_dict"] = {}
@@ -298,14 +328,11 @@ class _ShardedStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        watch_sigterm(self.lightning_module.trainer, self._sigterm)
+        watch_sigterm(self.lightning_module.trainer, self._preemption)
 
     def stop_if_terminated(self, trainer: Any, module: Any) -> None:
         """At an optimizer-step boundary, on every rank: if any rank got SIGTERM, save a checkpoint and exit 143."""
-        flag = torch.tensor([1 if self._sigterm.is_set() else 0], device=self.root_device)
-        if world_rank(self.process_group)[0] > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        if not flag.item():
+        if not self._preemption.requested():
             return
         save_at_sigterm(trainer, module)
         if self.is_global_zero:
@@ -325,16 +352,21 @@ class ZeroStrategy(_ShardedStrategy):
     Args:
         config: the `ZeroConfig` to hold (precision left at "fp32").
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
+        state_dict_type: "sharded" (default): a checkpoint is a folder; "full": one Lightning checkpoint file that
+            any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
         **kwargs: `ZeroConfig` fields (stage 2, no offload by default) and Lightning's strategy arguments.
     """
 
-    def __init__(self, *, config: Any = None, collective_timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    def __init__(self, *, config: Any = None, collective_timeout_s: float = 1800.0, state_dict_type: str = "sharded",
+                 **kwargs: Any) -> None:
         from ..core_parallel import ZeroConfig
 
+        check_state_dict_type(state_dict_type)
         fields, strategy_kwargs = _split_config_kwargs(kwargs, ZeroConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)
         config = ZeroConfig(**fields) if config is None else _given_config(type(self), ZeroConfig, config, fields)
-        super().__init__(config=config, collective_timeout_s=collective_timeout_s, **strategy_kwargs)
+        super().__init__(config=config, collective_timeout_s=collective_timeout_s, state_dict_type=state_dict_type,
+                         **strategy_kwargs)
 
 
 class GeminiStrategy(_ShardedStrategy):
@@ -355,12 +387,15 @@ class GeminiStrategy(_ShardedStrategy):
             folder: a new temporary folder. Given with offload="none"/"cpu" (the "cpu" tier) it is `GeminiConfig`'s
             error; given alone it selects the NVMe tier as before, with `GeminiConfig`'s DeprecationWarning.
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
+        state_dict_type: "sharded" (default): a checkpoint is a folder; "full": one Lightning checkpoint file that
+            any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
     """
 
     def __init__(self, *, config: Any = None, offload: str | None = None, collective_timeout_s: float = 1800.0,
-                 **kwargs: Any) -> None:
+                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
         from ..core_parallel import GeminiConfig
 
+        check_state_dict_type(state_dict_type)
         fields, strategy_kwargs = _split_config_kwargs(kwargs, GeminiConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)
         if offload is not None:
@@ -369,7 +404,8 @@ class GeminiStrategy(_ShardedStrategy):
             config = gemini_config(**fields)
         else:
             _given_config(type(self), GeminiConfig, config, fields)
-        super().__init__(config=config, collective_timeout_s=collective_timeout_s, **strategy_kwargs)
+        super().__init__(config=config, collective_timeout_s=collective_timeout_s, state_dict_type=state_dict_type,
+                         **strategy_kwargs)
         self.offload = offload if offload is not None else ("nvme" if config.offload_tier == "nvme" else "none")
 
     @property
@@ -452,7 +488,7 @@ def _check_strategy_keywords(rest: dict[str, Any], fields: set[str]) -> None:
            if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - {"self", "timeout"}
     for name in rest:
         if name not in ddp:
-            known = sorted(fields | ddp | {"offload", "collective_timeout_s"})
+            known = sorted(fields | ddp | {"offload", "collective_timeout_s", "state_dict_type"})
             close = ["collective_timeout_s"] if name == "timeout" else difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"unknown strategy keyword {name!r}{hint}")
