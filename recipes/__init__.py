@@ -14,6 +14,8 @@ _LAZY = {
     "ZeroStrategy": ".strategies",
     "GeminiStrategy": ".strategies",
     "DAPStrategy": ".dap",
+    "load_sharded_checkpoint": ".checkpoints",
+    "convert_sharded_checkpoint": ".checkpoints",
     "StableDiffusionFineTune": ".diffusion",
     "ImageCaptionData": ".diffusion",
     "AlphaFoldPredictor": ".fold",
