@@ -340,7 +340,10 @@ def load_full_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, nam
                          strict: bool = True) -> dict[str, Any]:
     """Load a full checkpoint file into a set-up model (and its sharded optimizer, when fitting); return the
     checkpoint without "state_dict" and with empty "optimizer_states" (both are in the model now)."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    from lightning.fabric.utilities.data import AttributeDict
+
+    with torch.serialization.safe_globals([AttributeDict]):  # save_hyperparameters' container, as Lightning loads
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     sd = checkpoint.pop("state_dict")
     if optimizer is None or names is None:
         model.load_state_dict(sd, strict=strict)
