@@ -179,7 +179,12 @@ def test_a_closed_port_fails_fit_on_ray_at_once(monkeypatch):
 
 def test_a_port_that_is_no_ray_cluster_fails_within_seconds(monkeypatch):
     """A port that answers but is no GCS: Ray itself retries for minutes; the probe says so in one line."""
+    import ray
+
     from lowmem.recipes.ray import connect_ray
+
+    # the module's shared cluster may be up in this process: connect_ray would then join nothing and return
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
