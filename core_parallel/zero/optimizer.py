@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._peers = PeerWatch.create(group)  # a rank that dies is named in the survivors' errors
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.model = model
+        self._retire_previous(model)
         self._slots = self._build_slots(model, optimizer)
         self._cast_model(model)
         self._reducer = GradReducer(
@@ -133,6 +135,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._init_optimizer_base()
 
     # ----------------------------------------------------------------------------------------- setup
+    def _retire_previous(self, model: torch.nn.Module) -> None:
+        """A model gets one live ZeroOptimizer: a new one (a second `fit` on one Trainer, a new optimizer in a
+        plain loop) removes the earlier one's gradient hooks, which would otherwise reduce every gradient a second
+        time into that optimizer's buckets, and retires it: its `backward` and `step` raise from then on."""
+        previous = model.__dict__.get("_zero_optimizer")
+        previous = previous() if previous is not None else None
+        if previous is not None and previous is not self:
+            previous._reducer.detach()
+            previous._retired = True
+        model.__dict__["_zero_optimizer"] = weakref.ref(self)  # not a submodule or parameter: no Module.__setattr__
+
+    def _check_live(self) -> None:
+        if self.__dict__.get("_retired", False):
+            raise RuntimeError("this ZeroOptimizer was replaced by a newer one on the same model (a second "
+                               "core_parallel.setup); use the optimizer that setup returned last")
+
     def _init_optimizer_base(self) -> None:
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
@@ -194,6 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @_names_lost_ranks
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` with the loss scaled under fp16, then (outside no_sync) gradient reduction."""
+        self._check_live()
         self._prepared = None
         self._reducer.in_optimizer_backward = True
         try:
@@ -275,6 +294,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         On an fp16 overflow on any rank, the update is skipped on all ranks and the loss scale backs off.
         The gradients are consumed (cleared) either way.
         """
+        self._check_live()
         loss = None
         if closure is not None:
             with torch.enable_grad():

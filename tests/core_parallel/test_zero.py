@@ -451,3 +451,37 @@ def test_step_with_closure_and_local_state_dict_round_trip():
     opt2.load_state_dict(saved_state)
     train_zero(other, opt2, range(1, 3), 0, 1)
     assert max_rel_err(other, model) == 0.0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_second_setup_retires_the_first_optimizer(stage):
+    """A second `setup` on one model (Trainer.fit twice, a new optimizer in a plain loop): the first optimizer's
+    gradient hooks are removed (they reduced every gradient a second time) and it refuses to step; the second
+    trains exactly as torch does from the current weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 5), torch.randn(6, 3)
+    config = ZeroConfig(stage=stage, bucket_mb=0.0001)
+    model, first = core_parallel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        first.backward(nn.functional.mse_loss(model(x), y))
+        first.step()
+        first.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model, second = core_parallel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="replaced by a newer one"):
+        first.step()
+    for _ in range(3):
+        second.backward(nn.functional.mse_loss(model(x), y))
+        second.step()
+        second.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)

@@ -26,7 +26,8 @@ Ported (ours <- Lightning's):
   loop state, no "state_dict"/"optimizer_states"), test_deepspeed.py::test_deepspeed_multi_save_same_filepath
 - test_frozen_parameters_round_trip <- test_deepspeed.py::test_deepspeed_strategy_exclude_frozen_parameters_integration
 - test_fit_twice_on_one_trainer <- the `configure_model` re-entry of test_fsdp.py::TestFSDPModel ("already
-  wrapped") and _run_multiple_stages' later stages on a set-up model; xfail(strict) under ZeRO: ZERO_SECOND_SETUP
+  wrapped") and _run_multiple_stages' later stages on a set-up model (ZeRO: the second setup retires the first
+  optimizer's gradient hooks; they reduced every gradient twice before)
 - test_configure_model_builds_a_sharded_model <- test_fsdp.py::test_configure_model, ::test_module_init_context,
   test_deepspeed.py::test_deepspeed_init_module_with_stages_1_2 (dtype of layers built in the hook),
   test_ddp_integration.py::test_model_parameters_on_device_for_optimizer
@@ -466,15 +467,7 @@ def test_frozen_parameters_round_trip(ported, name):
             assert torch.equal(res["fresh_weights"][f"frozen.{key}"], value), f"{name} rank {rank}: not loaded"
 
 
-ZERO_SECOND_SETUP = (
-    "core_parallel bug: a second ZeroOptimizer on the same model (Trainer.fit twice) leaves the first one's "
-    "gradient hooks (GradReducer._handles; GradReducer.detach() is never called), so the second fit's weights "
-    "differ from ddp's by up to 0.0998 (zero1, zero2, zero2_offload; gemini matches); detaching them fixes it"
-)
-
-
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=ZERO_SECOND_SETUP)
 @pytest.mark.parametrize("name", CASES["fit_twice"])
 def test_fit_twice_on_one_trainer(ported, name):
     _, results = ported
