@@ -16,10 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lowmem.core_parallel import run_on_ranks
 from tests.recipes.test_strategies import (
-    ACCUMULATE,
-    CLIP,
-    GLOBAL_BATCH,
-    N_SAMPLES,
     assert_close,
     make_module,
     make_trainer,
@@ -145,24 +141,8 @@ def test_validate_test_predict_after_fit_use_the_trained_weights(stages):
 
 
 def _one_more_epoch(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What a second `fit` does under ddp: the trained weights, a fresh optimizer and schedule, one epoch (the
-    loop of `reference_weights`)."""
-    module = make_module()
-    module.load_state_dict(weights)
-    cfg = module.configure_optimizers()
-    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(N_SAMPLES, 8, generator=g), torch.randn(N_SAMPLES, 4, generator=g)
-    params = [p for p in module.parameters() if p.requires_grad]
-    for i in range(N_SAMPLES // GLOBAL_BATCH):
-        sl = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
-        (nn.functional.mse_loss(module(x[sl]), y[sl]) / ACCUMULATE).backward()
-        if (i + 1) % ACCUMULATE == 0:
-            torch.nn.utils.clip_grad_norm_(params, CLIP)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    return {k: v.detach() for k, v in module.state_dict().items()}
+    """What a second `fit` does under ddp: the trained weights, a fresh optimizer and schedule, one epoch."""
+    return reference_weights(1, start=weights)
 
 
 @pytest.mark.distributed

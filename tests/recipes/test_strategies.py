@@ -130,9 +130,12 @@ def make_trainer(strategy, devices: int, root: Path, max_epochs: int, **kwargs):
     return pl.Trainer(strategy=strategy, devices=devices, **args)
 
 
-def reference_weights(epochs: int) -> dict[str, torch.Tensor]:
-    """The same training as a plain single-process PyTorch loop (what every strategy must reproduce)."""
+def reference_weights(epochs: int, start: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The same training as a plain single-process PyTorch loop (what every strategy must reproduce), from
+    `make_module()`'s weights or from `start` (with a fresh optimizer and schedule, as a second `fit` has)."""
     module = make_module()
+    if start is not None:
+        module.load_state_dict(start)
     cfg = module.configure_optimizers()
     opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
     g = torch.Generator().manual_seed(1)
