@@ -223,8 +223,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("fold-model: --blocks, --n_seq, --n_extra and --repeat must be positive")
     if args.warmup < 0:
         raise UsageError("fold-model: --warmup must not be negative")
-    if args.chunk_size != "auto" and not (args.chunk_size.isdigit() and int(args.chunk_size) > 0):
-        raise UsageError(f"fold-model: --chunk_size must be a positive int or 'auto', got {args.chunk_size!r}")
+    from ...fastfold.model.options import check_chunk_size
+
+    try:  # the one chunk-size check (the flag's text read as suite fold reads it)
+        check_chunk_size(int(args.chunk_size) if args.chunk_size.lstrip("-").isdigit() else args.chunk_size)
+    except ValueError as exc:
+        raise UsageError(f"fold-model: --{exc}") from None
     if args.openfold is not None:
         from .fold_openfold import run as run_openfold
 
