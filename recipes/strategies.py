@@ -214,6 +214,14 @@ class _ShardedStrategy(DDPStrategy):
         with self._core_optimizer.no_sync():
             yield
 
+    def collective_reads(self) -> Any:
+        """A block in which callbacks read the model's parameters outside a forward (an EMA update, logging
+        weights): every rank must enter it and run the same reads. Under Gemini the reads gather their chunks
+        (`core_parallel.gemini.collective_reads`); under ZeRO the parameters are whole and it does nothing."""
+        from ..core_parallel.gemini import collective_reads
+
+        return collective_reads(self.model if self.model is not None else self.lightning_module)
+
     def teardown(self) -> None:
         # Not DDPStrategy.teardown: it would move the model and the optimizer state to the CPU, tearing
         # Gemini's parameter views off their chunks. The sharded model stays usable (save, validate) after fit.

@@ -9,7 +9,7 @@ model, optimizer = setup_gemini(model, optimizer, cfg, group=None)   # or core_p
 from __future__ import annotations
 
 from .config import OFFLOAD_TIERS, GeminiConfig, parse_bytes
-from .engine import setup_gemini
+from .engine import collective_reads, setup_gemini
 from .layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
 from .optimizer import GeminiOptimizer
 from .storage import NvmeTierError
@@ -21,6 +21,7 @@ __all__ = [
     "GeminiOptimizer",
     "NvmeTierError",
     "ParamInfo",
+    "collective_reads",
     "parse_bytes",
     "plan_chunks",
     "search_chunk_elems",

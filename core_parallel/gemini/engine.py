@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -115,3 +116,19 @@ def _new_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, con
             buf.done()
     index_of = {id(p): i for i, p in enumerate(params)}
     return GeminiOptimizer(optimizer, mgr, index_of, config)
+
+
+def collective_reads(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """A block in which every rank reads `model`'s parameters outside a forward (an EMA update, sampling or
+    logging between steps): under Gemini each read gathers its chunk, so every rank must enter the block and run
+    the same reads; for a model Gemini did not set up, nothing to do.
+
+    ```python
+    with collective_reads(model):
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(p, 1 - decay)
+    ```
+    """
+    manager = getattr(model, "gemini_manager", None)
+    return contextlib.nullcontext() if manager is None else manager.collective_reads()
+

@@ -230,7 +230,8 @@ def _intercept(func, args, kwargs):
     if not mgr.reads_allowed():
         raise GeminiParamError(
             f"{_describe(mgr, pidx)} was read ({name or func}) outside a forward or backward pass, while Gemini "
-            "holds only a shard of it; read it inside the model's forward, or through model.state_dict()"
+            "holds only a shard of it; read it inside the model's forward, through model.state_dict(), or on every "
+            "rank inside core_parallel.gemini.collective_reads(model) (a strategy's collective_reads())"
         )
     ids = tuple(sorted({m.slot_of[i].chunk for m, i in refs if m is mgr}))
     with _outside_modes():

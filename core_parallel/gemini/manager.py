@@ -8,7 +8,8 @@ gradient on some rank therefore delays memory release but never mismatches or ha
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,21 @@ class ChunkManager:
     def in_backward(self) -> bool:
         """Whether a backward pass is under way (between its first hook and `end_backward`)."""
         return self._in_backward
+
+    @contextlib.contextmanager
+    def collective_reads(self) -> Iterator[None]:
+        """Inside the block parameter reads outside a forward gather their chunks (and release them at its end),
+        as inside a pass. Every rank must enter the block and run the same reads (each gather is a collective):
+        an EMA update or sampling between steps, run by a callback on every rank."""
+        if self.pass_open or self._in_backward:  # already inside a pass: reads gather there anyway
+            yield
+            return
+        self.pass_open = True
+        try:
+            yield
+        finally:
+            self.pass_open = False
+            self.release_idle()
 
     def reads_allowed(self) -> bool:
         """Whether a parameter read outside its modules may gather its chunk: inside a pass, where every rank

@@ -75,6 +75,12 @@ def _ranks(rank: int, world: int, ckpt: str) -> dict:
     _train(model, opt, rank, world)
     core_parallel.save_checkpoint(ckpt, model, opt)
     out["trained"] = _plain(model.state_dict())  # after a save: gathered values, not the save's placeholders
+    # reads between steps on every rank (an EMA update) gather inside collective_reads; after it, reads are loud
+    ema = {}
+    with torch.no_grad(), core_parallel.gemini.collective_reads(model):
+        for name, p in model.named_parameters():
+            ema[name] = (0.5 * p + 0.25).tolist()
+    out["ema"] = ema
     # moves and casts Lightning applies between stages: no-ops are the parameter itself, others one error
     assert model.to("cpu") is model and model.to(torch.float32).float() is model
     model.eval().train()
@@ -121,6 +127,15 @@ def test_shared_registration_state_dict_on_every_rank(ranks_result):
 
 
 @pytest.mark.distributed
+def test_collective_reads_between_steps(ranks_result):
+    ref = Shared()
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    for rank, res in enumerate(ranks_result):
+        want = {n: 0.5 * p.detach() + 0.25 for n, p in ref.named_parameters()}
+        _close(res["ema"], want, f"rank {rank} EMA-style reads")
+
+
+@pytest.mark.distributed
 def test_shared_registration_load_state_dict(ranks_result):
     ref = Shared()
     _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
@@ -138,5 +153,5 @@ def test_moves_that_change_something_and_reads_outside_a_pass_are_one_error(rank
     assert len(errors) == 4, errors
     assert "cannot be moved or cast" in errors[0] and "float64" in errors[0]
     assert "cannot be moved or cast" in errors[1] and "float16" in errors[1]
-    assert all("outside a forward or backward pass" in e for e in errors[2:])
+    assert all("outside a forward or backward pass" in e and "collective_reads" in e for e in errors[2:])
     assert all("\n" not in e for e in errors)

@@ -59,14 +59,21 @@ def _module():
     return module
 
 
-def _sample_callback(samples: list):
+def _sample_callback(samples: list, copies: list | None = None):
     import lightning.pytorch as pl
 
     class Sample(pl.Callback):
-        """Generates from the model at the end of each validation epoch, on every rank (as sample callbacks do)."""
+        """Generates from the model at the end of each validation epoch, on every rank (as sample callbacks do),
+        and copies the weights at the end of each training epoch, between steps (as EMA callbacks do), inside
+        the strategy's `collective_reads()`."""
 
         def on_validation_epoch_end(self, trainer, pl_module):
             samples.append(pl_module(_eval_data()[0][:2]).tolist())
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if copies is not None:
+                with torch.no_grad(), trainer.strategy.collective_reads():
+                    copies.append({n: (p * 1.0).tolist() for n, p in pl_module.named_parameters()})
 
     return Sample()
 
@@ -77,8 +84,9 @@ def _state(module) -> dict:
 
 def _stages(rank: int, world: int, root: str) -> dict:
     samples: list = []
+    copies: list = []
     module = _module()
-    trainer = make_trainer("gemini", world, Path(root), 2, callbacks=[_sample_callback(samples)],
+    trainer = make_trainer("gemini", world, Path(root), 2, callbacks=[_sample_callback(samples, copies)],
                            enable_checkpointing=True)
     out: dict = {}
     trainer.fit(module)
@@ -89,6 +97,7 @@ def _stages(rank: int, world: int, root: str) -> dict:
     out["validate_again"] = trainer.validate(module, verbose=False)[0]["val_sum"]
     out["after_eval"] = _state(module)
     out["samples"] = list(samples)  # before the second fit validates again
+    out["copies"] = list(copies)
     trainer.fit_loop.max_epochs = 3
     trainer.fit(module)
     out["fit_again"] = _state(module)
@@ -121,6 +130,9 @@ def test_state_dict_after_fit_and_eval_is_the_trained_model_on_every_rank(stages
     for rank, res in enumerate(stages):
         assert_close(_as_tensors(res["fit"]), weights, f"rank {rank}: state_dict after fit")
         assert_close(_as_tensors(res["after_eval"]), weights, f"rank {rank}: state_dict after validate/test/predict")
+        # the weights a callback copied between steps at the end of the last epoch (collective_reads)
+        assert len(res["copies"]) == 2, res["copies"]
+        assert_close(_as_tensors(res["copies"][-1]), weights, f"rank {rank}: weights read in on_train_epoch_end")
 
 
 @pytest.mark.distributed
