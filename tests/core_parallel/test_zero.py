@@ -453,6 +453,16 @@ def test_step_with_closure_and_local_state_dict_round_trip():
     assert max_rel_err(other, model) == 0.0
 
 
+def _side_by_side(steps: int, model, opt, reference, ref_opt, x, y) -> None:
+    for _ in range(steps):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_second_setup_retires_the_first_optimizer(stage):
     """A second `setup` on one model (Trainer.fit twice, a new optimizer in a plain loop): the first optimizer's
@@ -465,23 +475,11 @@ def test_a_second_setup_retires_the_first_optimizer(stage):
     config = ZeroConfig(stage=stage, bucket_mb=0.0001)
     model, first = core_parallel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(2):
-        first.backward(nn.functional.mse_loss(model(x), y))
-        first.step()
-        first.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _side_by_side(2, model, first, reference, ref_opt, x, y)
     model, second = core_parallel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(RuntimeError, match="replaced by a newer one"):
         first.step()
-    for _ in range(3):
-        second.backward(nn.functional.mse_loss(model(x), y))
-        second.step()
-        second.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _side_by_side(3, model, second, reference, ref_opt, x, y)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
