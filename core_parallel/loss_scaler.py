@@ -37,8 +37,17 @@ class LossScalerConfig:
     """The scale never goes below this."""
     max_scale: float = 2.0**24
     """The scale never goes above this."""
+    enabled: bool | None = None
+    """Whether the loss is scaled: None (default) under fp16 parameters only; True also for fp32 parameters run
+    under fp16 autocast (Lightning's `16-mixed`); False never (Lightning's `16-true` scales no loss)."""
+
+    def on(self, precision: str) -> bool:
+        """Whether the scaler runs for parameters kept in `precision` ("fp32", "fp16", "bf16")."""
+        return precision == "fp16" if self.enabled is None else self.enabled
 
     def __post_init__(self) -> None:
+        if self.enabled is not None and not isinstance(self.enabled, bool):
+            raise InputError(f"enabled must be True, False or None, got {self.enabled!r}")
         if not self.initial_scale > 0:
             raise InputError(f"initial_scale must be > 0, got {self.initial_scale}")
         if not self.growth_factor > 1:

@@ -81,19 +81,17 @@ class ShardedPrecision(Precision):
         """The parameters' dtype (fp32 under `*-mixed`)."""
         self.autocast_dtype = _AUTOCAST.get(precision)
         """The dtype of `torch.autocast` around the forward (None: no autocast)."""
+        self.loss_scaling = {"16-mixed": True, "16-true": False}.get(precision)
+        """`core_parallel`'s `LossScalerConfig.enabled`: on for fp32 parameters under fp16 autocast, off for fp16
+        parameters (Lightning scales no `*-true` loss), else the dtype's default (None)."""
         self.device_type = "cpu"
         self._optimizer: Any = None
 
     def bind(self, optimizer: Any, device_type: str) -> None:
-        """Attach the `core_parallel` optimizer wrapper (called by the strategy after setup); its loss scaler is
-        on under `16-mixed` only (Lightning scales no `*-true` loss)."""
+        """Attach the `core_parallel` optimizer wrapper (called by the strategy after setup, which set its loss
+        scaler from `loss_scaling`)."""
         self._optimizer = optimizer
         self.device_type = device_type
-        scaler = getattr(optimizer, "loss_scaler", None)
-        if scaler is not None and scaler.enabled != (self.precision == "16-mixed"):
-            from ..core_parallel.loss_scaler import DynamicLossScaler
-
-            optimizer.loss_scaler = DynamicLossScaler(scaler.config, enabled=self.precision == "16-mixed")
 
     # -- forward ---------------------------------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -137,9 +137,13 @@ class _ShardedStrategy(DDPStrategy):
         self._resume_advice: str | None = None
         self._preemption = Preemption()  # the default group, resolved when asked
 
-    def core_config(self, precision: str) -> Any:
-        """`self.config` at this run's precision (the one field the Trainer decides)."""
-        return dataclasses.replace(self.config, precision=precision)
+    def core_config(self, precision: str, loss_scaling: bool | None = None) -> Any:
+        """`self.config` at this run's precision (what the Trainer decides: the parameters' dtype and, where
+        it is not the dtype's default, whether the loss is scaled)."""
+        config = dataclasses.replace(self.config, precision=precision)
+        if loss_scaling is None:
+            return config
+        return dataclasses.replace(config, loss_scaler=dataclasses.replace(config.loss_scaler, enabled=loss_scaling))
 
     # -- precision -------------------------------------------------------------------------------------
     @property
@@ -193,7 +197,7 @@ class _ShardedStrategy(DDPStrategy):
         from .. import core_parallel
 
         plugin = self.precision_plugin
-        config = self.core_config(plugin.core_precision)
+        config = self.core_config(plugin.core_precision, plugin.loss_scaling)
         user_optimizer = self.optimizers[0]
         logger.info("%s: core_parallel.setup with %s", type(self).__name__, config)
         self._param_names = optimizer_param_names(self.model, user_optimizer)  # ZeRO swaps in master shards

@@ -96,7 +96,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.steps: dict[int, int] = {p: 0 for p in self.group_of if manager.is_trainable(p)}
         self.last_grad_norm: torch.Tensor | None = None
         self.process_group = manager.group
-        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.loss_scaler.on(config.precision))
         self._scratch: dict[str, HostPages] = {}  # NVMe shards staged during step(), dropped after it
         self._prepared: bool | None = None  # None: not yet; else whether this step overflowed
 

@@ -114,7 +114,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.process_group = group
         self.world, self.rank = world_rank(group)
         self._peers = PeerWatch.create(group)  # a rank that dies is named in the survivors' errors
-        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.loss_scaler.on(config.precision))
         self.model = model
         self._retire_previous(model)
         self._slots = self._build_slots(model, optimizer)

@@ -62,3 +62,23 @@ def test_disabled_is_one_and_ignores_state():
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
         LossScalerConfig(**{field: value})
+
+
+def test_enabled_follows_the_parameter_dtype_unless_given():
+    """None: scaled under fp16 parameters only; True: also fp32 parameters under fp16 autocast (16-mixed);
+    False: never (16-true). The ZeRO optimizer's scaler follows the config."""
+    import torch
+
+    from lowmem import core_parallel
+    from lowmem.core_parallel import ZeroConfig
+    from lowmem.core_parallel.loss_scaler import LossScalerConfig
+    from lowmem.utils.errors import InputError
+
+    assert LossScalerConfig().on("fp16") and not LossScalerConfig().on("fp32")
+    assert LossScalerConfig(enabled=True).on("fp32") and not LossScalerConfig(enabled=False).on("fp16")
+    with pytest.raises(InputError, match="enabled"):
+        LossScalerConfig(enabled="yes")
+    model = torch.nn.Linear(3, 2)
+    config = ZeroConfig(stage=1, loss_scaler=LossScalerConfig(enabled=True))
+    _, opt = core_parallel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    assert opt.loss_scaler.enabled
