@@ -119,6 +119,9 @@ class FoldConfig:
     """Ray CPUs for alignment/feature jobs; 0: in this process, one target after another."""
     ray_address: str | None = None
     """Existing Ray cluster to use instead of starting a local one."""
+    enable_workflow: bool = False
+    """Each target's database searches as parallel Ray tasks (`fastfold.workflow`, FastFold's `--enable_workflow`),
+    `alignment.cpus` divided among the concurrent tools; Ray runs even for one target."""
     num_recycle: int | None = None
     """Recycling iterations; None: each model's preset (3 for the released models)."""
     num_seeds: int = 1
@@ -289,7 +292,13 @@ def _done(target: Target, folder: Path, files: list[str], timings: dict[str, flo
 
 
 def _uses_ray(cfg: FoldConfig, num_targets: int) -> bool:
-    return num_targets > 0 and (cfg.ray_address is not None or (cfg.num_workers > 0 and num_targets > 1))
+    return num_targets > 0 and (cfg.ray_address is not None or cfg.enable_workflow
+                                or (cfg.num_workers > 0 and num_targets > 1))
+
+
+def _local_cpus(cfg: FoldConfig) -> int:
+    """CPUs of a local Ray: `num_workers`, else (the workflow) one target's `alignment.cpus`, else 1."""
+    return cfg.num_workers or (cfg.alignment.cpus if cfg.enable_workflow else 1)
 
 
 @contextlib.contextmanager
@@ -303,7 +312,7 @@ def _ray_session(cfg: FoldConfig):
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=False)
         else:
-            ray.init(num_cpus=max(cfg.num_workers, 1), include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=_local_cpus(cfg), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
     try:
         yield ray
@@ -315,7 +324,8 @@ def _ray_session(cfg: FoldConfig):
 
 def feature_stream(targets: list[Target], cfg: FoldConfig, with_templates: bool):
     """Yield (target, raw features or the exception it raised, seconds) as each target's features are ready:
-    Ray tasks when `cfg.ray_address` or `cfg.num_workers > 0` with several targets, else in this process."""
+    Ray tasks when `cfg.ray_address`, `cfg.enable_workflow` (each search its own task: `fastfold.workflow`) or
+    `cfg.num_workers > 0` with several targets, else in this process."""
     def work_dir(t: Target) -> str:
         return str(Path(cfg.output_dir) / t.name)
 
@@ -335,6 +345,12 @@ _feature_stream = feature_stream  # the name recipes.fold first used
 
 def _ray_feature_stream(targets, cfg: FoldConfig, with_templates: bool, work_dir):
     with _ray_session(cfg) as ray:
+        if cfg.enable_workflow:
+            from .workflow import workflow_stream
+
+            dirs = {t.name: work_dir(t) for t in targets}
+            yield from workflow_stream(ray, targets, cfg.alignment, dirs, with_templates)
+            return
         remote = ray.remote(num_cpus=1, max_retries=0)(target_features)
         pending = {remote.remote(t, cfg.alignment, work_dir(t), with_templates): t for t in targets}
         while pending:

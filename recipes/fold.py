@@ -140,7 +140,8 @@ class FoldDataModule(pl.LightningDataModule):
     `alignments_dir` is `--use_precomputed_alignments` (one sub-folder per target); `single_sequence`
     uses the query alone. Further keywords take `suite fold`'s flag names: `template_mmcif_dir`,
     `max_template_date`, `uniref90_database_path`, ..., `jackhmmer_binary_path`, ..., `cpus`, `seed`,
-    `num_workers` (Ray CPUs; 0: no Ray), `ray_address`, `uniprot_database_path` (complexes). `multimer`: the
+    `num_workers` (Ray CPUs; 0: no Ray), `ray_address`, `enable_workflow` (each target's searches as parallel Ray
+    tasks, `fastfold.workflow`), `uniprot_database_path` (complexes). `multimer`: the
     FASTA holds complexes (`pipeline.read_complex_targets`) for an AlphaFold-Multimer predictor. `failures` maps
     target name -> error afterwards.
     """
@@ -154,6 +155,7 @@ class FoldDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         ray_address: str | None = None,
+        enable_workflow: bool = False,
         output_dir: str | Path | None = None,
         multimer: bool = False,
         **alignment: Any,
@@ -173,6 +175,7 @@ class FoldDataModule(pl.LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"FoldDataModule.num_workers must be >= 0, got {num_workers}")
         self.seed, self.num_workers, self.ray_address = seed, num_workers, ray_address
+        self.enable_workflow = enable_workflow
         self.output_dir = None if output_dir is None else str(output_dir)
         self.failures: dict[str, str] = {}
 
@@ -187,7 +190,8 @@ class FoldDataModule(pl.LightningDataModule):
         output_dir = self.output_dir or (writer.output_dir if writer else "fold_outputs")
         spec = getattr(self.trainer.lightning_module, "spec", None) or pipeline.ModelSpec()
         return pipeline.FoldConfig(output_dir=str(output_dir), models=[spec], alignment=self.alignment,
-                                   seed=self.seed, num_workers=self.num_workers, ray_address=self.ray_address)
+                                   seed=self.seed, num_workers=self.num_workers, ray_address=self.ray_address,
+                                   enable_workflow=self.enable_workflow)
 
     def predict_dataloader(self) -> DataLoader:
         writer = self._writer()

@@ -240,29 +240,13 @@ def read_alignment_dir(
 
 
 def run_alignment_tools(target: Target, cfg: AlignmentConfig, folder: Path) -> None:
-    """Run the configured searches into `folder`, skipping result files already there (resume)."""
-    from . import tools
+    """Run the configured searches into `folder` one after another (`searches.search_jobs`: the same jobs the
+    feature workflow runs in parallel), skipping result files already there (resume)."""
+    from .searches import search_jobs
 
     folder.mkdir(parents=True, exist_ok=True)
-    uniref = folder / "uniref90_hits.sto"
-    jobs = [(cfg.uniref90_database_path, uniref), (cfg.mgnify_database_path, folder / "mgnify_hits.sto")]
-    for db, out in jobs:
-        if db and not out.exists():
-            tools.run_jackhmmer(tools.find_binary(cfg.jackhmmer_binary_path, "jackhmmer"), target.sequence, db, out,
-                                cfg.cpus)
-    bfd_out = folder / "bfd_uniref_hits.a3m"
-    if cfg.bfd_database_path and not bfd_out.exists():
-        dbs = [d for d in (cfg.bfd_database_path, cfg.uniref30_database_path) if d]
-        tools.run_hhblits(tools.find_binary(cfg.hhblits_binary_path, "hhblits"), target.sequence, dbs, bfd_out,
-                          cfg.cpus)
-    uniprot = folder / UNIPROT_HITS
-    if cfg.uniprot_database_path and not uniprot.exists():  # a complex's pairing MSA (fastfold.data.multimer)
-        tools.run_jackhmmer(tools.find_binary(cfg.jackhmmer_binary_path, "jackhmmer"), target.sequence,
-                            cfg.uniprot_database_path, uniprot, cfg.cpus)
-    hhr = folder / "pdb70_hits.hhr"
-    if cfg.pdb70_database_path and uniref.exists() and not hhr.exists():
-        a3m = tools.msa_to_a3m(_read_msa(uniref).truncate(MAX_HITS[uniref.name]))
-        tools.run_hhsearch(tools.find_binary(cfg.hhsearch_binary_path, "hhsearch"), a3m, cfg.pdb70_database_path, hhr)
+    for job in search_jobs(target.sequence, cfg, folder):
+        job.run(cfg.cpus)
 
 
 def target_raw_features(
