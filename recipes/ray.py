@@ -42,7 +42,9 @@ filesystem all nodes share.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -53,7 +55,16 @@ from typing import Any
 
 from ..core_parallel.groups import GLOO, NCCL
 from ..utils.errors import InputError
-from ..utils.ray_cluster import AUTH_HINT, check_ray_address, is_auth_failure, resolve_auto_address
+from ..utils.fileio import atomic_write
+from ..utils.ray_cluster import (
+    AUTH_HINT,
+    check_ray_address,
+    check_ray_resources,
+    init_local_ray,
+    is_auth_failure,
+    join_ray,
+    resolve_auto_address,
+)
 
 __all__ = ["FitJob", "RayConfig", "RayFitResult", "add_ray_arguments", "connect_ray", "fit_on_ray", "ray_strategy"]
 
@@ -82,6 +93,9 @@ class RayConfig:
     """Folder of the final sharded checkpoint; None: `<storage_path>/<name>/final.ckpt`."""
     collective_timeout_s: float = 1800.0
     """Seconds before a collective waiting for a dead worker raises instead of hanging."""
+    resource_wait_s: float = 0.0
+    """Seconds to wait (with a warning) for the cluster to have `num_workers` x CPUs/GPUs free before refusing
+    in one line (`utils.ray_cluster.check_ray_resources`); 0: refuse at once."""
 
     def __post_init__(self) -> None:
         if not self.address or not str(self.address).strip():
@@ -94,6 +108,8 @@ class RayConfig:
             raise ValueError("name must not be empty")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.resource_wait_s < 0:
+            raise ValueError(f"resource_wait_s must be >= 0, got {self.resource_wait_s}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RayConfig | None:
@@ -187,13 +203,14 @@ def ray_strategy(name: Any, **kwargs: Any) -> Any:
     return _ray_class(cls)(**init)
 
 
-def _report_callback(checkpoint_dir: str) -> Any:
+def _report_callback(checkpoint_dir: str, finished_file: str) -> Any:
     import lightning.pytorch as pl
     import ray.train
     from ray.train import Checkpoint
 
     class _ReportAtEnd(pl.Callback):
-        """Write the final sharded checkpoint on all ranks; rank 0 reports it with the metrics."""
+        """Write the final sharded checkpoint on all ranks; rank 0 reports it with the metrics, then writes
+        `finished_file` (every rank has reported by then: the run is complete, whatever Ray says later)."""
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -211,6 +228,10 @@ def _report_callback(checkpoint_dir: str) -> Any:
                     except OSError:
                         shutil.copyfile(checkpoint_dir, linked)
                     ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+            if trainer.is_global_zero:
+                os.makedirs(os.path.dirname(finished_file), exist_ok=True)
+                with atomic_write(finished_file) as f:
+                    json.dump(metrics, f)
 
     return _ReportAtEnd()
 
@@ -222,7 +243,7 @@ def _train_worker(config: dict[str, Any]) -> None:
 
     job: FitJob = config["build"]()
     kwargs = dict(job.trainer_kwargs)
-    callbacks = [*kwargs.pop("callbacks", []), _report_callback(config["checkpoint_dir"])]
+    callbacks = [*kwargs.pop("callbacks", []), _report_callback(config["checkpoint_dir"], config["finished_file"])]
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("accelerator", "gpu" if config["use_gpu"] else "cpu")
     trainer = pl.Trainer(
@@ -239,7 +260,8 @@ def _train_worker(config: dict[str, Any]) -> None:
 def connect_ray(address: str, num_cpus: int = 1, *, flag: str = "--ray_address") -> bool:
     """Join the Ray cluster at `address` (checked first: a wrong, unreachable or token-refusing address is one
     `InputError` line within seconds, `utils.ray_cluster.check_ray_address`), or start a private local Ray with
-    `num_cpus` CPUs for "local" (and for "auto" when no cluster is found, logged). True when this call started
+    `num_cpus` CPUs for "local" (and for "auto" when no cluster is found, logged; both on 127.0.0.1 only,
+    `utils.ray_cluster.init_local_ray`). True when this call started
     or joined Ray (the caller shuts it down); False when Ray was already initialised in this process."""
     import ray
 
@@ -249,11 +271,11 @@ def connect_ray(address: str, num_cpus: int = 1, *, flag: str = "--ray_address")
         logger.warning("%s auto: no running Ray cluster found; starting a local Ray with %d CPUs", flag, num_cpus)
         address = "local"
     if address == "local":
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus)
         return True
     address = check_ray_address(address, flag=flag)
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        join_ray(address, log_to_driver=False)
     except Exception as exc:  # Ray's errors here are many types; the user needs the one line
         if is_auth_failure(f"{type(exc).__name__}: {exc}"):
             raise InputError(f"{flag} {address}: the Ray cluster refused this driver ({AUTH_HINT})") from None
@@ -270,24 +292,48 @@ def fit_on_ray(build: Callable[[], FitJob], config: RayConfig) -> RayFitResult:
 
     started = connect_ray(config.address, max(1, int(round(config.num_workers * config.cpus_per_worker))))
     try:
+        check_ray_resources(config.num_workers, cpus=config.cpus_per_worker, gpus=1.0 if config.use_gpu else 0.0,
+                            wait_s=config.resource_wait_s)
         storage = os.path.abspath(config.storage_path or tempfile.mkdtemp(prefix="suite-ray-"))
         checkpoint_dir = config.checkpoint_dir or os.path.join(storage, config.name, "final.ckpt")
+        finished_file = os.path.join(storage, config.name, _FINISHED)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(finished_file)  # a previous run's
         trainer = TorchTrainer(
             _train_worker,
-            train_loop_config={"build": build, "use_gpu": config.use_gpu, "checkpoint_dir": checkpoint_dir},
+            train_loop_config={"build": build, "use_gpu": config.use_gpu, "checkpoint_dir": checkpoint_dir,
+                               "finished_file": finished_file},
             torch_config=TorchConfig(backend=NCCL if config.use_gpu else GLOO,
                                      timeout_s=int(config.collective_timeout_s)),
             scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                          resources_per_worker={"CPU": config.cpus_per_worker}),
             run_config=RunConfig(name=config.name, storage_path=storage),
         )
-        result = trainer.fit()
+        metrics = _fit(trainer, finished_file)
     finally:
         if started:
             ray.shutdown()
-    if result.error is not None:
-        raise RuntimeError(f"Ray training failed: {result.error}") from result.error
-    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}
     written = os.path.exists(checkpoint_dir)
     logger.info("Ray run %s finished: checkpoint %s", config.name, checkpoint_dir if written else "none")
     return RayFitResult(metrics=metrics, checkpoint_path=checkpoint_dir if written else None)
+
+
+_FINISHED = "finished.json"
+"""Written by rank 0 after every rank reported the end of training (under the run's storage folder)."""
+
+
+def _fit(trainer: Any, finished_file: str) -> dict[str, float]:
+    """Run `trainer.fit()`; a failure Ray reports after the run had finished (a worker's node lost after the final
+    checkpoint and report, `finished_file` written) is logged, not raised: the run's results are complete."""
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        if not os.path.exists(finished_file):
+            raise
+        logger.warning("Ray reported a failure after training had finished (every rank reported its final "
+                       "checkpoint); the run is complete. Ray's error: %s", str(exc).strip().splitlines()[0][:300])
+        with open(finished_file) as f:
+            return {k: v for k, v in json.load(f).items() if isinstance(v, int | float)}
+    if result.error is not None:
+        raise RuntimeError(f"Ray training failed: {result.error}") from result.error
+    return {k: v for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}

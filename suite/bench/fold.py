@@ -124,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         # cluster): the second row is what `suite fold` costs end to end, the third what a running cluster costs.
         import ray
 
+        from ...utils.ray_cluster import init_local_ray
+
         t0 = time.perf_counter()
-        ray.init(num_cpus=args.num_workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        init_local_ray(args.num_workers, configure_logging=False)
         ray_start = time.perf_counter() - t0
         try:
             cfg = dataclasses.replace(base, output_dir=str(tmp / "run_ray"), num_workers=args.num_workers)

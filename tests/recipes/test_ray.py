@@ -12,6 +12,7 @@ import torch
 
 from lowmem.recipes.ray import FitJob, RayConfig, fit_on_ray
 from lowmem.utils.errors import InputError
+from lowmem.utils.ray_cluster import init_local_ray
 from tests._paths import tests_only_path as _tests_only_path
 from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
 
@@ -33,7 +34,7 @@ def local_ray():
         # Local Ray workers inherit the driver's environment: make `tests` importable there.
         mp.setenv("PYTHONPATH", _tests_only_path())
         mp.setenv("OMP_NUM_THREADS", "1")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        init_local_ray(2, configure_logging=False)
         try:
             yield ray
         finally:
@@ -129,6 +130,8 @@ def test_zero2_on_two_ray_workers_matches_reference(tmp_path, local_ray):
     result = fit_on_ray(_build_job, config)
     assert result.metrics["step"] == 4, result.metrics
     assert result.checkpoint_path is not None
+    # issue 37: rank 0 wrote that every rank finished (a failure Ray reports after it does not fail the run)
+    assert (tmp_path / "ray" / "suite" / "finished.json").is_file()
     out = core_parallel.consolidate_checkpoint(result.checkpoint_path, tmp_path / "model.safetensors")
     assert_close(load(str(out)), reference_weights(epochs=2), "zero2 on Ray")
 
