@@ -16,7 +16,7 @@ from ..utils.fileio import atomic_write
 from .data.features import make_sequence_features
 from .data.targets import Target
 from .io.protein import Protein
-from .stages import ComplexTarget, Prediction
+from .stages import ComplexTarget, GapTarget, Prediction
 
 __all__ = ["prediction_to_protein", "write_target_outputs"]
 
@@ -25,6 +25,10 @@ def prediction_to_protein(target: Target, prediction: Prediction, b_factors: np.
     complex's chains in feature order, each with its chain ID and residues numbered from 1."""
     raw = make_sequence_features(target.sequence)
     plddt = np.repeat(prediction.plddt[:, None], 37, axis=1) if b_factors is None else b_factors
+    if isinstance(target, GapTarget):  # AlphaFold-Gap: a chain ID per record, the residue-index gap kept
+        return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"],
+                       target.residue_index() + 1, plddt, chain_index=target.chain_index(),
+                       chain_ids=target.chain_ids)
     if not isinstance(target, ComplexTarget):
         return Protein(prediction.positions.astype(np.float64), prediction.atom_mask, raw["aatype"],
                        raw["residue_index"] + 1, plddt)
@@ -156,9 +160,22 @@ def _relax_best(folder: Path, name: str, unrelaxed: Protein, best: Prediction, r
                 timings: dict[str, float]) -> tuple[dict[str, Any], list[str]]:
     """Relax the best model (`fastfold.relax`) and write `<name>_relaxed.pdb|.cif`; returns the relaxation's
     summary (for `timings.json`) and the files written. Its seconds go to `timings["relax"]`."""
-    from .relax import relax_protein
+    import time
 
-    result = relax_protein(unrelaxed, relax_config)
+    from . import relax
+
+    t0 = time.perf_counter()
+    try:
+        result = relax.relax_protein(unrelaxed, relax_config)
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the unrelaxed files and timings.json are written; the reason is kept
+        timings["relax"] = time.perf_counter() - t0
+        for suffix in (".pdb", ".cif"):  # an older relaxed file of this target must not pass for this run's
+            (folder / f"{name}_relaxed{suffix}").unlink(missing_ok=True)
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        return {"seconds": timings["relax"], "converged": False, "relaxed": False,
+                "problem": f"cannot be relaxed: {type(exc).__name__}: {reason}"}, []
     summary = result.summary()
     timings["relax"] = result.seconds
     if result.chirality_changed or result.cis_changed:

@@ -50,6 +50,7 @@ __all__ = [
     "NpzArrays",
     "ParamsError",
     "Row",
+    "check_openfold",
     "config_from_arrays",
     "empty_model",
     "from_params",
@@ -243,15 +244,37 @@ def _read_openfold(path: Path) -> dict[str, torch.Tensor]:
     return {_openfold_key(k): v for k, v in state.items() if torch.is_tensor(v)}
 
 
-def _load_openfold(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldConfig, path: Path) -> AlphaFold:
-    """The model from our-named tensors (head counts from the preset), copied tensor by tensor."""
-    model = empty_model(_config_from_state(ours, base))
-    state = model.state_dict()
+def _openfold_problems(ours: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
     missing = sorted(set(state) - set(ours))
     unexpected = sorted(set(ours) - set(state))
     bad = [k for k in set(ours) & set(state) if tuple(ours[k].shape) != tuple(state[k].shape)]
     problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]
-    problems += [f"mis-shaped {k} {tuple(ours[k].shape)}" for k in sorted(bad)]
+    return problems + [f"mis-shaped {k} {tuple(ours[k].shape)}" for k in sorted(bad)]
+
+
+def check_openfold(path: str | os.PathLike, preset: str | cfgs.AlphaFoldConfig | None = None) -> None:
+    """An OpenFold `.pt` checkpoint's tensor names and shapes against the model it fills (built on the meta
+    device: nothing is loaded or allocated); the same `ParamsError` as `load_model`, before any work."""
+    path = Path(path)
+    try:
+        ours = _read_openfold(path)
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, ParamsError):
+            raise
+        raise ParamsError(f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    with torch.device("meta"):
+        model = AlphaFold(_config_from_state(ours, preset_for(path, preset)))
+    problems = _openfold_problems(ours, model.state_dict())
+    if problems:
+        raise problems_error(str(path), problems)
+
+
+def _load_openfold(ours: Mapping[str, torch.Tensor], base: cfgs.AlphaFoldConfig, path: Path) -> AlphaFold:
+    """The model from our-named tensors (head counts from the preset), copied tensor by tensor."""
+    model = empty_model(_config_from_state(ours, base))
+    state = model.state_dict()
+    problems = _openfold_problems(ours, state)
     if problems:
         raise problems_error(str(path), problems)
     with torch.no_grad():

@@ -39,9 +39,20 @@ __all__ = ["NpzArrays", "ParamLayout", "materialise_empty", "problems_error", "s
 M = TypeVar("M", bound=nn.Module)
 
 
-def problems_error(source: str, problems: list[str]) -> ParamsError:
-    """The one error for a file's parameter problems ("missing K", "unexpected K", "mis-shaped K ...")."""
-    return ParamsError(f"{source}: {len(problems)} parameter problem(s):\n  " + "\n  ".join(problems))
+def problems_error(source: str, problems: list[str], show: int = 3) -> ParamsError:
+    """The one error for a file's parameter problems ("missing K", "unexpected K", "mis-shaped K ..."), in a few
+    lines whatever their number: the count of each kind and its first `show` names (a checkpoint of another
+    model has hundreds)."""
+    kinds: dict[str, list[str]] = {}
+    for problem in problems:
+        kind, _, rest = problem.partition(" ")
+        kinds.setdefault(kind, []).append(rest)
+    lines = []
+    for kind, names in kinds.items():
+        more = f" and {len(names) - show} more" if len(names) > show else ""
+        lines.append(f"{kind} {', '.join(names[:show])}{more}")
+    head = f"{source}: {len(problems)} parameter problem(s) (not this model's file?):"
+    return ParamsError(head + "\n  " + "\n  ".join(lines))
 
 
 def stack_sizes(config: Any) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .data import fingerprint as fp
 from .data.targets import AlignmentConfig, Target
-from .stages import ComplexTarget, ModelSpec
+from .stages import ComplexTarget, GapTarget, ModelSpec
 
 if TYPE_CHECKING:
     from .pipeline import FoldConfig
@@ -56,6 +56,9 @@ def _alignment_entry(target: Target, a: AlignmentConfig) -> dict[str, Any]:
         if isinstance(target, ComplexTarget):  # every chain's folder (uniprot_hits.sto included)
             folders = dict.fromkeys(c.name for c in target.complex.chains)
             return {"mode": mode, "files": {n: fp.folder_digest(Path(a.precomputed_dir) / n) for n in folders}}
+        if isinstance(target, GapTarget):  # every record's folder
+            return {"mode": mode, "files": {c.name: fp.folder_digest(Path(a.precomputed_dir) / c.name)
+                                            for c in target.chains}}
         return {"mode": mode, "files": fp.folder_digest(Path(a.precomputed_dir) / target.name)}
     if a.single_sequence or not a.runs_tools:
         return {"mode": "single_sequence"}
@@ -94,6 +97,9 @@ def target_fingerprint(target: Target, cfg: FoldConfig) -> dict[str, Any]:
     if isinstance(target, ComplexTarget):  # every chain: its ID, name (alignment folder) and sequence
         out["sequence"] = ":".join(c.sequence for c in target.complex.chains)
         out["chains"] = [[c.chain_id, c.name, c.sequence] for c in target.complex.chains]
+    if isinstance(target, GapTarget):  # AlphaFold-Gap: the records and the residue-index gap
+        out["chains"] = [[i, c.name, c.sequence] for i, c in zip(target.chain_ids, target.chains)]
+        out["residue_index_gap"] = target.gap
     return out
 
 

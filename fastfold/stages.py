@@ -17,12 +17,14 @@ import numpy as np
 
 from ..utils.fileio import atomic_write
 from .data.features import FeatureConfig, process_features
+from .data.gap import GapTarget
 from .data.targets import AlignmentConfig, Target, target_raw_features
 
 __all__ = [
     "FEATURE_INFO",
     "PRECISIONS",
     "ComplexTarget",
+    "GapTarget",
     "ModelSpec",
     "Models",
     "Prediction",
@@ -178,6 +180,10 @@ def target_features(target: Target, cfg: AlignmentConfig, work_dir: str,
         from .data.multimer import complex_raw_features
 
         raw = complex_raw_features(target.complex, cfg, work_dir, with_templates=with_templates, info=info)
+    elif isinstance(target, GapTarget):  # several records of one file, a monomer model: AlphaFold-Gap
+        from .data.gap import gap_raw_features
+
+        raw = gap_raw_features(target, cfg, work_dir, with_templates, info=info)
     else:
         raw = target_raw_features(target, cfg, work_dir, with_templates, info=info)
     raw[FEATURE_INFO] = info

@@ -153,6 +153,20 @@ def parse_fasta(text: str, source: str = "<fasta>") -> list[tuple[str, str]]:
     return [(name, seq) for name, seq, _ in parse_fasta_records(text, source)]
 
 
+def _sequence_line(text: str, header_line: int, pos: int) -> tuple[int, int]:
+    """(line number, column) of the `pos`-th (1-based) sequence character of the record whose header is on
+    `header_line`, its sequence possibly wrapped over several lines."""
+    seen = 0
+    for lineno, raw in enumerate(text.splitlines()[header_line:], start=header_line + 1):
+        line = raw.strip()
+        if not line or line.startswith(";"):
+            continue
+        if seen + len(line) >= pos:
+            return lineno, pos - seen
+        seen += len(line)
+    return header_line, pos
+
+
 def parse_a3m(text: str, source: str = "<a3m>") -> Msa:
     """An A3M alignment: lower-case letters are insertions (removed, counted in the deletion matrix)."""
     records = _fasta_records(text, source)
@@ -170,7 +184,9 @@ def parse_a3m(text: str, source: str = "<a3m>") -> Msa:
                 dels.append(count)
                 count = 0
             elif c != ".":
-                raise InputError(f"{source}: record {k} (line {lineno}): position {pos}: unexpected {c!r}")
+                line, column = _sequence_line(text, lineno, pos)
+                raise InputError(f"{source}: line {line}: record {k} (header on line {lineno}), column {column}: "
+                                 f"unexpected {c!r}")
         aligned = "".join(row)
         if width is None:
             width = len(aligned)

@@ -27,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ...utils.settings import add_flags, settings
 
     parser.add_argument("fasta_path", nargs="?", default=None,
-                        help="FASTA file (or folder of them), one target per record; multimer models: one complex "
-                             "per record with chains split by ':' (ColabFold) or one complex per file, a record per "
-                             "chain (OpenFold) (default: the bundled example)")
+                        help="FASTA file, one target per record, or a folder of them, one target per file (a file "
+                             "of several records: AlphaFold-Gap with a monomer model, as OpenFold); multimer models: "
+                             "one complex per record with chains split by ':' (ColabFold) or one complex per file, a "
+                             "record per chain (OpenFold) (default: the bundled example)")
     parser.add_argument("template_mmcif_dir", nargs="?", default=None, help="folder of PDB mmCIF files (templates)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML of these settings (the recipe file, recipes/configs/fold.yaml; flat names or "
@@ -78,15 +79,23 @@ def _usage(message: str):
 
 
 def _read_targets(args: argparse.Namespace):
-    from ...fastfold.pipeline import read_targets
+    """The run's targets (`InputError`s as one line) and, on `args.input_rule`, the rule that made them."""
+    import os
+
     from ...utils.errors import InputError
 
     try:
         if is_multimer(args):
             from ...fastfold.pipeline import read_complex_targets
 
-            return read_complex_targets(args.fasta_path)
-        return read_targets(args.fasta_path)
+            targets = read_complex_targets(args.fasta_path)
+            args.input_rule = ("one complex per file, a record per chain (OpenFold's rule)" if os.path.isdir(
+                args.fasta_path) else "one complex per record, chains split by ':' (ColabFold's rule)")
+            return targets
+        from ...fastfold.data.gap import read_fold_inputs
+
+        targets, args.input_rule = read_fold_inputs(args.fasta_path)
+        return targets
     except InputError as exc:
         hint = ""
         if "':' is not an amino-acid letter" in str(exc):
@@ -200,8 +209,8 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
         _validate_chain_folders(args, targets)
     elif args.use_precomputed_alignments:
         for t in targets:
-            _check_alignment_folder(args, Path(args.use_precomputed_alignments) / t.name, f"target {t.name!r}",
-                                    "fold it alone")
+            for name, what in _alignment_folders(t):
+                _check_alignment_folder(args, Path(args.use_precomputed_alignments) / name, what, "fold it alone")
     if args.single_sequence:
         return
     for db in _DATABASES:
@@ -210,6 +219,15 @@ def _validate_alignments(args: argparse.Namespace, targets) -> None:
         _existing(args.uniprot_database_path, "--uniprot_database_path")
     if args.use_precomputed_alignments is None:
         _check_binaries(args)
+
+
+def _alignment_folders(target) -> list[tuple[str, str]]:
+    """(alignment folder name, what it is) of a monomer target: its own, or each record's of an AlphaFold-Gap
+    target."""
+    chains = getattr(target, "chains", None)
+    if chains is None:
+        return [(target.name, f"target {target.name!r}")]
+    return [(c.name, f"record {c.name!r} of target {target.name!r} (AlphaFold-Gap)") for c in chains]
 
 
 def _validate_chain_folders(args: argparse.Namespace, targets) -> None:
@@ -329,11 +347,13 @@ def _build_config(fs, args: argparse.Namespace, targets):
     run = fs.run
     workers = run.num_workers
     if workers is None:
-        workers = min(4, os.cpu_count() or 1, len(targets)) if len(targets) > 1 else 0
+        # on a cluster 0 means one model worker per GPU or per node (fastfold.ray_fold)
+        workers = min(4, os.cpu_count() or 1, len(targets)) if len(targets) > 1 and not ray_address else 0
     return FoldConfig(
         output_dir=run.output_dir, models=models, alignment=alignment,
         relax=fs.relaxation.config() if fs.relaxation.relax else None, overwrite=run.overwrite,
         seed=run.seed, devices=run.devices, num_workers=workers, ray_address=ray_address,
+        enable_workflow=bool(getattr(args, "enable_workflow", False)),
         num_recycle=run.num_recycle, num_seeds=run.num_seeds, subtract_plddt=run.subtract_plddt,
     )
 
@@ -392,7 +412,7 @@ def _progress_runner(targets, cfg):
         return fold_targets(targets, cfg, emit)
 
 
-def _summary(results, output_dir: str) -> None:
+def _summary(results, output_dir: str, rule: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -409,7 +429,10 @@ def _summary(results, output_dir: str) -> None:
             status, files = f"{status}, RELAX FAILED", f"{files}; {r.relax_problem}"
         table.add_row(r.target.name, _length(r.target), status, plddt, f"{r.seconds:.1f}", r.inputs,
                       files)
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    if rule:
+        console.print(f"input rule: {rule}", highlight=False)
 
 
 def _length(target) -> str:
@@ -425,10 +448,19 @@ def run(args: argparse.Namespace) -> int:
     targets = _read_targets(args)
     cfg = _build_config(fs, args, targets)
     _warn_mode(cfg, args)
+    _preflight(targets, cfg)
     results = _progress_runner(targets, cfg)
-    _summary(results, cfg.output_dir)
+    _summary(results, cfg.output_dir, getattr(args, "input_rule", ""))
     # exit 1 when a target failed, or its relaxation did not converge or was refused (the table says which)
     return 1 if any(r.status == "failed" or r.relax_problem for r in results) else 0
+
+
+def _preflight(targets, cfg) -> None:
+    """Every input read in full before the first model call (`fastfold.preflight`): alignments of all targets,
+    parameter files, the output folder created and probed for writing; bad input is one line, exit 2."""
+    from ...fastfold.preflight import preflight
+
+    preflight(targets, cfg)
 
 
 def _obsolete_pdbs(path: str | None) -> str | None:

@@ -41,7 +41,8 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
     add("--preset", choices=["full_dbs", "reduced_dbs"], default=None, help="full_dbs; reduced_dbs is refused")
     add("--gpus", type=int, default=None, help="FastFold: DAP size = --devices")
-    add("--enable_workflow", action="store_true", help="FastFold: alignment jobs as Ray tasks (= --num_workers)")
+    add("--enable_workflow", action="store_true",
+        help="FastFold: each target's searches as parallel Ray tasks, --cpus divided among them (docs/fold.md)")
     add("--pdb_seqres_database_path", default=None,
         help="multimer hmmsearch template search: refused (not implemented; templates come from .hhr hits)")
     for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
@@ -86,9 +87,9 @@ _REFUSED = {
     "use_custom_template": "is not supported: templates come from .hhr hits and template_mmcif_dir",
     "experiment_config_json": "cannot apply: OpenFold config overrides do not map onto this model; use "
                               "--config FILE with suite fold flags",
-    "multimer_ri_gap": "cannot apply: OpenFold's residue-index gap folds a complex with a monomer model; here "
-                       "complexes run AlphaFold-Multimer (--model_preset multimer), whose chain-aware relative "
-                       "positions (asym_id) separate the chains without a gap",
+    "multimer_ri_gap": "cannot apply: the residue-index gap is OpenFold's default, 200, fixed (a folder of FASTA "
+                       "files folds a file of several records with it under a monomer model; AlphaFold-Multimer "
+                       "models separate chains by asym_id without a gap)",
     "release_dates_path": "is not needed: template release dates are read from each mmCIF file "
                           "(_pdbx_audit_revision_history)",
 }
@@ -143,7 +144,7 @@ def apply_compat(args: argparse.Namespace) -> None:
         _same_or_usage(args, "uniref30_database_path", args.uniclust30_database_path, "--uniclust30_database_path")
     if args.gpus is not None:
         _same_or_usage(args, "devices", args.gpus, "--gpus", 1)
-    if args.enable_workflow and args.num_workers is None:
+    if args.enable_workflow and args.num_workers is None and not args.ray_address:
         args.num_workers = max(1, min(4, os.cpu_count() or 1))
     _apply_model_preset(args)
     _multimer_inputs(args)

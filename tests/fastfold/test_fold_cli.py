@@ -153,12 +153,24 @@ def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys
     assert not np.allclose(loaded.positions, random.positions)
 
 
-def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, capsys):
+def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, capsys, monkeypatch):
+    # a bad alignment file is refused before any work (exit 2, tests/fastfold/test_fold_corners.py): this target
+    # fails while its features are made, as a tool or template read can
+    from lowmem.fastfold import stages
+
+    real = stages.target_raw_features
+
+    def features(target, *args, **kwargs):
+        if target.name == "bad":
+            raise RuntimeError("not a Stockholm file (the search's output was cut short)")
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(stages, "target_raw_features", features)
     alignments = tmp_path / "alignments"
     (alignments / "good").mkdir(parents=True)
     (alignments / "bad").mkdir()
     (alignments / "good" / "bfd_uniref_hits.a3m").write_text(">good\nMKTAYIAK\n>h\nMKTAhYIAR\n")
-    (alignments / "bad" / "uniref90_hits.sto").write_text("not stockholm\n")
+    (alignments / "bad" / "bfd_uniref_hits.a3m").write_text(">bad\nMKTAYIAK\n")
     fasta = _fasta(tmp_path, ">bad\nMKTAYIAK\n>good\nMKTAYIAK\n")
     argv = [
         "fold",
