@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "CaptionedImages",
     "DataConfig",
     "ImageRecord",
+    "EpochBatchSampler",
     "StepBatchSampler",
     "load_rgb",
     "preprocess",
@@ -413,3 +415,52 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.num_batches
+
+
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Per-rank batches of `(index, seed)` keys, one epoch at a time, as diffusers' scripts' shuffled
+    DataLoader deals them: epoch `e` is a permutation seeded by `seed` and `e`, cut into global batches of
+    `batch_size x world_size` (rank `r` takes the `r`-th slice); the last global batch is short on one process
+    and, on several, filled from the start of the permutation (accelerate's even batches).
+
+    `set_epoch(e)` (Lightning calls it) selects the epoch; `epoch_batches[e]`, when given, is how many of its
+    batches the run goes through (`diffusion.schedule.run_length`), all of them otherwise.
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                 epoch_batches: dict[int, int] | None = None) -> None:
+        if dataset_len < 1 or batch_size < 1:
+            raise ValueError("dataset_len and batch_size must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.n, self.batch_size, self.seed, self.rank, self.world_size = dataset_len, batch_size, seed, rank, world_size
+        self.epoch_batches = dict(epoch_batches or {})
+        self.epoch = 0
+        self._perm: tuple[int, list[int]] = (-1, [])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batch(self, epoch: int, b: int) -> list[tuple[int, int]]:
+        """The keys of this rank's part of global batch `b` of `epoch`."""
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.n, generator=g).tolist())
+        perm = self._perm[1]
+        first = (b * self.world_size + self.rank) * self.batch_size
+        last = first + self.batch_size
+        if self.world_size == 1:
+            last = min(last, self.n)
+        keys = []
+        for pos in range(first, last):
+            i = pos % self.n
+            keys.append((perm[i], (self.seed * 7_919 + epoch * self.n + i) % (2**63 - 1)))
+        return keys
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.epoch
+        for b in range(min(self.epoch_batches.get(epoch, len(self)), len(self))):
+            yield self.batch(epoch, b)
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / (self.batch_size * self.world_size))

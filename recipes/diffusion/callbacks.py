@@ -25,8 +25,11 @@ logger = logging.getLogger(__name__)
 
 
 def at_step_boundary(trainer: pl.Trainer, batch_idx: int) -> bool:
-    """Whether batch `batch_idx` ended an optimizer step (the last micro-batch of its accumulation)."""
-    return (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+    """Whether batch `batch_idx` ended an optimizer step (the last micro-batch of its accumulation, or of the
+    epoch, where the scripts' accelerate steps too)."""
+    if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        return True
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 class ValidateEvery(pl.Callback):

@@ -21,7 +21,7 @@ from .export import write_weights
 if TYPE_CHECKING:
     from .module import StableDiffusionFineTune
 
-__all__ = ["CKPT_FILE", "CheckpointEvery", "checkpoint_step", "find_checkpoint"]
+__all__ = ["CKPT_FILE", "CheckpointEvery", "checkpoint_step", "find_checkpoint", "restart_at_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +30,28 @@ CKPT_FILE = "trainer_state.ckpt"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """Ours (Lightning's state inside) or accelerate's (`save_state` of diffusers' scripts)."""
+    from .accelerate_checkpoint import is_accelerate_checkpoint
+
+    return (path / CKPT_FILE).exists() or is_accelerate_checkpoint(path)
+
+
 def find_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint folder `resume` names: `latest` (None when output_dir has none), a `checkpoint-N` name
-    looked up inside output_dir (as diffusers' scripts do), or a path."""
+    looked up inside output_dir (as diffusers' scripts do), or a path. Ours (`trainer_state.ckpt` inside) or
+    accelerate's, written by diffusers' scripts (`optimizer.bin`, `scheduler.bin`, ...)."""
     if resume == "latest":
         found = sorted((int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
-                       if (m := _CKPT_RE.match(p.name)) and (p / CKPT_FILE).exists())
+                       if (m := _CKPT_RE.match(p.name)) and _is_checkpoint(p))
         return found[-1][1] if found else None
     path = Path(resume)
     inside = Path(output_dir) / path.name
-    if not (path / CKPT_FILE).exists() and _CKPT_RE.match(path.name) and (inside / CKPT_FILE).exists():
+    if not _is_checkpoint(path) and _CKPT_RE.match(path.name) and _is_checkpoint(inside):
         path = inside
-    if not (path / CKPT_FILE).exists():
-        raise InputError(f"{path}: not a checkpoint folder (no {CKPT_FILE} inside, nor in {inside})")
+    if not _is_checkpoint(path):
+        raise InputError(f"{path}: not a checkpoint folder (no {CKPT_FILE} inside, nor accelerate's optimizer.bin "
+                         f"and scheduler.bin, nor in {inside})")
     return path
 
 
@@ -52,8 +61,31 @@ def checkpoint_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def restart_at_epoch(checkpoint: dict[str, Any], epoch: int, step: int) -> None:
+    """Make a Lightning checkpoint's loop state start `epoch` from its first batch at optimizer step `step` (what
+    diffusers' scripts do on resume: `first_epoch = global_step // num_update_steps_per_epoch`, the epoch's
+    batches from the first), whatever batch of which epoch it was written at."""
+    fit = checkpoint["loops"]["fit_loop"]
+
+    def put(progress: dict[str, Any], total: int, current: int) -> None:
+        for name in progress["total"]:
+            progress["total"][name] = total
+        for name in progress["current"]:
+            progress["current"][name] = current
+
+    put(fit["epoch_progress"], epoch, epoch)  # `epoch` epochs done, none begun
+    put(fit["epoch_loop.batch_progress"], 0, 0)
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    put(fit["epoch_loop.scheduler_progress"], step, 0)
+    optimizer = fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    put(optimizer["step"], step, 0)  # Trainer.global_step
+    put(optimizer["zero_grad"], step, 0)
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step
+
+
 class CheckpointEvery(pl.Callback):
-    """Writes `checkpoint-N/` every `every` steps atomically and prunes to `limit` folders."""
+    """Writes `checkpoint-N/` every `every` steps atomically; with `limit`, first removes the oldest folders so
+    that `limit - 1` remain, as diffusers' scripts do before each save."""
 
     def __init__(self, output_dir: str | Path, every: int, limit: int | None) -> None:
         self.output_dir, self.every, self.limit = Path(output_dir), every, limit
@@ -69,6 +101,7 @@ class CheckpointEvery(pl.Callback):
         final = self.output_dir / f"checkpoint-{step}"
         tmp = self.output_dir / f".checkpoint-{step}.tmp"
         if trainer.is_global_zero:
+            self._prune()
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("checkpoint-start")
@@ -83,7 +116,6 @@ class CheckpointEvery(pl.Callback):
             os.replace(tmp, staging / final.name)
             move_into(staging, self.output_dir, [final.name])
             staging.rmdir()
-            self._prune()
             logger.info("wrote %s", final)
         trainer.strategy.barrier("checkpoint-end")
         if hasattr(trainer.strategy, "note_checkpoint"):  # the sharded strategies' fault advice names it
@@ -98,8 +130,14 @@ class CheckpointEvery(pl.Callback):
         return self.output_dir / f"checkpoint-{trainer.global_step}"
 
     def _prune(self) -> None:
+        """The scripts' rule: before a save, with `limit` or more checkpoint folders, remove the oldest
+        `len - limit + 1` of them."""
         if self.limit is None:
             return
         found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := _CKPT_RE.match(p.name)))
-        for _, path in found[: max(0, len(found) - self.limit)]:
-            shutil.rmtree(path, ignore_errors=True)
+        if len(found) >= self.limit:
+            removing = [p for _, p in found[: len(found) - self.limit + 1]]
+            logger.info("%d checkpoints already exist, removing %d checkpoints: %s", len(found), len(removing),
+                        ", ".join(p.name for p in removing))
+            for path in removing:
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,7 +1,8 @@
 """`ImageCaptionData`: the LightningDataModule of the Stable Diffusion fine-tuning recipe.
 
 Captioned images from an imagefolder, a dataset, DreamBooth's instance (+ class) folders or the built-in set, all
-validated before training (`diffusion.data`); the sampler resumes where a checkpointed run stopped.
+validated before training (`diffusion.data`); the sampler deals one epoch at a time as diffusers' scripts do (a
+resumed run restarts its epoch from the first batch, `diffusion.schedule`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 from ...diffusion.config import FineTuneConfig
 from ...diffusion.data import (
     CaptionedImages,
+    EpochBatchSampler,
     ImageRecord,
-    StepBatchSampler,
     scan_image_folder,
     scan_instance_folder,
     validate_records,
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 class ImageCaptionData(pl.LightningDataModule):
     """Captioned images from `train_data_dir`, DreamBooth instance (+ class) folders, or the built-in set.
 
-    `scan()` validates every image before training (raising `InputError` for bad input); the sampler
-    resumes at the first batch the checkpointed run had not consumed.
+    `scan()` validates every image before training (raising `InputError` for bad input). `length` (set by
+    `fit_finetune`: `diffusion.schedule.run_length`) says how many batches each epoch goes through; without it
+    every epoch is whole.
     """
 
     def __init__(self, config: FineTuneConfig, tokenizer: Any) -> None:
@@ -41,7 +43,7 @@ class ImageCaptionData(pl.LightningDataModule):
         self.tokenizer = tokenizer
         self.records: list[ImageRecord] | None = None
         self.class_records: list[ImageRecord] | None = None
-        self._start_batch = 0
+        self.length: Any = None
 
     def _train_dir(self) -> Path:
         if self.config.train_data_dir:
@@ -81,7 +83,9 @@ class ImageCaptionData(pl.LightningDataModule):
         """Validate the class images (prior preservation)."""
         cfg = self.config
         found = scan_instance_folder(cfg.class_data_dir, cfg.class_prompt, "--class_data_dir")
-        self.class_records = validate_records(found, cfg.data_config(), cfg.class_data_dir)
+        # the scripts use min(found, --num_class_images) of them
+        records = validate_records(found, cfg.data_config(), cfg.class_data_dir)
+        self.class_records = records[: max(1, cfg.num_class_images)]
         return self.class_records
 
     def prepare_data(self) -> None:
@@ -115,15 +119,15 @@ class ImageCaptionData(pl.LightningDataModule):
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         cfg, trainer = self.config, self.trainer
         ds = self.dataset()
-        sampler = StepBatchSampler(len(ds), cfg.train_batch_size, trainer.max_steps * cfg.gradient_accumulation_steps,
-                                   seed=cfg.seed, rank=trainer.global_rank, world_size=trainer.world_size)
-        sampler.start = self._start_batch
+        sampler = EpochBatchSampler(len(ds), cfg.train_batch_size, seed=cfg.seed, rank=trainer.global_rank,
+                                    world_size=trainer.world_size,
+                                    epoch_batches=self.length.epoch_batches if self.length else None)
         return torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=cfg.dataloader_num_workers)
 
     def state_dict(self) -> dict[str, Any]:
-        trainer = self.trainer
-        return {"batches_consumed": trainer.global_step * trainer.accumulate_grad_batches if trainer else 0}
+        # nothing to keep: a resumed run starts its epoch from the first batch (the epoch comes from the step)
+        return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._start_batch = int(state_dict.get("batches_consumed", 0))
+        pass  # older checkpoints hold "batches_consumed"; the scripts' resume does not use it
 

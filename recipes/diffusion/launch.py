@@ -23,6 +23,7 @@ import torch
 
 from ...diffusion.config import MIXED_PRECISION, FineTuneConfig
 from ...diffusion.errors import InputError
+from ...diffusion.schedule import RunLength, run_length
 from ..strategies import STRATEGY_NAMES, strategy_from_config
 from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
 from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
@@ -82,25 +83,52 @@ def _check_non_ema_revision(cfg: FineTuneConfig) -> None:
                        flag="--non_ema_revision")
 
 
-def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, int, Path | None, int | None]:
-    """Validate the data (before any model is built), find the checkpoint to resume: data, steps, ckpt, step."""
+def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, RunLength, Path | None]:
+    """Validate the data (before any model is built), find the checkpoint to resume and count the run as diffusers'
+    scripts do (`diffusion.schedule`); a run that would train nothing is refused in one line."""
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     ckpt = find_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
     if cfg.resume_from_checkpoint and ckpt is None:
-        logger.info("no checkpoint found in %s; starting a new run", cfg.output_dir)
-    data = ImageCaptionData(cfg, tokenizer=None)
-    max_steps = cfg.total_steps(len(data.scan()), world)
-    resumed_step = checkpoint_step(ckpt) if ckpt else None
+        logger.info("checkpoint %r does not exist in %s; starting a new training run", cfg.resume_from_checkpoint,
+                    cfg.output_dir)
+    start = 0
     if ckpt is not None:
-        logger.info("resuming from %s (step %s of %d)", ckpt, "?" if resumed_step is None else resumed_step, max_steps)
-    return data, max_steps, ckpt, resumed_step
+        found = checkpoint_step(ckpt)
+        if found is None:
+            raise InputError(f"--resume_from_checkpoint {ckpt}: the step is read from the folder's name, "
+                             "checkpoint-N (as diffusers' scripts read it)")
+        start = found
+        if not (ckpt / CKPT_FILE).exists():  # accelerate's, from diffusers' scripts: its files, before any model
+            from .accelerate_checkpoint import check_files
+
+            check_files(ckpt, cfg)
+    data = ImageCaptionData(cfg, tokenizer=None)
+    samples = len(data.scan())
+    if cfg.with_prior_preservation:  # DreamBooth's data set is as long as the longer of instance and class images
+        samples = max(samples, cfg.num_class_images)
+    length = run_length(samples, cfg.train_batch_size, world, cfg.gradient_accumulation_steps, cfg.max_train_steps,
+                        cfg.num_train_epochs, start)
+    if length.trains_nothing:
+        given = f"--resume_from_checkpoint {ckpt.name}: " if ckpt is not None else ""
+        raise InputError(f"{given}{length.describe_nothing()}")
+    if ckpt is not None:
+        logger.info("resuming from %s (step %d, epoch %d from its first batch; the run ends at step %d)", ckpt,
+                    start, length.first_epoch, length.end_step)
+    data.length = length
+    return data, length, ckpt
 
 
 # -- the Trainer ------------------------------------------------------------------------------------------------
-def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
+def trainer_kwargs(cfg: FineTuneConfig, length: RunLength | int, callbacks: list[pl.Callback] | None = None,
                    resumed_step: int | None = None, progress_bar: bool = True) -> dict[str, Any]:
-    """`pl.Trainer` arguments of a run, except the placement (strategy, devices, nodes)."""
-    cbs: list[pl.Callback] = [CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
+    """`pl.Trainer` arguments of a run, except the placement (strategy, devices, nodes). `length` is the run's
+    `RunLength` (the scripts' epochs; the run ends at its end_step), or a number of steps over as many epochs as
+    they take."""
+    max_steps, max_epochs = ((length, -1) if isinstance(length, int)
+                             else (length.end_step, length.num_train_epochs))
+    from ..shared_output import SharedOutputCheck  # issue 37: every rank sees output_dir (multi-node runs)
+    cbs: list[pl.Callback] = [SharedOutputCheck(cfg.output_dir),
+                              CheckpointEvery(cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)]
     if progress_bar:
         cbs.append(progress_bar_callback())
     if not sys.stdout.isatty():
@@ -109,7 +137,7 @@ def trainer_kwargs(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callb
         cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
     cbs += [*(callbacks or []), FinishRun()]
     return dict(
-        precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=1,
+        precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=max_epochs,
         accumulate_grad_batches=cfg.gradient_accumulation_steps,
         gradient_clip_val=cfg.optimizer.max_grad_norm or None, logger=_loggers(cfg, resumed_step), callbacks=cbs,
         enable_checkpointing=False, use_distributed_sampler=False, log_every_n_steps=1,
@@ -151,7 +179,7 @@ def build_strategy(cfg: FineTuneConfig) -> Any:
     return cfg.strategy if cfg.parallel is None else strategy_from_config(cfg.parallel)
 
 
-def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callback] | None = None,
+def build_trainer(cfg: FineTuneConfig, length: RunLength | int, callbacks: list[pl.Callback] | None = None,
                   resumed_step: int | None = None, **overrides: Any) -> pl.Trainer:
     """The Lightning Trainer of a run (`overrides` go to `pl.Trainer`)."""
     if cfg.allow_tf32 and torch.cuda.is_available():
@@ -159,7 +187,7 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
         torch.backends.cudnn.allow_tf32 = True
     # a progress bar only where a terminal shows it; elsewhere PlainProgress writes lines
     bar = overrides.pop("enable_progress_bar", sys.stderr.isatty())
-    kwargs = trainer_kwargs(cfg, max_steps, callbacks, resumed_step, bar)
+    kwargs = trainer_kwargs(cfg, length, callbacks, resumed_step, bar)
     kwargs.update(accelerator="auto", devices=cfg.devices, num_nodes=cfg.num_nodes,
                   strategy=build_strategy(cfg))
     kwargs.update(overrides)
@@ -170,27 +198,53 @@ def build_trainer(cfg: FineTuneConfig, max_steps: int, callbacks: list[pl.Callba
 def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
     """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
     check_run(cfg)
-    data, max_steps, ckpt, resumed_step = _prepare(cfg, cfg.devices * cfg.num_nodes)
+    data, length, ckpt = _prepare(cfg, cfg.devices * cfg.num_nodes)
     module = StableDiffusionFineTune(cfg)
+    module.length = length
     data.tokenizer = module.tokenizer
-    trainer = build_trainer(cfg, max_steps, callbacks, resumed_step, **trainer_overrides)
-    with warnings.catch_warnings():
-        # ImageCaptionData restores the sampler position itself (its state_dict), which Lightning cannot see.
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt / CKPT_FILE) if ckpt else None, weights_only=True)
+    trainer = build_trainer(cfg, length, callbacks, length.start_step if ckpt else None, **trainer_overrides)
+    ckpt_path, converted = (str(ckpt / CKPT_FILE), None) if ckpt and (ckpt / CKPT_FILE).exists() else (None, None)
+    if ckpt is not None and ckpt_path is None:  # accelerate's, from diffusers' scripts: made a Lightning file
+        converted = _from_accelerate(ckpt, module, trainer, length.start_step)
+        ckpt_path = str(converted)
+    try:
+        with warnings.catch_warnings():
+            # a resumed run restarts its epoch from the first batch, as diffusers' scripts do (diffusion.schedule)
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    finally:
+        if converted is not None:
+            converted.unlink(missing_ok=True)
     return module
 
 
-def _ray_job(cfg: FineTuneConfig, parallel: Any, max_steps: int, ckpt: str | None, resumed_step: int | None) -> Any:
+def _from_accelerate(ckpt: Path, module: StableDiffusionFineTune, trainer: pl.Trainer, step: int) -> Path:
+    """accelerate's checkpoint-N of diffusers' scripts as a Lightning checkpoint file beside it in output_dir
+    (each process writes its own, atomically, and removes it after the fit)."""
+    from ...utils.fileio import atomic_write
+    from .accelerate_checkpoint import lightning_checkpoint
+
+    state = lightning_checkpoint(ckpt, module, trainer, step)
+    path = Path(module.config.output_dir) / f".resume-{ckpt.name}-{os.getpid()}.ckpt"
+    with atomic_write(path, "wb") as f:
+        torch.save(state, f)
+    logger.info("resuming accelerate's %s (diffusers' scripts): weights, optimizer and LR scheduler state", ckpt)
+    return path
+
+
+def _ray_job(cfg: FineTuneConfig, parallel: Any, length: RunLength, ckpt: str | None) -> Any:
     """The job every Ray worker builds (module-level, so cloudpickle sends it by reference); `parallel` is the
     driver's sharding config (`cfg.parallel`, its NVMe folder absolute), sent as is."""
     from ..ray import FitJob
 
     module = StableDiffusionFineTune(cfg)
+    module.length = length
     data = ImageCaptionData(cfg, module.tokenizer)
+    data.length = length
     strategy = parallel if parallel is not None else "ddp" if cfg.strategy == "auto" else cfg.strategy
     return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
-                  trainer_kwargs=trainer_kwargs(cfg, max_steps, None, resumed_step, progress_bar=False))
+                  trainer_kwargs=trainer_kwargs(cfg, length, None, length.start_step if ckpt else None,
+                                                progress_bar=False))
 
 
 def fit_with_ray(cfg: FineTuneConfig) -> Any:
@@ -213,9 +267,11 @@ def fit_with_ray(cfg: FineTuneConfig) -> Any:
     if getattr(parallel, "offload_dir", None):  # a Gemini config's NVMe folder, as the paths above
         parallel = dataclasses.replace(parallel, offload_dir=os.path.abspath(parallel.offload_dir))
     workers = cfg.num_workers or cfg.devices * cfg.num_nodes
-    _, max_steps, ckpt, resumed_step = _prepare(cfg, workers)
-    build = functools.partial(_ray_job, cfg, parallel, max_steps, str(ckpt / CKPT_FILE) if ckpt else None,
-                              resumed_step)
+    _, length, ckpt = _prepare(cfg, workers)
+    if ckpt is not None and not (ckpt / CKPT_FILE).exists():
+        raise InputError(f"--resume_from_checkpoint {ckpt}: accelerate's checkpoints (diffusers' scripts) resume "
+                         "without --ray_address; resume it locally for a step, then on Ray from its checkpoint")
+    build = functools.partial(_ray_job, cfg, parallel, length, str(ckpt / CKPT_FILE) if ckpt else None)
     storage = os.path.join(cfg.output_dir, "ray")
     return fit_on_ray(build, RayConfig(address=cfg.ray_address, num_workers=workers, storage_path=storage,
                                        name="diffusion-finetune"))

@@ -64,6 +64,9 @@ class StableDiffusionFineTune(pl.LightningModule):
         del ema_start
         self.strict_loading = False
         self._t_last = None
+        self.length: Any = None
+        """The run's `diffusion.schedule.RunLength` (set by `fit_finetune`): the LR schedule's length and, on
+        resume, the epoch the loops restart at; None under a plain Trainer (its max_steps, its loop state)."""
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -218,9 +221,11 @@ class StableDiffusionFineTune(pl.LightningModule):
         opt = adamw(params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
                     eps=o.adam_epsilon)
         # diffusers' scripts count warm-up and total steps in optimizer steps times processes; Lightning steps
-        # the scheduler once per optimizer step, so optimizer steps are the unit here.
+        # the scheduler once per optimizer step, so optimizer steps are the unit here. The length is
+        # max_train_steps even where the run ends past it (resumed at its end, the scripts still train a step).
         sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
-                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=o.lr_num_cycles,
+                              num_training_steps=max(1, self.length.max_train_steps if self.length
+                                                     else self.trainer.max_steps), num_cycles=o.lr_num_cycles,
                               power=o.lr_power)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -237,6 +242,10 @@ class StableDiffusionFineTune(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
+        if self.length is not None and "loops" in checkpoint:
+            from .checkpoints import restart_at_epoch
+
+            restart_at_epoch(checkpoint, self.length.first_epoch, self.length.start_step)
 
     # -- inference and export -------------------------------------------------------------------------------
     def validation_scheduler(self) -> Any:

@@ -115,5 +115,6 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(runs):
     done = subprocess.run([SUITE, *args, "--output_dir", str(run["out"]), "--resume_from_checkpoint", "latest"],
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert f"resuming from {run['out'] / f'checkpoint-{step}'} (step {step} of {step + 2})" in done.stderr
+    assert f"resuming from {run['out'] / f'checkpoint-{step}'} (step {step}, epoch " in done.stderr
+    assert f"the run ends at step {step + 2})" in done.stderr
     assert (run["out"] / "unet").is_dir()  # finished: exported

@@ -111,11 +111,13 @@ def test_dreambooth_prior_preservation_generates_class_images(tmp_path):
     assert _image(pipe).shape == (32, 32, 3)
 
 
-def test_resume_continues_with_the_uninterrupted_losses(tmp_path):
+def test_resume_continues_with_the_uninterrupted_losses(tmp_path, image_folder):
     from diffusers import UNet2DConditionModel
 
+    # 4 images, 2 per step: checkpoint-2 ends epoch 0 (mid-epoch the scripts restart the epoch: test_resume.py)
     def config(name, resume=None):
-        return FineTuneConfig(output_dir=str(tmp_path / name), max_train_steps=4, gradient_accumulation_steps=2,
+        return FineTuneConfig(output_dir=str(tmp_path / name), train_data_dir=str(image_folder), max_train_steps=4,
+                              gradient_accumulation_steps=2,
                               lr_scheduler="cosine", lr_warmup_steps=1, use_ema=True, random_flip=True,
                               noise_offset=0.05, checkpointing_steps=2, resume_from_checkpoint=resume, **FAST)
 

@@ -1,0 +1,193 @@
+"""Resume a run begun with diffusers' own scripts: accelerate's `checkpoint-N/` folder, as `accelerator.save_state`
+writes it with the scripts' save hooks (v0.40.0):
+
+| file | written by | holds |
+|---|---|---|
+| `unet/` (`config.json`, `diffusion_pytorch_model.safetensors`) | the hook's `save_pretrained` (full UNet) | weights |
+| `unet_ema/` | `EMAModel.save_pretrained` (--use_ema) | EMA weights; `optimization_step` in its config |
+| `text_encoder/` (`model.safetensors`) | DreamBooth's hook (--train_text_encoder) | weights |
+| `pytorch_lora_weights.safetensors` | the LoRA script's hook (`save_lora_weights`) | LoRA layers, diffusers' names |
+| `optimizer.bin`, `scheduler.bin` | `torch.save(x.state_dict())` of the optimizer, the LR scheduler | state |
+| `random_states_0.pkl` | `torch.save` of Python's, numpy's and torch's RNG states | RNG states |
+
+Everything is read with `torch.load(weights_only=True)` or safetensors. The pieces become a Lightning checkpoint
+(`lightning_checkpoint`) that the run resumes like its own `checkpoint-N` (the loops restart at the scripts'
+epoch through `checkpoints.restart_at_epoch`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...diffusion.errors import InputError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from .module import StableDiffusionFineTune
+
+__all__ = ["is_accelerate_checkpoint", "lightning_checkpoint", "required_files"]
+
+logger = logging.getLogger(__name__)
+
+_UNET = ("unet/config.json", "unet/diffusion_pytorch_model.safetensors")
+_EMA = ("unet_ema/config.json", "unet_ema/diffusion_pytorch_model.safetensors")
+_TEXT = ("text_encoder/config.json", "text_encoder/model.safetensors")
+_LORA = "pytorch_lora_weights.safetensors"
+
+
+def is_accelerate_checkpoint(path: Path) -> bool:
+    """Whether `path` looks like accelerate's `save_state` folder (its optimizer and scheduler files)."""
+    return (path / "optimizer.bin").is_file() or (path / "scheduler.bin").is_file()
+
+
+def required_files(cfg: Any) -> list[str]:
+    """The files this run needs from an accelerate checkpoint (what the script's save hook writes for it)."""
+    need = ["optimizer.bin", "scheduler.bin"]
+    if cfg.lora:
+        need.append(_LORA)
+    else:
+        need += _UNET
+        if cfg.use_ema:
+            need += _EMA
+        if cfg.train_text_encoder:
+            need += _TEXT
+    return need
+
+
+def check_files(path: Path, cfg: Any) -> None:
+    """One line naming what is missing, before any model is loaded."""
+    missing = [name for name in required_files(cfg) if not (path / name).is_file()]
+    if missing:
+        raise InputError(f"--resume_from_checkpoint {path}: accelerate checkpoint without {', '.join(missing)} "
+                         "(needed to resume this run)")
+
+
+def _load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure is the file's: one line
+        raise InputError(f"{path}: not loadable with torch.load(weights_only=True) ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(f"{path}: not a safetensors file ({type(exc).__name__}: {exc})") from exc
+
+
+def _named(path: Path, prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A component's weights file as the LightningModule's state-dict names; every key must match."""
+    weights = _safetensors(path)
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    wrong = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        what = (f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}" if unexpected
+                else f"{wrong[0]} has shape {tuple(weights[wrong[0]].shape)}, expected {tuple(own[wrong[0]].shape)}")
+        raise InputError(f"{path}: does not fit this run's model ({what})")
+    return {f"{prefix}.{k}": v.to(own[k].dtype) for k, v in weights.items()}
+
+
+def _lora(path: Path, module: StableDiffusionFineTune) -> dict[str, torch.Tensor]:
+    """diffusers' LoRA names (`unet.<layer>.lora.down.weight`) as peft's in the module (`lora_A.default`)."""
+    names = {"lora.down.weight": "lora_A.default.weight", "lora.up.weight": "lora_B.default.weight"}
+    own = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    out = {}
+    for key, value in _safetensors(path).items():
+        base, _, tail = key.partition(".lora.")
+        name = f"{base}.{names.get('lora.' + tail, tail)}"
+        if name not in own:
+            raise InputError(f"{path}: {key} is not a LoRA layer of this run (rank {module.config.rank}, "
+                             "the UNet's to_q/to_k/to_v/to_out.0)")
+        if value.shape != own[name].shape:
+            raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+        out[name] = value.to(own[name].dtype)
+    if len(out) != len(own):
+        raise InputError(f"{path}: {len(out)} LoRA tensors, this run trains {len(own)}")
+    return out
+
+
+def _optimizer(path: Path, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    state = _load(path / "optimizer.bin")
+    if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
+        raise InputError(f"{path / 'optimizer.bin'}: not an optimizer state_dict")
+    ids = [i for g in state["param_groups"] for i in g["params"]]
+    if len(ids) != len(params):
+        raise InputError(f"{path / 'optimizer.bin'}: holds {len(ids)} parameters, this run trains {len(params)}")
+    for i, p in zip(ids, params):
+        avg = state["state"].get(i, {}).get("exp_avg")
+        if avg is not None and avg.shape != p.shape:
+            raise InputError(f"{path / 'optimizer.bin'}: parameter {i} has shape {tuple(avg.shape)}, "
+                             f"this run's has {tuple(p.shape)}")
+    return state
+
+
+def _scheduler(path: Path, step: int) -> dict[str, Any]:
+    state = _load(path / "scheduler.bin")
+    if not isinstance(state, dict) or "last_epoch" not in state:
+        raise InputError(f"{path / 'scheduler.bin'}: not an LR scheduler state_dict")
+    # accelerate steps the schedule once per process per optimizer step; here it steps once per optimizer step
+    return {**state, "last_epoch": step, "_step_count": step + 1}
+
+
+def _ema(path: Path, module: StableDiffusionFineTune, step: int) -> dict[str, Any]:
+    weights = _named(path / _EMA[1], "unet", module.unet)
+    config = json.loads((path / _EMA[0]).read_text())
+    state = module.ema.state_dict()
+    state["shadow"] = [weights[f"unet.{n}"].float() for n, _ in module.unet.named_parameters()]
+    state["optimization_step"] = int(config.get("optimization_step", step))
+    return state
+
+
+def _random_states(path: Path) -> None:
+    """The scripts' RNG states: restored when they load with weights_only=True, else skipped with one line."""
+    files = sorted(path.glob("random_states_*.pkl"))
+    if not files:
+        return
+    why = "the draws here are functions of --seed, the epoch and the step"
+    try:
+        states = torch.load(files[0], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - numpy's state is an ndarray, which weights_only refuses
+        logger.warning("%s: skipped (not loadable with weights_only=True: %s); the data order will differ from the "
+                       "script's (%s)", files[0], type(exc).__name__, why)
+        return
+    if isinstance(states.get("torch_manual_seed"), torch.Tensor):
+        torch.set_rng_state(states["torch_manual_seed"])
+    logger.warning("%s: torch's RNG state restored; the data order still differs from the script's (%s)",
+                   files[0], why)
+
+
+def lightning_checkpoint(path: Path, module: StableDiffusionFineTune, trainer: pl.Trainer, step: int) -> dict:
+    """The Lightning checkpoint of accelerate's `checkpoint-N` folder `path` for this run (N = `step`)."""
+    import lightning.pytorch as pl
+
+    check_files(path, module.config)
+    cfg = module.config
+    if cfg.lora:
+        state = _lora(path / _LORA, module)
+    else:
+        state = _named(path / _UNET[1], "unet", module.unet)
+        if cfg.train_text_encoder:
+            state.update(_named(path / _TEXT[1], "text_encoder", module.text_encoder))
+    params = [p for p in module.parameters() if p.requires_grad]
+    ckpt: dict[str, Any] = {
+        "epoch": 0, "global_step": step, "pytorch-lightning_version": pl.__version__, "state_dict": state,
+        "optimizer_states": [_optimizer(path, params)], "lr_schedulers": [_scheduler(path, step)],
+        "loops": {name: getattr(trainer, name).state_dict()
+                  for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")},
+        "callbacks": {},
+    }
+    if module.ema is not None:
+        ckpt["ema"] = _ema(path, module, step)
+    _random_states(path)
+    return ckpt
