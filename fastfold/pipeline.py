@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ..utils import ray_cluster
 from .data import fingerprint as fp
 from .data.targets import (
     AlignmentConfig,
@@ -116,9 +117,11 @@ class FoldConfig:
     dap_timeout_s: float = 1800.0
     """Collective timeout of the DAP group: a rank that stops answering fails the run after this long."""
     num_workers: int = 0
-    """Ray CPUs for alignment/feature jobs; 0: in this process, one target after another."""
+    """Local Ray: its CPUs for alignment/feature jobs (0: in this process, one target after another). On a cluster
+    (`ray_address`): the model workers (0: one per GPU, or one per node without GPUs; `fastfold.ray_fold`)."""
     ray_address: str | None = None
-    """Existing Ray cluster to use instead of starting a local one."""
+    """Existing Ray cluster to use instead of starting a local one: features and models both run across its nodes,
+    and `output_dir` must be a folder every node sees."""
     enable_workflow: bool = False
     """Each target's database searches as parallel Ray tasks (`fastfold.workflow`, FastFold's `--enable_workflow`),
     `alignment.cpus` divided among the concurrent tools; Ray runs even for one target."""
@@ -176,6 +179,8 @@ class TargetResult:
     relax: str = ""
     """The relaxation in a few words ("relax 12.3 s, 2 passes"; "" when it did not run), also in `note` of a
     target done now; `timings.json` has each pass's energies, violations, iterations and seconds."""
+    node: str = ""
+    """The Ray node that predicted it and wrote its outputs (on a cluster, `fastfold.ray_fold`)."""
 
 
 @contextlib.contextmanager
@@ -310,10 +315,9 @@ def _ray_session(cfg: FoldConfig):
     started_here = not ray.is_initialized()
     if started_here:
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=False)
+            ray_cluster.join_ray(cfg.ray_address, log_to_driver=False)
         else:
-            ray.init(num_cpus=_local_cpus(cfg), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray_cluster.init_local_ray(_local_cpus(cfg), configure_logging=False)  # 127.0.0.1 only
     try:
         yield ray
     finally:
@@ -404,7 +408,16 @@ def fold_targets(
 
 def _fold_todo(todo: list[Target], cfg: FoldConfig, models: Models, fingerprints: dict[str, dict],
                notes: dict[str, str], results: dict[str, TargetResult], emit: Callable[[str, Target], None]) -> None:
-    """Features, predictions and outputs of the targets to do, into `results`."""
+    """Features, predictions and outputs of the targets to do, into `results`: on a Ray cluster
+    (`cfg.ray_address`, one device) features and models both across its nodes (`fastfold.ray_fold`)."""
+    if todo and cfg.ray_address is not None:
+        if models.runtime is None:
+            from .ray_fold import fold_on_cluster
+
+            fold_on_cluster(todo, cfg, fingerprints, notes, results, emit, _with_templates(cfg))
+            return
+        logger.warning("--devices %d with --ray_address: the model runs here on the DAP ranks; only the features "
+                       "are spread over the cluster", cfg.devices)
     with_templates = any(models.feature_config(s).max_templates > 0 for s in cfg.models) if todo else False
     use_ray = _uses_ray(cfg, len(todo))
     with _ray_session(cfg) if use_ray else contextlib.nullcontext() as ray:
@@ -445,6 +458,13 @@ def _fold_todo(todo: list[Target], cfg: FoldConfig, models: Models, fingerprints
                 emit("outputs", target)
             except Exception as exc:  # noqa: BLE001
                 results[target.name] = _failed(target, _ray_cause(exc), emit)
+
+
+def _with_templates(cfg: FoldConfig) -> bool:
+    """Whether any model reads templates, from the presets (without building the models here)."""
+    from .model import config as model_config
+
+    return any(s.multimer or model_config.preset(s.model_name).template.enabled for s in cfg.models)
 
 
 def _failed(target: Target, exc: BaseException, emit: Callable[[str, Target], None]) -> TargetResult:

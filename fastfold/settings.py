@@ -138,9 +138,10 @@ class RunSettings:
     accelerator: Literal["cpu", "gpu"] = "cpu"
     """the Lightning recipe's Trainer accelerator: cpu (gloo) or gpu (NCCL); suite fold uses --model_device"""
     num_workers: int | None = None
-    """local Ray CPUs for alignment/feature jobs; 0: no Ray (default: up to 4 when several targets)"""
+    """workers in the Ray cluster: a local Ray's CPUs for alignment/feature jobs, 0: no Ray (default: up to 4 when
+    several targets); with --ray_address the model workers (default: one per GPU, or per node without GPUs)"""
     ray_address: str | None = None
-    """Ray cluster for the alignment/feature jobs"""
+    """Ray cluster to fold on: features and models across its nodes; --output_dir must be seen by every node"""
     overwrite: bool = False
     """redo targets that are already complete"""
     seed: int = 0
