@@ -37,13 +37,15 @@ from torch import nn
 
 from ..core_parallel import dap as comm
 from ..core_parallel.launch import RankError
+from ..utils.errors import InputError
 from .model.evoformer import EvoformerStack, ExtraMSAStack, TemplatePairStack
 from .model.multimer import TemplatePairStackMultimer
 from .model.options import SINGLE_PROCESS, Layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DAPLayout", "DAPRuntime", "broadcast_batch", "broadcast_module", "parallelize_dap"]
+__all__ = ["CONNECT_TIMEOUT_S", "DAPLayout", "DAPRuntime", "broadcast_batch", "broadcast_module", "parallelize_dap",
+           "refuse_under_launcher"]
 
 _STACKS = (EvoformerStack, ExtraMSAStack, TemplatePairStack, TemplatePairStackMultimer)
 """The stacks that run through a `Layout` (monomer and AlphaFold-Multimer models)."""
@@ -234,6 +236,7 @@ class DAPRuntime:
         if self._topology is not None:
             try:
                 self._topology.destroy()
+                _destroy_default()
             except Exception:  # noqa: BLE001 - the group may be broken after a peer died
                 logger.debug("DAP runtime: destroying the process group failed", exc_info=True)
             self._topology = None
@@ -280,6 +283,9 @@ class _Launched:
         from ..core_parallel.launch import free_port
         from ..kernels.backend import default_backend
 
+        if dist.is_initialized():
+            raise RuntimeError("DAPRuntime.launch: this process already belongs to a process group (a launcher such "
+                               "as torchrun started it); the runtime starts its own ranks")
         ctx = mp.get_context("spawn")
         port, world = free_port(), self.devices
         backend = "nccl" if self.device_type == "cuda" else "gloo"
@@ -300,15 +306,21 @@ class _Launched:
             device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+            _join_group(0, world, port, backend, self.timeout_s)
             topology = Topology(world_size=world, rank=0, dap=world, backend=backend, timeout_s=self.timeout_s)
-            topology.init(f"tcp://127.0.0.1:{port}")
+            topology.init()
             group = topology.group(Axis.DAP) if world > 1 else None
-        except BaseException:
+        except BaseException as exc:
+            # a rank that could not join says why (its own error) rather than rank 0's "did not join"
+            report = _first_report(followers, wait_s=1.0) if isinstance(exc, TimeoutError) else None
             for proc, conn in followers:
                 proc.kill()
                 proc.join(timeout=10.0)
                 conn.close()
+            _destroy_default()
             torch.set_num_threads(self._threads)
+            if isinstance(report, RankError) and report.exc_type != "ProcessDied":
+                raise report from exc
             raise
         self.runtime = self.cls(group, device, followers=followers, topology=topology)
         logger.info("DAP runtime: %d ranks (%s)", world, backend)
@@ -320,6 +332,79 @@ class _Launched:
                 self.runtime.close()
         finally:
             torch.set_num_threads(self._threads)
+
+
+CONNECT_TIMEOUT_S = 60.0
+"""Seconds the ranks of a launched runtime have to meet at rank 0's rendezvous before the set-up fails, naming
+the ranks that did not come (the collective timeout, much longer, bounds the collectives after that)."""
+
+
+def _join_group(rank: int, world: int, port: int, backend: str, timeout_s: float,
+                connect_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Create the default process group of a launched runtime on its own TCP store at 127.0.0.1:`port` (rank 0
+    hosts it). Not `init_method="tcp://..."`: under a launcher (torchrun sets TORCHELASTIC_USE_AGENT_STORE) torch
+    would use the launcher's store instead, shared with every other process it started. A rank missing after
+    `connect_s` seconds is a `TimeoutError` naming it (on rank 0) or naming rank 0's address (on the others)."""
+    import datetime
+    import time
+
+    if world == 1:
+        return
+    address = f"127.0.0.1:{port}"
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=connect_s))
+    except (RuntimeError, OSError) as exc:
+        raise TimeoutError(f"DAP rank {rank} of {world}: could not reach rank 0's rendezvous at {address} within "
+                           f"{connect_s:.0f} s ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                           ) from exc
+    store.set(f"joined/{rank}", "1")
+    if rank == 0:
+        deadline = time.monotonic() + connect_s
+        missing = list(range(1, world))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"joined/{r}"])]
+            time.sleep(0.05 if missing else 0.0)
+        if missing:
+            who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+            raise TimeoutError(f"DAP set-up: {who} of {world} did not join the rendezvous at {address} within "
+                               f"{connect_s:.0f} s")
+        store.set("all-joined", "1")
+    else:
+        try:
+            store.wait(["all-joined"], datetime.timedelta(seconds=connect_s))
+        except (RuntimeError, OSError) as exc:
+            raise TimeoutError(f"DAP rank {rank} of {world}: rank 0 ({address}) did not report every rank joined "
+                               f"within {connect_s:.0f} s") from exc
+    dist.init_process_group(backend, store=dist.PrefixStore("dap", store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _destroy_default() -> None:
+    """Destroy the default group `_join_group` made (if any)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def refuse_under_launcher(command: str = "suite fold", environ: Mapping[str, str] | None = None) -> None:
+    """`suite fold` starts its own ranks (`DAPRuntime.launch`, on 127.0.0.1): a process that is one of several a
+    launcher started (torchrun, or any launcher setting WORLD_SIZE > 1) would fold the same targets once per
+    process, each with its own ranks. Refused in one line before any work, saying how to run fold instead."""
+    import os
+
+    env = os.environ if environ is None else environ
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    if world <= 1:
+        return
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "a launcher"
+    raise InputError(f"{command}: this process is rank {env.get('RANK', '?')} of {world} started by {launcher} "
+                     f"(WORLD_SIZE={world}), and fold does not run under torchrun: it starts its own ranks. Run it "
+                     "once, without a launcher: on one machine 'suite fold --devices N' (DAP over N local ranks); "
+                     "across machines start a Ray cluster ('ray start' on each node) and run 'suite fold "
+                     "--ray_address HEAD:6379'")
 
 
 def _wait_ack(rank: int, proc: Any, conn: Any, timeout_s: float) -> None:
@@ -380,8 +465,9 @@ def _follow(rank: int, world: int, port: int, backend: str, timeout_s: float, th
         if device.type == "cuda":
             torch.cuda.set_device(device)
         conn.send(("ok", None))
+        _join_group(rank, world, port, backend, timeout_s)
         topology = Topology(world_size=world, rank=rank, dap=world, backend=backend, timeout_s=timeout_s)
-        topology.init(f"tcp://127.0.0.1:{port}")
+        topology.init()
         runtime = DAPRuntime(topology.group(Axis.DAP), device)
         while True:
             try:
@@ -400,3 +486,4 @@ def _follow(rank: int, world: int, port: int, backend: str, timeout_s: float, th
             os._exit(1)  # closes this rank's connections now: rank 0's collectives fail instead of waiting
     runtime.model = None
     topology.destroy()
+    _destroy_default()
