@@ -444,6 +444,9 @@ def _length(target) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ...fastfold.dap import refuse_under_launcher
+
+    refuse_under_launcher()  # issue 37: one line, exit 2, under torchrun (fold starts its own ranks)
     fs = fold_settings(args)
     targets = _read_targets(args)
     cfg = _build_config(fs, args, targets)
