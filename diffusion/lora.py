@@ -60,6 +60,10 @@ def save_lora_weights(folder: str | Path, layers: dict[str, dict]) -> Path:
     """Write `pytorch_lora_weights.safetensors` into `folder` atomically (a kill leaves the old file)."""
     from diffusers import StableDiffusionPipeline
 
+    if "text_encoder_2_lora_layers" in layers:  # SDXL: its pipeline writes the second text encoder's layers
+        from .sdxl import save_sdxl_lora_weights
+
+        return save_sdxl_lora_weights(folder, layers)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:

@@ -32,8 +32,8 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_pipeline_folder(folder: Path) -> None:
-    """Raise `InputError` naming the first thing missing from a diffusers pipeline folder."""
+def check_pipeline_folder(folder: Path, components: dict[str, tuple[str, ...]] = COMPONENTS) -> None:
+    """Raise `InputError` naming the first thing missing from a diffusers pipeline folder (of `components`)."""
     index = folder / "model_index.json"
     if not index.is_file():
         raise InputError(f"{folder}: not a diffusers pipeline folder (model_index.json is missing)")
@@ -41,7 +41,7 @@ def check_pipeline_folder(folder: Path) -> None:
         json.loads(index.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{index}: not valid JSON ({exc})") from exc
-    for sub, files in COMPONENTS.items():
+    for sub, files in components.items():
         if not (folder / sub).is_dir():
             raise InputError(f"{folder}: the model folder is missing the '{sub}' component (no {sub}/ subfolder)")
         if not any((folder / sub / f).is_file() for f in files):
@@ -86,15 +86,16 @@ def _unet(folder: Path, variant: str | None, stream: bool) -> Any:
     return UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant)
 
 
-def _text_encoder(folder: Path, variant: str | None, dtype: Any) -> Any:
+def _text_encoder(folder: Path, variant: str | None, dtype: Any, cls: Any = None, sub: str = "text_encoder") -> Any:
     from transformers import CLIPTextModel
 
+    cls = cls or CLIPTextModel  # SDXL's second encoder: CLIPTextModelWithProjection from text_encoder_2/
     if dtype is None:
-        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant)
+        return cls.from_pretrained(folder, subfolder=sub, variant=variant)
     try:  # transformers 5 names it dtype; 4.x torch_dtype
-        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant, dtype=dtype)
+        return cls.from_pretrained(folder, subfolder=sub, variant=variant, dtype=dtype)
     except TypeError:
-        return CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", variant=variant, torch_dtype=dtype)
+        return cls.from_pretrained(folder, subfolder=sub, variant=variant, torch_dtype=dtype)
 
 
 def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None,

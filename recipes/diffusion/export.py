@@ -91,6 +91,8 @@ def write_component(module: StableDiffusionFineTune, name: str, folder: Path | N
 def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict[str, dict]:
     from ...diffusion.lora import lora_state_dicts
 
+    if hasattr(module, "lora_layers"):  # a subclass with more adapted models (SDXL's second text encoder)
+        return module.lora_layers(parts)
     state = parts.get("state")
     te = module.text_encoder if module.config.train_text_encoder else None
     if state is None:
@@ -151,7 +153,9 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
                 write_component(module, name, stage / name if rank0 else None)
             if not rank0:
                 return out
-            path = save_over_base(module.base_source, {name: stage / name for name in names}, out, drop=drop)
+            trained = {name: stage / name for name in names}
+            trained.update(module.extra_exports(stage) if hasattr(module, "extra_exports") else {})  # SDXL's VAE
+            path = save_over_base(module.base_source, trained, out, drop=drop)
         finally:
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)

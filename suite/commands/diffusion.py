@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(p, FineTuneConfig, grouped=True)
     for script in SCRIPTS:
         _add_script(sub, script)
+    from .diffusion_sdxl import add_sdxl_scripts
+
+    add_sdxl_scripts(sub)  # train_text_to_image_sdxl, train_text_to_image_lora_sdxl, train_dreambooth_lora_sdxl
 
 
 def resolve_config_path(value: str) -> Path:
@@ -110,6 +113,10 @@ def _summary(cfg: object) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run `suite diffusion finetune` or one of the script commands."""
+    if args.diffusion_command.endswith("_sdxl"):
+        from .diffusion_sdxl import run_sdxl
+
+        return run_sdxl(args)
     cfg = build_config(args)
     if cfg.ray_address:
         from ...recipes.diffusion import fit_with_ray

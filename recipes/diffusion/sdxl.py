@@ -1,0 +1,274 @@
+"""The SDXL fine-tuning recipe: `StableDiffusionXLFineTune` (the SD recipe's LightningModule with SDXL's second
+text encoder, micro-conditioning and pipeline), `SDXLData` (its data: both tokenizers' ids, original sizes and
+crop corners), and `fit_sdxl` (one run, as `suite diffusion train_*_sdxl` runs it).
+
+Everything else is the SD recipe's, unchanged: checks, Trainer, strategies (Gemini shards, NVMe tier, a UNet
+streamed into them), checkpoints and exact resume, validation images, export. The run's `SDXLSettings` travel in
+`FineTuneConfig.extra["sdxl"]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...diffusion.config import FineTuneConfig
+from ...diffusion.data import CaptionedImages, ImageRecord, load_rgb, preprocess
+from ...diffusion.errors import InputError
+from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
+from ...diffusion.sdxl_scripts import SDXLSettings
+from ...diffusion.training import diffusion_loss, encode_latents
+from .datamodule import ImageCaptionData
+from .module import StableDiffusionFineTune, _is_gemini
+
+__all__ = ["SDXLCaptionedImages", "SDXLData", "StableDiffusionXLFineTune", "fit_sdxl", "sdxl_settings"]
+
+logger = logging.getLogger(__name__)
+
+
+def sdxl_settings(cfg: FineTuneConfig) -> SDXLSettings:
+    """The run's SDXL settings (`cfg.extra["sdxl"]`, defaults when absent)."""
+    return cfg.extra.get("sdxl") or SDXLSettings()
+
+
+# -- data -------------------------------------------------------------------------------------------------------
+class SDXLCaptionedImages(CaptionedImages):
+    """`CaptionedImages` for SDXL: token ids of both tokenizers (`input_ids`, `input_ids_2`), the image's
+    original size `[2]` (h, w) and the crop's top-left corner `[2]` (y, x) on the resized image, as the SDXL
+    scripts condition on them; a share `empty_prompts` of captions is the empty prompt."""
+
+    def __init__(self, records: list[ImageRecord], tokenizers: tuple[Any, Any], cfg: Any,
+                 class_records: list[ImageRecord] | None = None, empty_prompts: float = 0.0) -> None:
+        super().__init__(records, tokenizers[0], cfg, class_records)
+        self.tokenizer_2, self.empty_prompts = tokenizers[1], empty_prompts
+
+    def _crop_corner(self, size: tuple[int, int], generator: torch.Generator) -> tuple[int, int]:
+        """The (top, left) corner `preprocess` crops at from an image of `size` (w, h), given the generator state
+        it will start from (its draws, replayed)."""
+        r, (w, h) = self.cfg.resolution, size
+        scale = r / min(w, h)
+        nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
+        if self.cfg.center_crop:
+            return (nh - r) // 2, (nw - r) // 2
+        draws = torch.rand(3, generator=generator).tolist()
+        return int(draws[1] * (nh - r + 1)), int(draws[0] * (nw - r + 1))
+
+    def _sample(self, record: ImageRecord, generator: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
+        try:
+            img = load_rgb(record.path)
+        except Exception as exc:  # noqa: BLE001 - the file changed after the scan
+            raise InputError(f"{record.path}: unreadable image ({type(exc).__name__}: {exc})") from exc
+        replay = torch.Generator().set_state(generator.get_state())
+        corner = self._crop_corner(img.size, replay)
+        pixels = preprocess(img, self.cfg, generator)
+        caption = record.caption
+        if not isinstance(caption, str):  # several captions: one per sample, drawn after the crop and flip
+            caption = caption[int(torch.randint(len(caption), (1,), generator=generator))]
+        if self.empty_prompts and float(torch.rand(1, generator=generator)) < self.empty_prompts:
+            caption = ""
+        ids = [tok(caption, padding="max_length", truncation=True, max_length=tok.model_max_length,
+                   return_tensors="pt").input_ids[0] for tok in (self.tokenizer, self.tokenizer_2)]
+        return {f"{prefix}pixel_values": pixels, f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1],
+                f"{prefix}original_size": torch.tensor([img.height, img.width]),
+                f"{prefix}crop_top_left": torch.tensor(corner)}
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
+        index, seed = key if isinstance(key, tuple) else (key, key)
+        generator = torch.Generator().manual_seed(seed)
+        item = self._sample(self.records[index % len(self.records)], generator, "")
+        if self.class_records:
+            item.update(self._sample(self.class_records[index % len(self.class_records)], generator, "class_"))
+        return item
+
+
+class SDXLData(ImageCaptionData):
+    """`ImageCaptionData` giving SDXL samples; DreamBooth's instance images repeated `--repeats` times."""
+
+    def scan(self) -> list[ImageRecord]:
+        if self.records is None:
+            records = super().scan()
+            self.records = records * sdxl_settings(self.config).repeats
+        return self.records
+
+    def dataset(self) -> CaptionedImages:
+        module = self.trainer.lightning_module
+        return SDXLCaptionedImages(self.scan(), (module.tokenizer, module.tokenizer_2), self.config.data_config(),
+                                   self.class_records, sdxl_settings(self.config).proportion_empty_prompts)
+
+
+# -- the LightningModule ----------------------------------------------------------------------------------------
+def _load_sdxl(cfg: FineTuneConfig) -> dict[str, Any]:
+    """The SDXL components, loaded as the scripts load them: the frozen text encoders in the training dtype, the
+    VAE in fp32 unless the script casts it (a separate VAE in the text_to_image scripts), the UNet hollow for
+    Gemini's shards when Gemini trains all of it."""
+    from ...diffusion.sdxl import load_sdxl_components
+
+    s = sdxl_settings(cfg)
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.mixed_precision)
+    return load_sdxl_components(cfg.pretrained_model_name_or_path, vae=s.pretrained_vae_model_name_or_path,
+                                revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
+                                vae_dtype=half if s.vae_in_training_dtype else None, text_encoder_dtype=half,
+                                stream_unet=not cfg.lora and not cfg.use_ema and _is_gemini(cfg))
+
+
+class StableDiffusionXLFineTune(StableDiffusionFineTune):
+    """Fine-tunes an SDXL UNet (whole, or LoRA adapters; with `train_text_encoder`, LoRA on both text encoders)."""
+
+    def __init__(self, config: FineTuneConfig, components: dict[str, Any] | None = None) -> None:
+        comps = dict(components or _load_sdxl(config))
+        second = comps.pop("text_encoder_2"), comps.pop("tokenizer_2")
+        self_vae_source = comps.pop("vae_source", None)
+        super().__init__(config, comps)
+        self.text_encoder_2, self.tokenizer_2 = second
+        self.vae_source: Path | None = self_vae_source
+        self._freeze_second_encoder()
+
+    def _freeze_and_cast(self) -> None:
+        super()._freeze_and_cast()
+        if not sdxl_settings(self.config).vae_in_training_dtype:
+            self.vae.to(torch.float32)  # SDXL's VAE overflows in fp16: the scripts keep it in fp32
+
+    def _freeze_second_encoder(self) -> None:
+        from ...diffusion.lora import add_lora
+
+        cfg, te = self.config, self.text_encoder_2
+        te.requires_grad_(False).to(self.weight_dtype)
+        if cfg.lora and cfg.train_text_encoder:
+            add_lora(te, cfg.rank, text_encoder=True)
+            if cfg.gradient_checkpointing:
+                (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
+
+    def set_modes(self) -> None:
+        super().set_modes()
+        self.text_encoder_2.train(self.config.train_text_encoder)
+
+    def _both(self, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        """`batch[key]`, the class images' appended under prior preservation."""
+        if self.loss_cfg.with_prior_preservation:
+            return torch.cat([batch[key], batch[f"class_{key}"]])
+        return batch[key]
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The loss of one micro-batch: the SD recipe's, the UNet conditioned as SDXL is (`encode_prompt_sdxl`,
+        `time_ids`)."""
+        pixels = self._both(batch, "pixel_values")
+        ids = [self._both(batch, "input_ids"), self._both(batch, "input_ids_2")]
+        noise = self.step_noise(pixels, batch_idx)
+        with torch.no_grad():
+            latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
+        hidden, pooled = encode_prompt_sdxl([self.text_encoder, self.text_encoder_2], ids)
+        cond = {"text_embeds": pooled, "time_ids": time_ids(self._both(batch, "original_size"),
+                                                            self._both(batch, "crop_top_left"),
+                                                            self.config.resolution).to(pooled.device)}
+        unet = functools.partial(_conditioned, self.unet, cond)
+        return diffusion_loss(unet, self.noise_scheduler, latents, hidden, noise.noise, noise.timesteps,
+                              self.loss_cfg, noise.perturbation)
+
+    def configure_optimizers(self) -> Any:
+        """AdamW as the SD recipe's, the text encoders' LoRA in their own group under DreamBooth LoRA's
+        `--text_encoder_lr` / `--adam_weight_decay_text_encoder`."""
+        s, o = sdxl_settings(self.config), self.config.optimizer
+        if s.text_encoder_lr is None and s.adam_weight_decay_text_encoder is None:
+            return super().configure_optimizers()
+        from diffusers.optimization import get_scheduler
+
+        encoders = {id(p) for m in (self.text_encoder, self.text_encoder_2) for p in m.parameters()}
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if id(p) not in encoders]},
+                  {"params": [p for p in params if id(p) in encoders], "lr": s.text_encoder_lr or o.learning_rate,
+                   "weight_decay": (o.adam_weight_decay if s.adam_weight_decay_text_encoder is None
+                                    else s.adam_weight_decay_text_encoder)}]
+        lr = o.learning_rate
+        if o.scale_lr:
+            train = self.config.train
+            lr *= train.gradient_accumulation_steps * train.train_batch_size * self.trainer.world_size
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
+                                eps=o.adam_epsilon)
+        sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
+                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=o.lr_num_cycles,
+                              power=o.lr_power)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- inference and export (called by the SD recipe's callbacks and export) --------------------------------
+    def pipeline(self, use_ema: bool = False) -> Any:
+        """A `StableDiffusionXLPipeline` over the current modules (EMA weights in a UNet copy with `use_ema`)."""
+        import copy
+
+        from ...diffusion.sdxl import make_sdxl_pipeline
+        from ...diffusion.streaming import gemini_of
+
+        if gemini_of(self.unet) is None:
+            self.fill_hollow()
+        unet = self.unet
+        if use_ema and self.ema is not None:
+            unet = copy.deepcopy(self.unet)
+            self.ema.copy_to(unet.parameters())
+        comps = {"unet": unet, "vae": self.vae, "text_encoder": self.text_encoder,
+                 "text_encoder_2": self.text_encoder_2, "tokenizer": self.tokenizer, "tokenizer_2": self.tokenizer_2}
+        return make_sdxl_pipeline(comps, scheduler=self.validation_scheduler())
+
+    def lora_layers(self, parts: dict[str, Any]) -> dict[str, Any]:
+        """The diffusers-format LoRA layers of the UNet (and both text encoders with `train_text_encoder`), from
+        the modules or the state `materialize` gathered (`parts["state"]`)."""
+        from ...diffusion.lora import lora_state_dicts
+        from .export import materialize
+
+        state = parts.get("state")
+        if state is not None and self.config.train_text_encoder:
+            state = {**state, **materialize(self, ("text_encoder_2",)).get("state", {})}
+
+        def sub(prefix: str) -> dict[str, torch.Tensor] | None:
+            return None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+        te = self.config.train_text_encoder
+        out = lora_state_dicts(self.unet, self.text_encoder if te else None, sub("unet."), sub("text_encoder."))
+        out["text_encoder_2_lora_layers"] = (lora_state_dicts(self.text_encoder_2, None, sub("text_encoder_2."))
+                                             ["unet_lora_layers"] if te else None)
+        return out
+
+    def extra_exports(self, stage: Path | None) -> dict[str, Path]:
+        """Components exported beside the trained ones: the separate VAE's folder, copied into `stage` (the
+        scripts save the pipeline with the VAE they trained with)."""
+        if self.vae_source is None or stage is None:
+            return {}
+        shutil.copytree(self.vae_source, stage / "vae", ignore=shutil.ignore_patterns(".*"))
+        return {"vae": stage / "vae"}
+
+
+def _conditioned(unet: Any, cond: dict[str, torch.Tensor], sample: torch.Tensor, timesteps: torch.Tensor,
+                 hidden: torch.Tensor, return_dict: bool = False) -> Any:
+    """The UNet called as `diffusion_loss` calls it, with SDXL's added conditions."""
+    return unet(sample, timesteps, hidden, added_cond_kwargs=cond, return_dict=return_dict)
+
+
+@contextlib.contextmanager
+def _sdxl_classes() -> Iterator[None]:
+    """`launch.fit_finetune` with the SDXL module and data in place of the SD ones for the call.
+
+    DISCREPANCY: the SD launch builds its module and data by these two names; standing in for them reuses the
+    whole run (checks, run length, resume, Trainer, strategies) without a second copy of it. A `module_cls` /
+    `data_cls` argument of `fit_finetune` would say the same more plainly.
+    """
+    from . import launch
+
+    saved = launch.StableDiffusionFineTune, launch.ImageCaptionData
+    launch.StableDiffusionFineTune, launch.ImageCaptionData = StableDiffusionXLFineTune, SDXLData
+    try:
+        yield
+    finally:
+        launch.StableDiffusionFineTune, launch.ImageCaptionData = saved
+
+
+def fit_sdxl(cfg: FineTuneConfig, callbacks: list[Any] | None = None, **trainer_overrides: Any) -> Any:
+    """Run one SDXL fine-tuning as `suite diffusion train_*_sdxl` does; returns the finished module."""
+    from .launch import fit_finetune
+
+    with _sdxl_classes():
+        return fit_finetune(cfg, callbacks, **trainer_overrides)
