@@ -18,7 +18,7 @@ from .data.targets import Target
 from .io.protein import Protein
 from .stages import ComplexTarget, GapTarget, Prediction
 
-__all__ = ["prediction_to_protein", "write_target_outputs"]
+__all__ = ["prediction_to_protein", "write_output_dict", "write_pae_json", "write_target_outputs"]
 
 def prediction_to_protein(target: Target, prediction: Prediction, b_factors: np.ndarray | None = None) -> Protein:
     """The predicted structure as a `Protein` (1-based residue numbers, pLDDT as B-factors by default); a
@@ -89,6 +89,29 @@ def _write_confidence(folder: Path, name: str, pred: Prediction, mark: str = "",
     return files
 
 
+def write_pae_json(path: Path, pred: Prediction) -> list[str]:
+    """The AlphaFold-DB PAE file that PAE viewers and ChimeraX read, `[{"predicted_aligned_error": [[...]],
+    "max_predicted_aligned_error": 31.75}]` (Å, two decimals), for a model with a PAE head; else nothing."""
+    if pred.pae is None:
+        return []
+    from .io.confidence import MAX_PAE
+
+    entry = {"predicted_aligned_error": np.round(pred.pae.astype(np.float64), 2).tolist(),
+             "max_predicted_aligned_error": MAX_PAE}
+    _write_text(path, json.dumps([entry], separators=(",", ":")))
+    return [path.name]
+
+
+def write_output_dict(path: Path, pred: Prediction) -> list[str]:
+    """Every model output (`Prediction.outputs`, kept with `ModelSpec.keep_outputs`) as one `.npz` of plain
+    arrays (`numpy.load(path)` reads it without pickle), OpenFold's `--save_outputs` in a safe format."""
+    if pred.outputs is None:
+        return []
+    with atomic_write(path, "wb") as f:
+        np.savez(f, **pred.outputs)
+    return [path.name]
+
+
 def _plot_mark(remark: str) -> str:
     return "RANDOM WEIGHTS" if "RANDOM WEIGHTS" in remark else ""
 
@@ -129,6 +152,8 @@ def write_target_outputs(
         stem = f"{target.name}_{label}"
         files += _write_structure(folder, f"{stem}_unrelaxed", protein(pred), remark, pred)
         files += _write_confidence(folder, stem, pred, mark, plots=len(predictions) > 1, chains=chains)
+        files += write_pae_json(folder / f"{stem}_predicted_aligned_error.json", pred)
+        files += write_output_dict(folder / f"{stem}_output_dict.npz", pred)
     metric = _ranking_metric(predictions)
     ranked = sorted(predictions, key=lambda k: -predictions[k].ranking_score(metric))
     best = predictions[ranked[0]]

@@ -45,9 +45,10 @@ def is_complete(target: Target, output_dir: str | Path, fingerprint: dict[str, A
 
 
 def _param_entry(spec: ModelSpec) -> dict[str, Any]:
+    kept = {"save_outputs": True} if spec.keep_outputs else {}  # a cached prediction without them is redone
     if spec.param_path is None:
-        return {"name": spec.model_name, "params": "random", "tiny": spec.tiny, "weight_seed": spec.seed}
-    return {"name": spec.model_name, "params": fp.file_digest(spec.param_path)}
+        return {"name": spec.model_name, "params": "random", "tiny": spec.tiny, "weight_seed": spec.seed, **kept}
+    return {"name": spec.model_name, "params": fp.file_digest(spec.param_path), **kept}
 
 
 def _alignment_entry(target: Target, a: AlignmentConfig) -> dict[str, Any]:

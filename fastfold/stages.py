@@ -60,6 +60,9 @@ class ModelSpec:
     """Where the model runs: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"."""
     inplace: bool = False
     """In-place residual updates (inference only; FastFold's `--inplace`): one activation copy less."""
+    keep_outputs: bool = False
+    """Keep every model output on the `Prediction` (`Prediction.outputs`: single, pair and MSA representations,
+    logits, ...), written as `<target>_<model>_output_dict.npz` (OpenFold's `--save_outputs`)."""
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -116,7 +119,8 @@ class Prediction:
     """One model's prediction for one target (numpy, float32).
 
     `positions` `[N, 37, 3]`, `atom_mask` `[N, 37]`, `plddt` `[N]`, `pae` `[N, N]` or None, `ptm` or None;
-    multimer models also `iptm` and `ranking_confidence` (0.8 ipTM + 0.2 pTM)."""
+    multimer models also `iptm` and `ranking_confidence` (0.8 ipTM + 0.2 pTM); `outputs`, with
+    `ModelSpec.keep_outputs`, every output of the model's last pass by its name (numpy, floats as float32)."""
 
     positions: np.ndarray
     atom_mask: np.ndarray
@@ -125,6 +129,7 @@ class Prediction:
     ptm: float | None = None
     iptm: float | None = None
     ranking_confidence: float | None = None
+    outputs: dict[str, np.ndarray] | None = None
 
     def ranking_score(self, metric: str) -> float:
         """AlphaFold's ranking: `metric` "iptm+ptm" (multimer: 0.8 ipTM + 0.2 pTM) or "mean_plddt" (every monomer
@@ -144,6 +149,7 @@ class Prediction:
                           ranking_confidence=np.array(self.ranking_confidence, np.float32))
         if fingerprint is not None:
             arrays["fingerprint"] = np.array(fingerprint)
+        arrays.update({OUTPUT_PREFIX + k: v for k, v in (self.outputs or {}).items()})
         with atomic_write(path, "wb") as f:
             np.savez(f, **arrays)
 
@@ -158,12 +164,17 @@ class Prediction:
 
     @classmethod
     def load(cls, path: Path) -> Prediction:
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:
             pae = z["pae"] if "pae" in z else None
             ptm = float(z["ptm"]) if "ptm" in z else None
             iptm = float(z["iptm"]) if "iptm" in z else None
             rank = float(z["ranking_confidence"]) if "ranking_confidence" in z else None
-            return cls(z["positions"], z["atom_mask"], z["plddt"], pae, ptm, iptm, rank)
+            outputs = {k[len(OUTPUT_PREFIX):]: z[k] for k in z.files if k.startswith(OUTPUT_PREFIX)} or None
+            return cls(z["positions"], z["atom_mask"], z["plddt"], pae, ptm, iptm, rank, outputs)
+
+
+OUTPUT_PREFIX = "output/"
+"""Prefix of the model's outputs (`Prediction.outputs`) among a saved prediction's arrays."""
 
 
 FEATURE_INFO = "_feature_info"
@@ -261,7 +272,17 @@ def _inference_options(spec: ModelSpec, device: Any = None) -> Any:
     return InferenceOptions(chunk_size=spec.chunk_size, residual=residual)
 
 
-def _to_prediction(outputs: dict[str, Any]) -> Prediction:
+def _numpy_outputs(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every tensor output as numpy (floating point as float32, bf16 included; integers kept)."""
+    out = {}
+    for key, value in outputs.items():
+        if hasattr(value, "detach"):
+            value = value.detach()
+            out[key] = (value.float() if value.is_floating_point() else value).cpu().numpy()
+    return out
+
+
+def _to_prediction(outputs: dict[str, Any], keep: bool = False) -> Prediction:
     def arr(key: str) -> np.ndarray:
         return outputs[key].detach().float().cpu().numpy()
 
@@ -269,7 +290,8 @@ def _to_prediction(outputs: dict[str, Any]) -> Prediction:
     ptm = float(arr("ptm_score")) if "ptm_score" in outputs else None
     iptm = float(arr("iptm_score")) if "iptm_score" in outputs else None
     rank = float(arr("ranking_confidence")) if "ranking_confidence" in outputs else None
-    return Prediction(arr("final_atom_positions"), arr("final_atom_mask"), arr("plddt"), pae, ptm, iptm, rank)
+    return Prediction(arr("final_atom_positions"), arr("final_atom_mask"), arr("plddt"), pae, ptm, iptm, rank,
+                      _numpy_outputs(outputs) if keep else None)
 
 
 def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Prediction:
@@ -289,7 +311,7 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
             tensors[key] = value.to(dtype) if value.is_floating_point() else value
     with torch.no_grad():
         outputs = model(tensors, options=_inference_options(spec, param.device))
-    return _to_prediction(outputs)
+    return _to_prediction(outputs, keep=spec.keep_outputs)
 
 
 def _hold(runtime: Any, spec: ModelSpec) -> tuple[Any, FeatureConfig]:

@@ -279,7 +279,7 @@ def _check_binaries(args: argparse.Namespace) -> None:
                 raise _usage(f"--{tool}_binary_path: {exc}") from None
 
 
-def _model_specs(fs):
+def _model_specs(fs, save_outputs: bool = False):
     from ...fastfold.model.config import model_names
     from ...fastfold.model.multimer import multimer_model_names
     from ...fastfold.pipeline import ModelSpec
@@ -302,7 +302,8 @@ def _model_specs(fs):
     tiny = m.random_model_size == "tiny"
     _check_device(m.model_device)
     return [ModelSpec(model_name=n, param_path=p, tiny=tiny and p is None, precision=m.precision,
-                      chunk_size=m.chunk_size, seed=fs.run.seed, device=m.model_device, inplace=m.inplace)
+                      chunk_size=m.chunk_size, seed=fs.run.seed, device=m.model_device, inplace=m.inplace,
+                      keep_outputs=save_outputs)
             for n, p in zip(names, paths)]
 
 
@@ -339,7 +340,7 @@ def _build_config(fs, args: argparse.Namespace, targets):
     from ...fastfold.pipeline import FoldConfig
 
     _existing(fs.alignment.sources.template_mmcif_dir, "template_mmcif_dir", "dir")
-    models = _model_specs(fs)
+    models = _model_specs(fs, bool(getattr(args, "save_outputs", False)))
     ray_address = _check_ray_address(fs.run.ray_address)
     _validate_alignments(args, targets)
     alignment = fs.alignment.config(multimer=models[0].multimer,
@@ -453,6 +454,10 @@ def run(args: argparse.Namespace) -> int:
     _warn_mode(cfg, args)
     _preflight(targets, cfg)
     results = _progress_runner(targets, cfg)
+    if getattr(args, "output_layout", "suite") == "openfold":
+        from ...fastfold.layout import write_openfold_layout
+
+        write_openfold_layout(cfg.output_dir, targets, cfg.models)
     _summary(results, cfg.output_dir, getattr(args, "input_rule", ""))
     # exit 1 when a target failed, or its relaxation did not converge or was refused (the table says which)
     return 1 if any(r.status == "failed" or r.relax_problem for r in results) else 0

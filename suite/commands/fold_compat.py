@@ -33,9 +33,13 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--use_single_seq_mode", action="store_true", help="OpenFold SoloSeq (ESM-1b): refused, see --single_sequence")
     add("--cif_output", action="store_true", help="OpenFold: mmCIF output (always written here, beside PDB)")
     add("--save_outputs", action="store_true",
-        help="OpenFold: raw outputs (always saved: <target>_<model>_prediction.npz)")
+        help="OpenFold: every model output (single, pair and MSA representations, logits, ...) in "
+             "<target>_<model>_output_dict.npz (numpy arrays, no pickle)")
     add("--save_prediction_result", nargs="?", const="True", default=None,
-        help="FastFold: raw outputs (always saved: <target>_<model>_prediction.npz)")
+        help="FastFold: = --save_outputs (a false value: off)")
+    add("--output_layout", choices=["suite", "openfold"], default="suite",
+        help="openfold: also OpenFold's <output_dir>/predictions/<tag>_<model>_unrelaxed.pdb, _relaxed.pdb, "
+             "_output_dict.npz, timings.json (fastfold.layout)")
     add("--output_postfix", default=None, help="OpenFold: refused (fixed names in one folder per target)")
     add("--long_sequence_inference", action="store_true", help="OpenFold: = --chunk_size auto")
     add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
@@ -60,6 +64,7 @@ _COMPAT_SETTING = {
     "data_random_seed": "seed: N", "long_sequence_inference": "chunk_size: auto",
     "uniclust30_database_path": "uniref30_database_path: PATH", "gpus": "devices: N", "enable_workflow":
     "num_workers: N", "cif_output": None, "save_outputs": None, "save_prediction_result": None, "preset": None,
+    "output_layout": None,
 }
 """OpenFold/FastFold flags translated on the command line, and the setting a config file writes instead."""
 
@@ -138,6 +143,8 @@ def apply_compat(args: argparse.Namespace) -> None:
         except ValueError:
             raise UsageError(f"--data_random_seed {args.data_random_seed!r}: expected an integer") from None
         _same_or_usage(args, "seed", seed, "--data_random_seed", 0)
+    fastfold_save = str(args.save_prediction_result).lower() not in ("none", "false", "0", "no")
+    args.save_outputs = bool(args.save_outputs or fastfold_save)
     if args.long_sequence_inference and args.chunk_size is None:
         args.chunk_size = "auto"
     if args.uniclust30_database_path is not None:

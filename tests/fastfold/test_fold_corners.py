@@ -212,3 +212,39 @@ def test_a_structure_that_cannot_be_relaxed_keeps_its_unrelaxed_files_and_timing
     assert {"pep_unrelaxed.pdb", "pep_unrelaxed.cif", "timings.json"} <= names and "pep_relaxed.pdb" not in names
     record = json.loads((out / "pep" / "timings.json").read_text())
     assert "cannot be relaxed" in record["relax"]["problem"] and "No template found" in record["relax"]["problem"]
+
+
+def test_histidine_rich_tiny_model_prediction_gets_its_hydrogens(tmp_path):
+    """The tiny random model's prediction of tests/assets/fold/query.fasta made OpenMM's histidine H-bond test
+    take acos of a dot product just over 1 ("math domain error"); the HIE fallback gives it hydrogens."""
+    pytest.importorskip("pdbfixer")
+    import io
+
+    import pdbfixer
+
+    from lowmem.fastfold.data.targets import read_targets, target_raw_features
+    from lowmem.fastfold.io.protein import to_pdb
+    from lowmem.fastfold.outputs import prediction_to_protein
+    from lowmem.fastfold.relax.amber import _clean
+    from lowmem.fastfold.stages import ModelSpec, features_for_model, load_model, predict
+
+    target = read_targets(Path(__file__).parents[1] / "assets" / "fold" / "query.fasta")[0]
+    spec = ModelSpec(tiny=True, device="cpu")
+    model, feats = load_model(spec)
+    raw = target_raw_features(target, AlignmentConfig(single_sequence=True), tmp_path)
+    pdb = to_pdb(prediction_to_protein(target, predict(model, features_for_model(raw, feats, 0), spec)))
+    fixer = pdbfixer.PDBFixer(pdbfile=io.StringIO(pdb))
+    fixer.findMissingResidues()
+    fixer.missingResidues = {}
+    fixer.findMissingAtoms()
+    fixer.addMissingAtoms(seed=1)
+    try:
+        fixer.addMissingHydrogens(7.0)
+        cause_seen = False
+    except ValueError as exc:
+        cause_seen = "math domain error" in str(exc)
+    topology, positions = _clean(pdb)
+    hydrogens = sum(1 for a in topology.atoms() if a.element is not None and a.element.symbol == "H")
+    assert hydrogens > len(target.sequence) and len(positions) == topology.getNumAtoms()
+    if not cause_seen:
+        pytest.xfail("this OpenMM/pdbfixer build no longer fails on this structure (the fallback went unused)")
