@@ -1,0 +1,261 @@
+"""`suite bench diffusion-sdxl`: SDXL at its released size (UNet 2.57B parameters), random weights, whole
+commands from start to exit, each side its own process (`suite.bench.memory.run_command`: a memory cgroup with
+page cache where the machine allows, else RSS plus offload residency).
+
+Rows:
+- `lora`: diffusers' `train_dreambooth_lora_sdxl.py` loop reduced to its work (`plain_lora` below: the frozen UNet
+  and text encoders in the weight dtype, the VAE in fp32, peft LoRA rank r on the UNet's attention, its
+  parameters in fp32, AdamW, SDPA, gradient checkpointing when asked) against
+  `suite diffusion train_dreambooth_lora_sdxl` with the same flags (and a Gemini strategy when given).
+- `full`: the plain fp32 AdamW loop needs 16 bytes per UNet parameter before activations (41 GB): where that is
+  over the machine's memory it is not started, and the row says so; `suite diffusion train_text_to_image_sdxl
+  --strategy gemini_nvme` runs, and its peak is compared with `--cap_gib`.
+
+The pipeline is written once into `--cache` (`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR`),
+with the released configs of SDXL base 1.0 (UNet, VAE, CLIP ViT-L and OpenCLIP bigG text encoders at their
+49408-token width) and the tiny byte-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["SDXL_UNET", "add_arguments", "main", "plain_lora", "run", "write_pipeline"]
+
+_MODULE = __spec__.name if __spec__ is not None else __name__
+
+SDXL_UNET = dict(  # stabilityai/stable-diffusion-xl-base-1.0, unet/config.json
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(5, 10, 20),
+    transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+)
+_TEXT = {  # CLIP ViT-L/14 (text_encoder) and OpenCLIP ViT-bigG/14 (text_encoder_2) text towers
+    "text_encoder": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                         projection_dim=768, hidden_act="quick_gelu"),
+    "text_encoder_2": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                           projection_dim=1280, hidden_act="gelu"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache", default="/tmp/lowmem-bench-cache/sdxl",
+                        help="folder of the random-weight SDXL pipeline (written once)")
+    parser.add_argument("--rows", default="lora,full", help="which rows: lora, full (comma-separated)")
+    parser.add_argument("--resolution", type=int, default=256, help="image side in pixels")
+    parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
+    parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument("--lora_strategy", default="auto", help="--strategy of ours in the LoRA row")
+    parser.add_argument("--cap_gib", type=float, default=8.0, help="the published cap of the full row")
+    parser.add_argument("--work", default="/tmp/lowmem-bench-sdxl", help="outputs and the NVMe folder")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per command before it is killed")
+
+
+def write_pipeline(folder: str, seed: int = 0) -> str:
+    """The SDXL base 1.0 pipeline's shapes with random weights (seed), safetensors; `folder/.complete` last, so a
+    half-written folder is written again."""
+    import shutil
+
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ...diffusion.sdxl import make_sdxl_pipeline
+    from ...diffusion.tiny import BOS, EOS, build_tokenizer
+
+    if os.path.exists(os.path.join(folder, ".complete")):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    tok = build_tokenizer(77)
+    ids = dict(bos_token_id=tok.convert_tokens_to_ids(BOS), eos_token_id=tok.convert_tokens_to_ids(EOS),
+               pad_token_id=tok.convert_tokens_to_ids(EOS))
+    torch.manual_seed(seed)
+    text = {name: cls(CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, **cfg, **ids))
+            for (name, cfg), cls in zip(_TEXT.items(), (CLIPTextModel, CLIPTextModelWithProjection), strict=True)}
+    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        sample_size=1024, scaling_factor=0.13025, force_upcast=True)
+    scheduler = EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                       beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading")
+    pipe = make_sdxl_pipeline({"unet": UNet2DConditionModel(**SDXL_UNET), "vae": vae, **text, "tokenizer": tok,
+                               "tokenizer_2": tok, "scheduler": scheduler})
+    pipe.save_pretrained(folder, safe_serialization=True, max_shard_size="2GB")
+    for sub in ("tokenizer", "tokenizer_2"):
+        build_tokenizer(77, os.path.join(folder, sub))
+    open(os.path.join(folder, ".complete"), "w").close()
+    return folder
+
+
+def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, rank: int,
+               checkpointing: bool = True) -> None:
+    """`train_dreambooth_lora_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: the
+    UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
+    does), peft LoRA (r = alpha = rank, gaussian init, to_k/q/v/out.0) in fp32, AdamW, SDPA, bf16 autocast,
+    `steps` steps on random images with the script's `time_ids`, then the LoRA file written."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
+
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
+    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
+    encoders = [CLIPTextModel.from_pretrained(base, subfolder="text_encoder"),
+                CLIPTextModelWithProjection.from_pretrained(base, subfolder="text_encoder_2")]
+    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
+    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
+    for m in (unet, vae, *encoders):
+        m.requires_grad_(False)
+    unet.to(bf16)
+    for m in encoders:
+        m.to(bf16)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    params = [p for p in unet.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
+    ids = tokenizer(["a photo of sks dog"] * batch, padding="max_length", max_length=77, truncation=True,
+                    return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden, pooled = encode_prompt_sdxl(encoders, [ids, ids])
+    cond = {"text_embeds": pooled, "time_ids": time_ids(torch.tensor([[resolution] * 2] * batch),
+                                                        torch.zeros(batch, 2, dtype=torch.long), resolution)}
+    for _ in range(steps):
+        pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
+        with torch.no_grad():
+            latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+        with torch.autocast("cpu", dtype=bf16):
+            noise = torch.randn_like(latents)
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
+            pred = unet(scheduler.add_noise(latents, noise, t), t, hidden, added_cond_kwargs=cond).sample
+            loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionXLPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
+
+
+def _sides(opts: dict, base: str, data: str) -> list[dict]:
+    """The rows' commands: (row, side, argv, note)."""
+    import sys
+
+    py, work = sys.executable, opts["work"]
+    common = ["--pretrained_model_name_or_path", base, "--resolution", str(opts["resolution"]),
+              "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
+              "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
+              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
+    suite = [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion"]
+    rows = []
+    if "lora" in opts["rows"]:
+        rows += [
+            {"row": "lora", "side": "plain", "argv": [
+                py, "-m", _MODULE, "plain_lora", base, os.path.join(work, "out-lora-plain"), "--steps",
+                str(opts["steps"]), "--batch", str(opts["batch"]), "--resolution", str(opts["resolution"]),
+                "--rank", str(opts["rank"])]},
+            {"row": "lora", "side": "ours", "argv": [
+                *suite, "train_dreambooth_lora_sdxl", *common, "--instance_data_dir", data, "--instance_prompt",
+                "a photo of sks dog", "--rank", str(opts["rank"]), "--strategy", opts["lora_strategy"],
+                *(["--offload_dir", os.path.join(work, "nvme-lora")] if "nvme" in opts["lora_strategy"] else []),
+                "--output_dir", os.path.join(work, "out-lora-ours")]},
+        ]
+    if "full" in opts["rows"]:
+        rows.append({"row": "full", "side": "ours", "argv": [
+            *suite, "train_text_to_image_sdxl", *common, "--train_data_dir", data, "--strategy", "gemini_nvme",
+            "--offload_dir", os.path.join(work, "nvme-full"), "--output_dir", os.path.join(work, "out-full-ours")]})
+    return rows
+
+
+def _plain_full_note() -> dict:
+    """The plain full fine-tune, not started where it cannot fit: its weights, gradients and AdamW states."""
+    from diffusers import UNet2DConditionModel
+
+    with __import__("torch").device("meta"):
+        n = sum(p.numel() for p in UNet2DConditionModel(**SDXL_UNET).parameters())
+    need = n * 16  # fp32 weight + gradient + two AdamW moments
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = "" if need > total else " (it would fit: not measured by this benchmark)"
+    return {"row": "full", "side": "plain", "returncode": None, "params_M": round(n / 1e6), "peak_mib": None,
+            "note": f"not started{fits}: needs >= {need / 2**30:.1f} GiB for fp32 weights, gradients and AdamW "
+                    f"states before activations; the machine has {total / 2**30:.1f} GiB"}
+
+
+def run(args: argparse.Namespace) -> int:
+    import subprocess
+    import sys
+
+    from ...diffusion.sample_data import write_sample_data
+    from .common import print_table, write_json
+    from .memory import run_command
+
+    opts = {k: getattr(args, k) for k in ("cache", "rows", "resolution", "batch", "steps", "rank", "lora_strategy",
+                                          "cap_gib", "work", "timeout")}
+    opts["rows"] = opts["rows"].split(",")
+    os.makedirs(opts["work"], exist_ok=True)
+    subprocess.run([sys.executable, "-m", _MODULE, "write_pipeline", opts["cache"]], check=True, cwd=opts["work"])
+    data = str(write_sample_data(os.path.join(opts["work"], "data")))
+    rows = []
+    for side in _sides(opts, opts["cache"], data):
+        log = os.path.join(opts["work"], f"{side['row']}-{side['side']}.log")
+        with open(log, "w") as f:
+            out = run_command(side["argv"], offload_paths=[os.path.join(opts["work"], d) for d in
+                                                            ("nvme-lora", "nvme-full")],
+                              timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT)
+        rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
+                     "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
+                     "command": " ".join(side["argv"]), "log": log})
+    if "full" in opts["rows"]:
+        rows.append(_plain_full_note())
+    for r in rows:
+        if r["row"] == "full" and r["side"] == "ours" and r["peak_mib"]:
+            r["cap_mib"] = opts["cap_gib"] * 1024
+            r["under_cap"] = r["peak_mib"] <= r["cap_mib"]
+    plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
+    for r in rows:
+        if r["side"] == "ours" and r["row"] in plain:
+            r["peak_ratio"] = r["peak_mib"] / plain[r["row"]]["peak_mib"]
+            r["wall_ratio"] = r["wall_s"] / plain[r["row"]]["wall_s"]
+    print_table(rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "wall_s", "wall_ratio",
+                       "method"], title=f"SDXL (released UNet config, random weights), {opts['resolution']}px, "
+                                        f"batch {opts['batch']}, {opts['steps']} steps")
+    for r in rows:
+        print(f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}")
+    write_json(args.json, {"benchmark": "diffusion-sdxl", "config": opts, "rows": rows})
+    return 1 if any(r["returncode"] not in (0, None) for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR | plain_lora BASE OUT ...`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
+    sub = parser.add_subparsers(dest="what", required=True)
+    w = sub.add_parser("write_pipeline", help="the random-weight SDXL pipeline folder")
+    w.add_argument("folder")
+    p = sub.add_parser("plain_lora", help="the plain DreamBooth LoRA SDXL loop as a whole process")
+    p.add_argument("base")
+    p.add_argument("out")
+    for name, default in (("steps", 2), ("batch", 1), ("resolution", 256), ("rank", 4)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args(argv)
+    if args.what == "write_pipeline":
+        write_pipeline(args.folder)
+    else:
+        plain_lora(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution,
+                   rank=args.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
