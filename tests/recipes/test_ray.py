@@ -78,10 +78,10 @@ def test_ray_strategy_from_a_config_and_the_diffusion_job_keeps_offload_dir(tmp_
     assert strategy.config is config and strategy.collective_timeout_s == 60
     cfg = FineTuneConfig(output_dir=str(tmp_path / "out"), strategy="gemini_nvme", offload_dir=str(tmp_path / "d"),
                          max_train_steps=1)
-    job = _ray_job(cfg, cfg.parallel, 1, None, None)
+    job = _ray_job(cfg, cfg.parallel, 1, None)
     assert job.strategy == GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "d"),
                                         offload_param_frac=1.0, offload_optim_frac=1.0)
-    assert _ray_job(FineTuneConfig(output_dir=str(tmp_path / "o2")), None, 1, None, None).strategy == "ddp"
+    assert _ray_job(FineTuneConfig(output_dir=str(tmp_path / "o2")), None, 1, None).strategy == "ddp"
 
 
 def test_fit_with_ray_sends_the_run_s_config_with_an_absolute_folder(tmp_path, monkeypatch):
