@@ -19,9 +19,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": (".collectives", "CPU ranks' all-gather and reduce-scatter: gloo vs shared memory"),
     "strategies": (".strategies", "Lightning strategies: ddp, fsdp, zero2, gemini"),
     "diffusion": (".diffusion", "plain diffusers-style loop vs ours on one UNet"),
+    "diffusion-sdxl": (".diffusion_sdxl", "SDXL at its released size: LoRA and full fine-tune, whole commands"),
     "fold-model": (".fold_model", "AlphaFold model pass: chunked vs unchunked"),
     "dap": (".dap", "DAP: per-rank memory and time on 1, 2, ... ranks"),
     "fold": (".fold", "suite fold per-stage time; Ray vs one after another"),
+    "fold-workflow": (".fold_workflow", "feature workflow vs serial searches; fold on 1 vs 2 raylets"),
     "command": (".command", "whole-command peak memory (process tree, page cache) vs a baseline command"),
     "gpu": (".gpu", "the GPU proof: every GPU row in one command, each in its own time slice (issue 35)"),
 }

@@ -82,3 +82,19 @@ def test_workflow_features_equal_the_serial_path(databases, ray_local, tmp_path)
             assert (tmp_path / "workflow" / t.name / "msas" / name).is_file(), name
     if missing:
         pytest.skip(f"HHblits/HHsearch part not checked: an HH-suite database cannot be built here ({missing})")
+
+
+def test_a_failing_search_fails_its_target_with_the_tools_message(databases, ray_local, tmp_path):
+    from lowmem.fastfold.data.tools import ToolError
+
+    targets, dbs, _ = databases
+    alignment = AlignmentConfig(uniref90_database_path=dbs["uniref90_database_path"],
+                                mgnify_database_path=dbs["mgnify_database_path"], cpus=2)
+    cfg = FoldConfig(output_dir=str(tmp_path), models=[ModelSpec(model_name="model_1_ptm", tiny=True)],
+                     alignment=alignment, enable_workflow=True)
+    cfg.alignment.jackhmmer_binary_path = str(tmp_path / "no_jackhmmer")
+    got = list(feature_stream(targets, cfg, with_templates=False))
+    assert sorted(t.name for t, _, _ in got) == sorted(t.name for t in targets)
+    for _, exc, _ in got:
+        assert isinstance(exc, ToolError) and "no_jackhmmer" in str(exc), exc
+    assert not any((tmp_path / t.name / "msas" / "uniref90_hits.sto").exists() for t in targets)

@@ -1,0 +1,232 @@
+"""`suite bench fold-workflow`: the feature workflow (`--enable_workflow`) against the serial searches, and fold on
+a Ray cluster of 1 vs 2 raylets.
+
+1. Feature generation of one target (the repository's 73-residue query): jackhmmer on UniRef90 and MGnify,
+   HHblits on BFD + UniRef30, HHsearch on PDB70, one after another (`--cpus` threads each, as `suite fold` without
+   the workflow) against the workflow on a running local Ray of `--cpus` CPUs.
+2. The features of `--targets` targets: one after another, per-target Ray tasks (`--num_workers` CPUs, the
+   path without the workflow) and the workflow on the same Ray.
+3. Fold of `--fold_targets` short targets (tiny random model, single sequence, no relax): in this process, then
+   on a `ray.cluster_utils.Cluster` (every node on 127.0.0.1) of one raylet and of two, `--raylet_cpus` CPUs each
+   (cluster start-up timed apart).
+
+The databases (`suite.bench.fold_dbs`: homolog families of every query, the ungapped rows of the repository's
+own alignment files, random decoys; FASTA for jackhmmer, HH-suite ffindex databases) are written once to
+`--cache_dir` and reused. Every run starts with empty result folders, so nothing is cached between rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "fold"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--targets", type=int, default=8, help="targets of the many-target feature rows")
+    parser.add_argument("--num_workers", type=int, default=2, help="Ray CPUs of the many-target rows")
+    parser.add_argument("--cpus", type=int, default=2, help="threads of one target's searches (suite fold --cpus)")
+    parser.add_argument("--per_family", type=int, default=40, help="homologs of each query per database")
+    parser.add_argument("--decoys", type=int, default=2000, help="random sequences per database (BFD too; a "
+                                                                  "quarter for UniRef30 and PDB70)")
+    parser.add_argument("--fold_targets", type=int, default=8, help="targets of the 1 vs 2 raylets rows (0: skip)")
+    parser.add_argument("--fold_n_res", type=int, default=48, help="residues of each fold target")
+    parser.add_argument("--raylet_cpus", type=int, default=1, help="CPUs of each raylet of the fold rows")
+    parser.add_argument("--cache_dir", default="/tmp/lowmem-bench-fold-workflow", help="where the databases go")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic sequences")
+
+
+def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
+    import numpy as np
+
+    from ...fastfold.pipeline import read_targets
+    from .fold_dbs import LETTERS
+
+    rng = np.random.default_rng(args.seed)
+    first = read_targets(ASSETS / "query.fasta")[0]
+    n = len(first.sequence)
+    return [(first.name, first.sequence)] + [(f"t{i}", "".join(rng.choice(LETTERS, n))) for i in
+                                             range(1, args.targets)]
+
+
+def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
+    """The cached databases for these queries and sizes (built on the first run)."""
+    import hashlib
+    import json
+    import shutil
+
+    from .fold_dbs import build_databases, hhsuite_missing, repository_hits
+
+    hits = sorted((ASSETS / "alignments" / "query").glob("*_hits.*"))
+    hits = [p for p in hits if p.suffix in (".sto", ".a3m")]
+    key = json.dumps([queries, args.per_family, args.decoys, args.seed, [p.name for p in hits]])
+    folder = Path(args.cache_dir) / hashlib.sha256(key.encode()).hexdigest()[:12]
+    done = folder / "databases.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    missing = hhsuite_missing()
+    if missing:
+        print(f"HHblits/HHsearch rows left out: an HH-suite database cannot be built here ({missing})")
+    shutil.rmtree(folder, ignore_errors=True)
+    dbs = build_databases(folder, queries, per_family=args.per_family, decoy_count=args.decoys,
+                          extra=repository_hits(hits), seed=args.seed, hhsuite=not missing)
+    done.write_text(json.dumps(dbs))
+    return dbs
+
+
+def _features(targets, cfg, ray_session: bool) -> tuple[float, list]:
+    """Seconds of every target's features through `feature_stream`, and the results (raising a failure)."""
+    import time
+
+    from ...fastfold.pipeline import feature_stream
+
+    t0 = time.perf_counter()
+    got = []
+    for target, raw, _ in feature_stream(targets, cfg, with_templates=False):
+        if isinstance(raw, BaseException):
+            raise RuntimeError(f"target {target.name}: {raw}")
+        got.append(raw)
+    return time.perf_counter() - t0, got
+
+
+def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
+    import dataclasses
+
+    import ray
+
+    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec
+    from ...utils.ray_cluster import init_local_ray
+
+    base = FoldConfig(output_dir="", models=[ModelSpec(tiny=True)], alignment=AlignmentConfig(**dbs, cpus=args.cpus))
+    rows = []
+
+    def row(what, n, seconds, serial=None):
+        rows.append({"features of": what, "targets": n, "seconds": seconds,
+                     "speedup": None if serial is None else serial / seconds})
+
+    one = targets[:1]
+    serial_one, _ = _features(one, dataclasses.replace(base, output_dir=str(tmp / "s1")), False)
+    row(f"1 target, serial ({args.cpus} threads per tool)", 1, serial_one)
+    init_local_ray(args.cpus, configure_logging=False)
+    try:  # the first run starts Ray's worker processes; the second finds them running
+        for k, when in enumerate(("first run, workers starting", "workers running")):
+            cfg = dataclasses.replace(base, output_dir=str(tmp / f"w1_{k}"), enable_workflow=True)
+            seconds, _ = _features(one, cfg, True)
+            row(f"1 target, workflow (Ray, {args.cpus} CPUs; {when})", 1, seconds, serial_one)
+    finally:
+        ray.shutdown()
+    serial_all, _ = _features(targets, dataclasses.replace(base, output_dir=str(tmp / "sN")), False)
+    row("targets one after another", len(targets), serial_all)
+    init_local_ray(args.num_workers, configure_logging=False)
+    try:
+        per_target = dataclasses.replace(base, output_dir=str(tmp / "rN"), num_workers=args.num_workers)
+        seconds, _ = _features(targets, per_target, True)
+        row(f"per-target Ray tasks, {args.num_workers} workers", len(targets), seconds, serial_all)
+        seconds, _ = _features(targets, dataclasses.replace(per_target, output_dir=str(tmp / "wN"),
+                                                            enable_workflow=True), True)
+        row(f"workflow, {args.num_workers} workers", len(targets), seconds, serial_all)
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def _fold_rows(args, tmp: Path) -> list[dict]:
+    import time
+
+    import numpy as np
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
+    from ...utils.ray_cluster import join_ray
+    from .fold_dbs import LETTERS
+
+    rng = np.random.default_rng(args.seed + 7)
+    targets = [Target(f"f{i}", "".join(rng.choice(LETTERS, args.fold_n_res))) for i in range(args.fold_targets)]
+
+    def config(out: str, **kw) -> FoldConfig:
+        return FoldConfig(output_dir=str(tmp / out), models=[ModelSpec(tiny=True, device="cpu")],
+                          alignment=AlignmentConfig(single_sequence=True), **kw)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker (OMP_NUM_THREADS=1): the same sums, so outputs can be compared
+    try:
+        t0 = time.perf_counter()
+        local = fold_targets(targets, config("local"))
+    finally:
+        torch.set_num_threads(threads)
+    rows = [{"fold": "in this process, 1 thread", "raylets": 0, "seconds": time.perf_counter() - t0, "start_s": 0.0,
+             "done": sum(r.status == "done" for r in local)}]
+    for raylets in (1, 2):
+        t0 = time.perf_counter()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.raylet_cpus, "include_dashboard":
+                                                                False, "node_ip_address": "127.0.0.1"})
+        for _ in range(raylets - 1):
+            cluster.add_node(num_cpus=args.raylet_cpus, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        join_ray(cluster.address, log_to_driver=False, configure_logging=False)  # as a 127.0.0.1 node
+        start = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            got = fold_targets(targets, config(f"cluster{raylets}", ray_address=cluster.address))
+            seconds = time.perf_counter() - t0
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        same = all(np.array_equal(_positions(tmp / "local", t), _positions(tmp / f"cluster{raylets}", t))
+                   for t in targets)
+        rows.append({"fold": f"Ray cluster, {raylets} raylet(s)", "raylets": raylets, "seconds": seconds,
+                     "start_s": start, "done": sum(r.status == "done" for r in got),
+                     "nodes used": len({r.node for r in got}), "equal to local": same})
+    for r in rows[2:]:
+        r["speedup vs 1 raylet"] = rows[1]["seconds"] / r["seconds"]
+    return rows
+
+
+def _positions(folder: Path, target):
+    from ...fastfold.pipeline import Prediction
+
+    return Prediction.load(folder / target.name / f"{target.name}_model_1_ptm_prediction.npz").positions
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from ...fastfold.data.tools import ToolError, find_binary
+    from ...fastfold.pipeline import Target
+    from ..errors import UsageError
+    from .common import machine_info, print_table, write_json
+
+    if min(args.targets, args.num_workers, args.cpus, args.per_family, args.raylet_cpus) < 1 or args.decoys < 0:
+        raise UsageError("--targets, --num_workers, --cpus, --per_family, --raylet_cpus must be >= 1, --decoys >= 0")
+    try:
+        find_binary(None, "jackhmmer")
+    except ToolError as exc:
+        raise UsageError(f"suite bench fold-workflow needs jackhmmer: {exc}") from None
+    import logging
+
+    logging.getLogger("lowmem.fastfold.data.tools").setLevel(logging.WARNING)  # one line per tool run otherwise
+    queries = _queries(args)
+    dbs = _databases(args, queries)
+    targets = [Target(n, s) for n, s in queries]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_fold_workflow_"))
+    try:
+        features = _feature_rows(args, targets, dbs, tmp)
+        print_table(features, title=f"feature generation ({', '.join(k.split('_')[0] for k in dbs)}), "
+                                    f"{len(queries[0][1])} residues per target")
+        fold = _fold_rows(args, tmp) if args.fold_targets else []
+        if fold:
+            print_table(fold, list(dict.fromkeys(k for r in fold for k in r)),
+                        title=f"fold of {args.fold_targets} targets of {args.fold_n_res} residues, tiny model")
+        write_json(args.json, {"benchmark": "fold-workflow", "machine": machine_info(), "databases": dbs,
+                               "args": {k: v for k, v in vars(args).items() if k != "func"},
+                               "features": features, "fold": fold})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ok = all(r["done"] == args.fold_targets and r.get("equal to local", True) for r in fold)
+    return 0 if ok else 1
