@@ -124,15 +124,15 @@ class DatasetSection:
     """Data-loading worker processes."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, ("sample_batch_size",))
+        # sample_batch_size and num_class_images matter only under prior preservation (FineTuneConfig checks them)
         _at_least(self, 1, ("max_train_samples",), optional=True)
-        _at_least(self, 0, ("num_class_images", "dataloader_num_workers"))
+        _at_least(self, 0, ("dataloader_num_workers",))
         if self.prior_generation_precision not in (None, "no", "fp32", "fp16", "bf16"):
             raise ValueError(f"prior_generation_precision must be no, fp32, fp16 or bf16, "
                              f"got {self.prior_generation_precision!r}")
         if self.dataset_name and (self.train_data_dir or self.instance_data_dir):
             raise ValueError("dataset_name excludes train_data_dir and instance_data_dir")
-        if self.instance_data_dir and not self.instance_prompt:
+        if self.instance_data_dir and self.instance_prompt is None:
             raise ValueError("instance_prompt is required with instance_data_dir")
         if self.instance_data_dir and self.train_data_dir:
             raise ValueError("train_data_dir and instance_data_dir exclude each other")
@@ -169,9 +169,12 @@ class OptimizerSection:
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        _at_least(self, 1, ("lr_num_cycles",))
-        _at_least(self, 0, ("lr_warmup_steps", "max_grad_norm"))
+            raise ValueError(f"learning_rate must be > 0 (0 would train nothing), got {self.learning_rate}")
+        # lr_num_cycles and lr_warmup_steps go to diffusers' get_scheduler as given (any integer, as the scripts)
+        _at_least(self, 0, ("max_grad_norm", "adam_epsilon", "adam_weight_decay"))
+        for name in ("adam_beta1", "adam_beta2"):  # what torch's AdamW accepts
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         _one_of("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
 
 
@@ -195,8 +198,14 @@ class TrainSection:
     """Seed of data order, augmentation, noise and timesteps."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, ("train_batch_size", "gradient_accumulation_steps", "num_train_epochs"))
-        _at_least(self, 1, ("max_train_steps",), optional=True)
+        _at_least(self, 1, ("train_batch_size", "gradient_accumulation_steps"))
+        if self.max_train_steps is not None and self.max_train_steps < 1:
+            raise ValueError(f"max_train_steps must be >= 1 (the run would train no step), got {self.max_train_steps}")
+        if self.max_train_steps is None and self.num_train_epochs < 1:  # with max_train_steps it is not used
+            raise ValueError(f"num_train_epochs must be >= 1 without max_train_steps (the run would train no step), "
+                             f"got {self.num_train_epochs}")
+        if self.seed < 0:  # numpy's seed, which the scripts' set_seed sets too, must be >= 0
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISION)
 
 
@@ -231,14 +240,15 @@ class ValidationSection:
     validation_scheduler: str | None = None
     """Scheduler of the validation images: DPMSolverMultistepScheduler or DDPMScheduler (default: the base's)."""
     num_validation_images: int = 4
-    """Images per validation grid."""
+    """Images per validation grid (0: none are generated)."""
     validation_steps: int = 100
     """Validate every this many steps (and at the end)."""
     num_inference_steps: int = 25
     """Denoising steps for validation and class images."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, ("num_validation_images", "validation_steps", "num_inference_steps"))
+        _at_least(self, 0, ("num_validation_images",))  # 0: no validation images (the scripts' meaning)
+        _at_least(self, 1, ("validation_steps", "num_inference_steps"))
         _at_least(self, 1, ("validation_epochs",), optional=True)
         _one_of("validation_scheduler", self.validation_scheduler, VALIDATION_SCHEDULERS, optional=True)
         if isinstance(self.validation_prompts, str):
@@ -256,7 +266,8 @@ class OutputSection:
     checkpointing_steps: int = 500
     """Write checkpoint-N/ every this many steps."""
     checkpoints_total_limit: int | None = None
-    """Keep at most this many checkpoints (oldest removed)."""
+    """Keep at most this many checkpoints: before each save the oldest are removed so that limit - 1 remain (as
+    diffusers' scripts do; a limit <= 1 keeps only the newest)."""
     resume_from_checkpoint: str | None = None
     """A checkpoint-N folder, or `latest` (the newest in output_dir)."""
     report_to: str = "tensorboard"
@@ -270,7 +281,6 @@ class OutputSection:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, ("checkpointing_steps", "log_every_n_steps"))
-        _at_least(self, 1, ("checkpoints_total_limit",), optional=True)
         _one_of("report_to", self.report_to, REPORT_TO)
 
 
@@ -415,8 +425,11 @@ class FineTuneConfig:
         if self.with_prior_preservation:
             if not self.instance_data_dir:
                 raise ValueError("with_prior_preservation needs instance_data_dir (DreamBooth)")
-            if not self.class_data_dir or not self.class_prompt:
+            if self.class_data_dir is None or self.class_prompt is None:
                 raise ValueError("with_prior_preservation needs class_data_dir and class_prompt")
+            if self.num_class_images < 1:  # diffusers' DreamBooth data set indexes class images modulo this
+                raise ValueError(f"num_class_images must be >= 1 with with_prior_preservation, got "
+                                 f"{self.num_class_images}")
         # last, once every other setting is accepted: a refused one leaves no temporary NVMe folder behind
         self.launch.build_sharding()
 
@@ -430,7 +443,8 @@ class FineTuneConfig:
     @property
     def prompts(self) -> list[str]:
         """The validation prompts (validation_prompt first, then validation_prompts)."""
-        return [*([self.validation_prompt] if self.validation_prompt else []), *(self.validation_prompts or [])]
+        return [*([self.validation_prompt] if self.validation_prompt is not None else []),
+                *(self.validation_prompts or [])]
 
     @property
     def lora(self) -> bool:

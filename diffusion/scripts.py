@@ -260,6 +260,47 @@ def flag_help(flag: ScriptFlag) -> str:
     return text
 
 
+def script_values(script: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The flag values with the scripts' meaning where it is not the setting's own, checked value by value
+    (tests/diffusion/test_flag_values.py walks the table of 0, negative and empty values):
+
+    - a negative `--checkpointing_steps`, `--validation_epochs` or `--validation_steps` k: every |k| (the
+      scripts test `step % k == 0`); 0 is refused where the script divides by it, unused otherwise;
+    - `--num_validation_images` <= 0: no validation images (`range(n)` is empty);
+    - an empty `--train_data_dir` / `--instance_data_dir`: the current folder (`os.path.join("", "**")`,
+      `Path("")`);
+    - refused in one line: what the script fails on (an empty `--output_dir`, `--pretrained_model_name_or_path`,
+      `--dataset_name` or `--variant`), and `--max_grad_norm 0`, with which the script clips every gradient to
+      norm 0 and trains nothing but weight decay (a run that would train nothing says so).
+    """
+    out = dict(values)
+    prompts = out.get("validation_prompt") is not None or out.get("validation_prompts") is not None
+    for name in ("checkpointing_steps", "validation_epochs", "validation_steps"):
+        k = out.get(name)
+        if k is None or k > 0:
+            continue
+        if k < 0:
+            out[name] = -k
+            logger.info("--%s %d: every %d (diffusers' scripts test step %% %d == 0)", name, k, -k, k)
+        elif name == "checkpointing_steps" or prompts:
+            raise InputError(f"--{name} 0: diffusers' {script} divides by it (ZeroDivisionError); give a "
+                             "positive number")
+        else:
+            del out[name]  # unused without validation prompts, as in the script
+    if out.get("num_validation_images") is not None and out["num_validation_images"] < 0:
+        out["num_validation_images"] = 0
+    for name in ("train_data_dir", "instance_data_dir"):
+        if out.get(name) == "":
+            out[name] = "."
+    for name in ("output_dir", "pretrained_model_name_or_path", "dataset_name", "variant"):
+        if out.get(name) == "":
+            raise InputError(f"--{name}: empty (diffusers' {script} fails on it too)")
+    if out.get("max_grad_norm") == 0:
+        raise InputError("--max_grad_norm 0: diffusers' scripts clip every gradient to norm 0, so nothing but "
+                         "weight decay would train; give a positive norm")
+    return out
+
+
 def script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, Any] | None = None) -> Any:
     """The `FineTuneConfig` of `suite diffusion <script>` from its parsed flag values (every flag of the
     script, at its default unless given) and the launcher's settings (`strategy`, `devices`, ...).
@@ -271,6 +312,7 @@ def script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, A
 
     flags = {f.name: f for f in SCRIPT_FLAGS[script]}
     given = {name: v for name, v in values.items() if name in flags and v != flags[name].default}
+    values = script_values(script, values)
     refused = [f"--{name}: {how.reason}" for name in given if isinstance(how := HANDLING[name], Refuse)]
     if refused:
         raise InputError("; ".join(refused))
@@ -294,5 +336,7 @@ def script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, A
     fields.update(launch or {})
     try:
         return FineTuneConfig(**fields)
-    except ValueError as exc:
-        raise InputError(f"--{exc}") from exc
+    except ValueError as exc:  # the refusal in the flag's name (a section's own field may be named otherwise)
+        from ..utils.settings import explain
+
+        raise InputError(explain(FineTuneConfig, exc, {})) from exc

@@ -44,7 +44,7 @@ class LossConfig:
     snr_gamma: float | None = None
     """Min-SNR gamma (5.0 is the paper's choice); None for the plain MSE."""
     noise_offset: float = 0.0
-    """Scale of the per-channel constant added to the noise (0 disables)."""
+    """Scale of the per-channel constant added to the noise (0 disables; a negative scale is applied as given)."""
     prior_loss_weight: float = 1.0
     """Weight of the class-image loss under prior preservation."""
     with_prior_preservation: bool = False
@@ -61,18 +61,14 @@ class LossConfig:
         if self.dream_training and self.prediction_type not in (None, "epsilon"):
             raise ValueError("dream_training: DREAM is defined for prediction_type epsilon only, got "
                              f"{self.prediction_type!r}")
-        if self.dream_detail_preservation < 0:
-            raise ValueError(f"dream_detail_preservation must be >= 0, got {self.dream_detail_preservation}")
         if self.prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {self.prediction_type!r}")
+        # Negative noise_offset, input_perturbation, prior_loss_weight and dream_detail_preservation are taken
+        # as diffusers' scripts take them (the same formulas); a gamma <= 0 makes every weight 0 (nothing trains)
+        # or negative (the gradients reversed).
         if self.snr_gamma is not None and self.snr_gamma <= 0:
-            raise ValueError(f"snr_gamma must be > 0, got {self.snr_gamma}")
-        if self.noise_offset < 0:
-            raise ValueError(f"noise_offset must be >= 0, got {self.noise_offset}")
-        if self.prior_loss_weight < 0:
-            raise ValueError(f"prior_loss_weight must be >= 0, got {self.prior_loss_weight}")
-        if self.input_perturbation < 0:
-            raise ValueError(f"input_perturbation must be >= 0, got {self.input_perturbation}")
+            raise ValueError(f"snr_gamma must be > 0 (0 weights every loss by 0: nothing would train; a negative "
+                             f"gamma reverses the gradients), got {self.snr_gamma}")
 
 
 @dataclass

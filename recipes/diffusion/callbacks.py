@@ -58,6 +58,8 @@ class ValidateEvery(pl.Callback):
         from ...diffusion.export import save_grid
 
         cfg = module.config
+        if cfg.num_validation_images < 1:  # diffusers' scripts: range(0) images, nothing logged
+            return
         for i, prompt in enumerate(cfg.prompts):
             stem = name if i == 0 else f"{name}-prompt{i}"
             try:

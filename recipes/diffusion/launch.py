@@ -57,6 +57,14 @@ def check_run(cfg: FineTuneConfig) -> None:
         raise InputError("--dataset_config_name: needs the datasets package (pip install datasets)")
     if cfg.non_ema_revision:
         _check_non_ema_revision(cfg)
+    if cfg.with_prior_preservation and cfg.sample_batch_size < 1 and _class_images(cfg) < cfg.num_class_images:
+        raise InputError(f"--sample_batch_size {cfg.sample_batch_size}: class images are to be generated "
+                         f"(--num_class_images {cfg.num_class_images}), which needs a batch size >= 1")
+
+
+def _class_images(cfg: FineTuneConfig) -> int:
+    folder = Path(cfg.class_data_dir)
+    return len([p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg")]) if folder.is_dir() else 0
 
 
 def _check_strategy_name(name: str) -> None:

@@ -63,7 +63,8 @@ def test_every_flag_is_offered_with_the_scripts_default(script):
 
 
 # A value other than the script's default for each accepted flag (a sample of its type otherwise).
-SAMPLES = {"prediction_type": "v_prediction", "lr_scheduler": "cosine", "report_to": "csv",
+SAMPLES = {"adam_beta1": 0.8, "adam_beta2": 0.99,
+           "prediction_type": "v_prediction", "lr_scheduler": "cosine", "report_to": "csv",
            "image_interpolation_mode": "bicubic", "resolution": 64, "logging_dir": "other-logs",
            "tracker_project_name": "other", "validation_scheduler": "DDPMScheduler", "mixed_precision": "bf16",
            "prior_generation_precision": "bf16", "resume_from_checkpoint": "latest"}
