@@ -439,6 +439,9 @@ def _summary(results, output_dir: str, rule: str = "") -> None:
 def _length(target) -> str:
     """Residues of a target; a complex's per chain (A 16 + B 11)."""
     cplx = getattr(target, "complex", None)
+    chains = getattr(target, "chains", None)  # an AlphaFold-Gap target's records
+    if chains:
+        return " + ".join(f"{chain_id} {len(c.sequence)}" for chain_id, c in zip(target.chain_ids, chains))
     if cplx is None:
         return str(len(target.sequence))
     return " + ".join(f"{c.chain_id} {len(c.sequence)}" for c in cplx.chains)

@@ -147,7 +147,7 @@ def test_a_several_record_file_in_a_folder_is_one_alphafold_gap_target(tmp_path,
     out = tmp_path / "out"
     code, stdout, _ = _run(["fold", str(tmp_path / "in"), "--output_dir", str(out), "--no-relax",
                             "--num_workers", "0"], capsys)
-    assert code == 0 and "AlphaFold-Gap" in " ".join(stdout.split())
+    assert code == 0 and "AlphaFold-Gap" in " ".join(stdout.split()) and "A 10 + B 6" in stdout
     assert sorted(p.name for p in out.iterdir()) == ["chA-chB", "solo"]
     atoms = [line for line in (out / "chA-chB" / "chA-chB_unrelaxed.pdb").read_text().splitlines()
              if line.startswith("ATOM") and line[12:16].strip() == "CA"]
