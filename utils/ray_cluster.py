@@ -239,6 +239,8 @@ def check_ray_resources(workers: int, *, cpus: float = 1.0, gpus: float = 0.0, w
     them silently. With `wait_s` > 0, waits up to that long (a warning says for what) for them to free up or
     for nodes to join, then refuses. Call after `ray.init`."""
     need = {"CPU": float(cpus), "GPU": float(gpus)}
+    if workers < 1 or not any(v > 0 for v in need.values()):
+        return
     deadline = time.monotonic() + max(wait_s, 0.0)
     warned = False
     while True:

@@ -109,6 +109,8 @@ def test_resources_wait_with_a_message_then_refuse(monkeypatch, caplog):
     monkeypatch.setattr(ray_cluster, "_free_per_node", lambda: [{"CPU": 4.0}])
     with pytest.raises(InputError, match=r"asks for 2 workers x 1 CPU \+ 1 GPU, the Ray cluster has 4 CPUs free"):
         ray_cluster.check_ray_resources(2, gpus=1, wait_s=0.05, poll_s=0.01)
+    monkeypatch.setattr(ray_cluster, "_free_per_node", lambda: pytest.fail("nothing asked: nothing to look up"))
+    ray_cluster.check_ray_resources(2, cpus=0)
 
 
 class _Trainer:
