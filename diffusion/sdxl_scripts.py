@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
-from .scripts import _COMMON, _F, _TEXT_TO_IMAGE, HANDLING, Accept, Refuse, ScriptFlag, _table
+from .scripts import _COMMON, _F, _TEXT_TO_IMAGE, HANDLING, Accept, Refuse, ScriptFlag, _table, script_values
 
 __all__ = ["SDXL_HANDLING", "SDXL_SCRIPTS", "SDXL_SCRIPT_FLAGS", "SDXLSettings", "handling", "sdxl_script_config"]
 
@@ -210,6 +210,7 @@ def sdxl_script_config(script: str, values: Mapping[str, Any], launch: Mapping[s
 
     flags = {f.name: f for f in SDXL_SCRIPT_FLAGS[script]}
     given = {name: v for name, v in values.items() if name in flags and v != flags[name].default}
+    values = script_values(script, values)  # 0, negative and empty values with the scripts' meaning
     refused = [f"--{name}: {how.reason}" for name in given if isinstance(how := handling(script, name), Refuse)]
     if refused:
         raise InputError("; ".join(refused))
