@@ -195,3 +195,16 @@ def test_accelerate_lora_checkpoint_resumes(tmp_path, image_folder):
     a = load_file(tmp_path / "whole" / "pytorch_lora_weights.safetensors")
     b = load_file(tmp_path / "acc" / "pytorch_lora_weights.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resumed_mid_epoch_restarts_the_epoch_and_breaks_as_the_scripts(tmp_path, image_folder, whole):
+    """checkpoint-2 of 4 steps an epoch, resumed with --max_train_steps 5: the scripts restart epoch 0 from its
+    first batch (steps 3, 4, 5), break at 5, then run epoch 1's first batch (step 6) and stop."""
+    out, _ = whole
+    shutil.copytree(out / "checkpoint-4", tmp_path / "mid" / "checkpoint-2")  # its weights; the step is the name's
+    part = Steps()
+    _fit(_config(tmp_path / "mid", image_folder, max_train_steps=5, checkpointing_steps=3,
+                 resume_from_checkpoint="latest"), part)
+    assert [s[:2] for s in part.steps] == [(0, 3), (0, 4), (0, 5), (1, 6)]
+    assert sorted(p.name for p in (tmp_path / "mid").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3",
+                                                                               "checkpoint-6"]
