@@ -98,3 +98,23 @@ def test_a_failing_search_fails_its_target_with_the_tools_message(databases, ray
     for _, exc, _ in got:
         assert isinstance(exc, ToolError) and "no_jackhmmer" in str(exc), exc
     assert not any((tmp_path / t.name / "msas" / "uniref90_hits.sto").exists() for t in targets)
+
+
+def test_enable_workflow_flag_runs_the_workflow(databases, ray_local, tmp_path, monkeypatch):
+    from lowmem.fastfold import workflow
+    from lowmem.suite.cli import main
+
+    targets, dbs, _ = databases
+    calls = []
+    real = workflow.workflow_stream
+    monkeypatch.setattr(workflow, "workflow_stream", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    fasta = tmp_path / "one.fasta"
+    fasta.write_text(f">{targets[0].name}\n{targets[0].sequence}\n")
+    out = tmp_path / "out"
+    code = main(["fold", str(fasta), "--output_dir", str(out), "--no-relax", "--enable_workflow",
+                 "--uniref90_database_path", dbs["uniref90_database_path"],
+                 "--mgnify_database_path", dbs["mgnify_database_path"]])
+    assert code == 0 and [[t.name for t in c] for c in calls] == [[targets[0].name]]
+    msas = out / targets[0].name / "msas"
+    assert (msas / "uniref90_hits.sto").is_file() and (msas / "mgnify_hits.sto").is_file()
+    assert (out / targets[0].name / "timings.json").is_file()
