@@ -117,10 +117,16 @@ class CheckpointEvery(pl.Callback):
             move_into(staging, self.output_dir, [final.name])
             staging.rmdir()
             logger.info("wrote %s", final)
+            # Named before the barrier: a peer lost in it must not leave rank 0's advice on the moved .tmp path.
+            self._note(trainer, final)
         trainer.strategy.barrier("checkpoint-end")
+        self._note(trainer, final)
+        return final
+
+    @staticmethod
+    def _note(trainer: pl.Trainer, final: Path) -> None:
         if hasattr(trainer.strategy, "note_checkpoint"):  # the sharded strategies' fault advice names it
             trainer.strategy.note_checkpoint(final, "--resume_from_checkpoint latest")
-        return final
 
     def save_on_signal(self, trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
         """On SIGTERM the sharded strategies save through here: this step's checkpoint-N/ (unless just written)."""

@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
+    from ...fastfold.data import tools as fold_tools
     from ...fastfold.data.tools import ToolError, find_binary
     from ...fastfold.pipeline import Target
     from ..errors import UsageError
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"suite bench fold-workflow needs jackhmmer: {exc}") from None
     import logging
 
-    logging.getLogger("lowmem.fastfold.data.tools").setLevel(logging.WARNING)  # one line per tool run otherwise
+    fold_tools.logger.setLevel(logging.WARNING)  # one line per tool run otherwise
     queries = _queries(args)
     dbs = _databases(args, queries)
     targets = [Target(n, s) for n, s in queries]
