@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -39,20 +38,26 @@ class ValidateEvery(pl.Callback):
 
     def __init__(self, output_dir: str | Path, every: int) -> None:
         self.folder, self.every = Path(output_dir) / "validation", every
+        self.epochs: int | None = None
         self._last = -1
 
     def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
-        epochs = module.config.validation_epochs
-        if epochs:  # diffusers validates at the end of every validation_epochs-th epoch
-            batches = len(trainer.datamodule.dataset()) / (module.config.train_batch_size * trainer.world_size)
-            per_epoch = max(1, math.ceil(math.ceil(batches) / trainer.accumulate_grad_batches))
-            self.every = epochs * per_epoch
+        self.epochs = module.config.validation_epochs or None
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step and step % self.every == 0 and step != self._last and at_step_boundary(trainer, batch_idx):
+        if self.epochs is None and step and step % self.every == 0 and step != self._last \
+                and at_step_boundary(trainer, batch_idx):
             self._last = step
             self.validate(trainer, module, f"step-{step:06d}")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
+        # diffusers' text-to-image scripts: after epoch e's loop (0-based; a loop cut short by max_train_steps
+        # included) when e % validation_epochs == 0, so the first epoch is always validated.
+        epoch = trainer.current_epoch
+        if self.epochs is not None and epoch % self.epochs == 0 and trainer.global_step != self._last:
+            self._last = trainer.global_step
+            self.validate(trainer, module, f"epoch-{epoch:04d}")
 
     def validate(self, trainer: pl.Trainer, module: StableDiffusionFineTune, name: str) -> None:
         from ...diffusion.export import save_grid

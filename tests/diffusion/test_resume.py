@@ -208,3 +208,14 @@ def test_resumed_mid_epoch_restarts_the_epoch_and_breaks_as_the_scripts(tmp_path
     assert [s[:2] for s in part.steps] == [(0, 3), (0, 4), (0, 5), (1, 6)]
     assert sorted(p.name for p in (tmp_path / "mid").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3",
                                                                                "checkpoint-6"]
+
+
+def test_validation_epochs_validates_as_the_scripts_after_epochs_0_k_2k(tmp_path, image_folder):
+    """The text-to-image scripts validate after epoch e's loop when e % validation_epochs == 0 (0-based), so the
+    first epoch is validated and, with k = 2 and one step an epoch, 3 steps validate after epochs 0 and 2."""
+    out = tmp_path / "out"
+    _fit(_config(out, image_folder, train_batch_size=4, max_train_steps=3, use_ema=False,
+                 validation_prompt="a red circle", validation_epochs=2, num_validation_images=1,
+                 num_inference_steps=2))
+    names = sorted(p.name for p in (out / "validation").glob("*.png"))
+    assert names == ["epoch-0000.png", "epoch-0002.png", "final.png"], names
