@@ -204,6 +204,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
             for pages in self._scratch.values():
                 pages.drop()
         self.manager.end_step()
+        # The user's optimizer was stepped through us, never through its own step(): mark it as torch's LR
+        # schedulers do when they wrap that step, or the first scheduler.step() warns falsely of a wrong order.
+        self.inner._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def _runs(self, c: Chunk, used: set[int]) -> Iterator[tuple[int, int, int, int]]:

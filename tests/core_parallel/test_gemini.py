@@ -381,3 +381,31 @@ def test_first_step_gathers_a_shared_chunk_once_per_run_of_modules(tmp_path, mon
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
     model.gemini_manager.close()
+
+
+def test_lr_scheduler_on_the_users_optimizer_follows_gemini_steps_without_a_false_order_warning():
+    """A torch LR scheduler built on the user's optimizer (as Lightning and the scripts build it) drives Gemini's
+    steps (shared param_groups) and sees the step as done, so it does not warn that it ran before the step."""
+    import warnings
+
+    model, opt = build("adam")
+    ref_model, ref_opt = build("adam")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    model, gopt = setup_gemini(model, opt, GeminiConfig(chunk_mb=40 * 4 / 2**20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the false "lr_scheduler.step() before optimizer.step()" fails here
+        for step in range(3):
+            x, y = batch(step)
+            gopt.backward(((model(x, step % 2 == 0) - y) ** 2).mean())
+            gopt.step()
+            gopt.zero_grad()
+            sched.step()
+            ((ref_model(x, step % 2 == 0) - y) ** 2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+    assert [g["lr"] for g in gopt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    got = model.state_dict()
+    for name, p in ref_model.state_dict().items():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
