@@ -91,7 +91,8 @@ def _check_non_ema_revision(cfg: FineTuneConfig) -> None:
                        flag="--non_ema_revision")
 
 
-def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, RunLength, Path | None]:
+def _prepare(cfg: FineTuneConfig, world: int, data_cls: type[ImageCaptionData] = ImageCaptionData,
+             ) -> tuple[ImageCaptionData, RunLength, Path | None]:
     """Validate the data (before any model is built), find the checkpoint to resume and count the run as diffusers'
     scripts do (`diffusion.schedule`); a run that would train nothing is refused in one line."""
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -110,7 +111,7 @@ def _prepare(cfg: FineTuneConfig, world: int) -> tuple[ImageCaptionData, RunLeng
             from .accelerate_checkpoint import check_files
 
             check_files(ckpt, cfg)
-    data = ImageCaptionData(cfg, tokenizer=None)
+    data = data_cls(cfg, tokenizer=None)
     samples = len(data.scan())
     if cfg.with_prior_preservation:  # DreamBooth's data set is as long as the longer of instance and class images
         samples = max(samples, cfg.num_class_images)
@@ -203,11 +204,14 @@ def build_trainer(cfg: FineTuneConfig, length: RunLength | int, callbacks: list[
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
-def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, **trainer_overrides: Any) -> Any:
-    """Run one fine-tuning as `suite diffusion finetune` does; returns the finished `StableDiffusionFineTune`."""
+def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, *,
+                 module_cls: type[StableDiffusionFineTune] = StableDiffusionFineTune,
+                 data_cls: type[ImageCaptionData] = ImageCaptionData, **trainer_overrides: Any) -> Any:
+    """Run one fine-tuning as `suite diffusion finetune` does; returns the finished module. `module_cls` and
+    `data_cls` give another model family the same run (checks, run length, resume, Trainer): SDXL's."""
     check_run(cfg)
-    data, length, ckpt = _prepare(cfg, cfg.devices * cfg.num_nodes)
-    module = StableDiffusionFineTune(cfg)
+    data, length, ckpt = _prepare(cfg, cfg.devices * cfg.num_nodes, data_cls)
+    module = module_cls(cfg)
     module.length = length
     data.tokenizer = module.tokenizer
     trainer = build_trainer(cfg, length, callbacks, length.start_step if ckpt else None, **trainer_overrides)

@@ -9,11 +9,9 @@ streamed into them), checkpoints and exact resume, validation images, export. Th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,27 +246,8 @@ def _conditioned(unet: Any, cond: dict[str, torch.Tensor], sample: torch.Tensor,
     return unet(sample, timesteps, hidden, added_cond_kwargs=cond, return_dict=return_dict)
 
 
-@contextlib.contextmanager
-def _sdxl_classes() -> Iterator[None]:
-    """`launch.fit_finetune` with the SDXL module and data in place of the SD ones for the call.
-
-    DISCREPANCY: the SD launch builds its module and data by these two names; standing in for them reuses the
-    whole run (checks, run length, resume, Trainer, strategies) without a second copy of it. A `module_cls` /
-    `data_cls` argument of `fit_finetune` would say the same more plainly.
-    """
-    from . import launch
-
-    saved = launch.StableDiffusionFineTune, launch.ImageCaptionData
-    launch.StableDiffusionFineTune, launch.ImageCaptionData = StableDiffusionXLFineTune, SDXLData
-    try:
-        yield
-    finally:
-        launch.StableDiffusionFineTune, launch.ImageCaptionData = saved
-
-
 def fit_sdxl(cfg: FineTuneConfig, callbacks: list[Any] | None = None, **trainer_overrides: Any) -> Any:
     """Run one SDXL fine-tuning as `suite diffusion train_*_sdxl` does; returns the finished module."""
     from .launch import fit_finetune
 
-    with _sdxl_classes():
-        return fit_finetune(cfg, callbacks, **trainer_overrides)
+    return fit_finetune(cfg, callbacks, module_cls=StableDiffusionXLFineTune, data_cls=SDXLData, **trainer_overrides)
