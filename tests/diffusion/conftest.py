@@ -36,13 +36,20 @@ def write_image(path: Path, size=(40, 36), mode="RGB", seed=0) -> Path:
     return path
 
 
+def write_image_folder(folder: Path, count: int, *, name: str = "img{i}.png", caption: str = "picture number {i}",
+                       sizes: list[tuple[int, int]] | None = None, seed0: int = 0) -> Path:
+    """An imagefolder of `count` random images (image i: `name`, `sizes[i]`, seed `seed0 + i`) and its
+    metadata.jsonl (`caption` of each)."""
+    lines = []
+    for i in range(count):
+        file = name.format(i=i)
+        write_image(folder / file, size=sizes[i] if sizes else (40, 36), seed=seed0 + i)
+        lines.append(json.dumps({"file_name": file, "text": caption.format(i=i)}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
 @pytest.fixture
 def image_folder(tmp_path) -> Path:
     """An imagefolder of 4 images with metadata.jsonl."""
-    folder = tmp_path / "data"
-    lines = []
-    for i in range(4):
-        write_image(folder / f"img{i}.png", seed=i)
-        lines.append(json.dumps({"file_name": f"img{i}.png", "text": f"picture number {i}"}))
-    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
+    return write_image_folder(tmp_path / "data", 4)

@@ -21,7 +21,6 @@ Every flag and every assertion is kept. What changes, and why:
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from lowmem.suite.cli import main
-from tests.diffusion.conftest import write_image
+from tests.diffusion.conftest import write_image, write_image_folder
 
 pytest.importorskip("lightning.pytorch")
 
@@ -48,12 +47,8 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """Stands for hf-internal-testing/dummy_image_text_data: an imagefolder with image and text columns."""
-    folder = tmp_path_factory.mktemp("dummy_image_text_data")
-    for i in range(6):
-        write_image(folder / f"{i}.png", size=(72, 64), seed=100 + i)
-    (folder / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"{i}.png", "text": f"caption {i}"})
-                                                   + "\n" for i in range(6)))
-    return folder
+    return write_image_folder(tmp_path_factory.mktemp("dummy_image_text_data"), 6, name="{i}.png",
+                              caption="caption {i}", sizes=[(72, 64)] * 6, seed0=100)
 
 
 @pytest.fixture(scope="module")

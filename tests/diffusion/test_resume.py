@@ -11,7 +11,7 @@ import torch
 from lowmem.diffusion.config import FineTuneConfig
 from lowmem.diffusion.errors import InputError
 from lowmem.diffusion.schedule import run_length
-from tests.diffusion.conftest import write_image
+from tests.diffusion.conftest import write_image_folder
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -79,14 +79,7 @@ def _unet(folder):
 
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory):
-    import json
-
-    folder = tmp_path_factory.mktemp("data")
-    for i in range(4):
-        write_image(folder / f"img{i}.png", seed=i)
-    (folder / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"img{i}.png", "text": f"picture {i}"})
-                                                   + "\n" for i in range(4)))
-    return folder
+    return write_image_folder(tmp_path_factory.mktemp("data"), 4, caption="picture {i}")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from lowmem.diffusion.errors import InputError
 from lowmem.diffusion.scripts import DIFFUSERS_VERSION, Accept, Refuse
 from lowmem.diffusion.sdxl_scripts import SDXL_SCRIPT_FLAGS, SDXLSettings, handling, sdxl_script_config
 from lowmem.suite.cli import build_parser, main
-from tests.diffusion.conftest import write_image
+from tests.diffusion.conftest import write_image, write_image_folder
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "diffusers_flags"
 SCRIPTS = tuple(SDXL_SCRIPT_FLAGS)
@@ -195,13 +195,7 @@ def sdxl_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("data")
-    lines = []
-    for i in range(4):
-        write_image(folder / f"img{i}.png", size=(40 + 4 * i, 36), seed=i)
-        lines.append(json.dumps({"file_name": f"img{i}.png", "text": f"picture number {i}"}))
-    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
+    return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])
 
 
 def _run(capsys, argv: list[str]) -> None:
