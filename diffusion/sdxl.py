@@ -25,8 +25,8 @@ from ..utils.fileio import fsync_dir
 from .errors import InputError
 
 __all__ = ["SDXL_COMPONENTS", "TinySDXLConfig", "encode_prompt_sdxl",
-           "load_sdxl_components", "make_sdxl_pipeline", "save_sdxl_lora_weights", "save_tiny_sdxl_pipeline",
-           "time_ids"]
+           "load_sdxl_components", "load_sdxl_frozen", "make_sdxl_pipeline", "save_sdxl_lora_weights",
+           "save_tiny_sdxl_pipeline", "time_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ def load_sdxl_components(pretrained: str, *, vae: str | None = None, revision: s
     UNet hollow for Gemini to fill from the safetensors (`diffusion.streaming`). Any failure is one `InputError`
     naming the component's folder.
     """
-    import diffusers
-    from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    from .models import _text_encoder, _unet, check_pipeline_folder, drop_folder_cache, resolve_pretrained
+    from .models import check_pipeline_folder, drop_folder_cache, resolve_pretrained
 
     folder = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     if not folder.is_dir():
@@ -72,9 +68,31 @@ def load_sdxl_components(pretrained: str, *, vae: str | None = None, revision: s
     vae_folder = resolve_pretrained(vae, cache_dir=cache_dir) if vae else None
     if vae_folder is not None and not (vae_folder / "config.json").is_file():
         raise InputError(f"{vae_folder}: --pretrained_vae_model_name_or_path needs a VAE folder with config.json")
+    loaders = _loaders(folder, vae_folder, variant, vae_dtype, text_encoder_dtype, stream_unet)
+    out: dict[str, Any] = {"source": folder, "vae_source": vae_folder}
+    for name, (where, load) in loaders.items():
+        try:
+            out[name] = load()
+        except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise InputError(f"{where}: cannot load the '{name}' component ({reason})") from exc
+        if name in ("vae", "text_encoder", "text_encoder_2"):  # read whole and copied: out of the page cache
+            drop_folder_cache(where)
+    return out
+
+
+def _loaders(folder: Path, vae_folder: Path | None, variant: str | None, vae_dtype: Any, text_encoder_dtype: Any,
+             stream_unet: bool) -> dict[str, tuple[Path, Any]]:
+    """Component name -> (its folder, a function loading it)."""
+    import diffusers
+    from diffusers import AutoencoderKL, DDPMScheduler
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from .models import _text_encoder, _unet
+
     sched_class = json.loads((folder / "scheduler" / "scheduler_config.json").read_text()).get("_class_name")
     sched_class = getattr(diffusers, str(sched_class), diffusers.EulerDiscreteScheduler)
-    loaders = {
+    return {
         "unet": (folder / "unet", lambda: _unet(folder, variant, stream_unet)),
         "vae": (vae_folder or folder / "vae",
                 lambda: AutoencoderKL.from_pretrained(vae_folder, **_dtype_kw(vae_dtype)) if vae_folder else
@@ -91,16 +109,19 @@ def load_sdxl_components(pretrained: str, *, vae: str | None = None, revision: s
         "inference_scheduler": (folder / "scheduler",
                                 lambda: sched_class.from_pretrained(folder, subfolder="scheduler")),
     }
-    out: dict[str, Any] = {"source": folder, "vae_source": vae_folder}
-    for name, (where, load) in loaders.items():
-        try:
-            out[name] = load()
-        except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            raise InputError(f"{where}: cannot load the '{name}' component ({reason})") from exc
-        if name in ("vae", "text_encoder", "text_encoder_2"):  # read whole and copied: out of the page cache
-            drop_folder_cache(where)
-    return out
+
+
+def load_sdxl_frozen(folder: Path, name: str, *, vae_folder: Path | None = None, variant: str | None = None,
+                     dtype: Any = None) -> Any:
+    """One frozen component (`vae`, `text_encoder`, `text_encoder_2`) of the pipeline folder `folder` again, in
+    `dtype`, gradients off, in eval mode: what a run that freed it after pre-computing needs back for validation
+    images (as the scripts load them again for their validation pipeline)."""
+    where, load = _loaders(folder, vae_folder, variant, dtype, dtype, False)[name]
+    try:
+        module = load()
+    except Exception as exc:  # noqa: BLE001 - the folder changed during the run
+        raise InputError(f"{where}: cannot load the '{name}' component again ({type(exc).__name__}: {exc})") from exc
+    return module.requires_grad_(False).eval()
 
 
 # -- the math of a step -----------------------------------------------------------------------------------------

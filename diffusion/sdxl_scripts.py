@@ -42,6 +42,11 @@ class SDXLSettings:
     vae_in_training_dtype: bool = False
     """The frozen VAE in the training dtype (the LoRA and full scripts with a separate VAE); else fp32, since
     SDXL's own VAE overflows in fp16."""
+    precompute: str = "auto"
+    """Compute once, before the UNet trains, and free the models that made them: `text` (both text encoders'
+    embeddings of every prompt), `latents` (the VAE latents of every image, one crop and flip each, as
+    train_text_to_image_sdxl.py), `both`, or `none`; `auto`: what the script does (text_to_image_sdxl both,
+    dreambooth_lora_sdxl text unless --train_text_encoder, text_to_image_lora_sdxl none)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.proportion_empty_prompts <= 1.0:
@@ -50,6 +55,10 @@ class SDXLSettings:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.text_encoder_lr is not None and self.text_encoder_lr <= 0:
             raise ValueError(f"text_encoder_lr must be > 0, got {self.text_encoder_lr}")
+        from .precompute import PRECOMPUTE_CHOICES
+
+        if self.precompute not in PRECOMPUTE_CHOICES:
+            raise ValueError(f"precompute must be one of {', '.join(PRECOMPUTE_CHOICES)}, got {self.precompute!r}")
 
 
 
@@ -202,11 +211,14 @@ def _checks(script: str, values: Mapping[str, Any]) -> None:
                 logger.warning("--%s is not used without --with_prior_preservation", name)
 
 
-def sdxl_script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, Any] | None = None) -> Any:
+def sdxl_script_config(script: str, values: Mapping[str, Any], launch: Mapping[str, Any] | None = None,
+                       precompute: str = "auto") -> Any:
     """The `FineTuneConfig` of `suite diffusion <script>` (an SDXL script), its `extra["sdxl"]` the run's
-    `SDXLSettings`, from the parsed flag values and the launcher's settings. Raises `InputError` (one line) for
-    refused flags given with another value than the default, for what the script refuses, and for bad values."""
+    `SDXLSettings`, from the parsed flag values and the launcher's settings (`precompute`: `--precompute`, auto
+    resolved to what the script does). Raises `InputError` (one line) for refused flags given with another value
+    than the default, for what the script refuses, and for bad values."""
     from .config import FineTuneConfig
+    from .precompute import check_precompute, script_precompute
 
     flags = {f.name: f for f in SDXL_SCRIPT_FLAGS[script]}
     given = {name: v for name, v in values.items() if name in flags and v != flags[name].default}
@@ -232,6 +244,12 @@ def sdxl_script_config(script: str, values: Mapping[str, Any], launch: Mapping[s
         sdxl.pop("text_encoder_lr", None)  # only DreamBooth LoRA's text encoders have their own
         sdxl.pop("adam_weight_decay_text_encoder", None)
     fields.update(launch or {})
+    train_te = bool(values.get("train_text_encoder"))
+    try:
+        check_precompute(precompute, train_te)
+    except ValueError as exc:
+        raise InputError(f"--{exc}") from None
+    sdxl["precompute"] = script_precompute(script, train_te) if precompute == "auto" else precompute
     try:
         fields["extra"] = {"sdxl": SDXLSettings(**sdxl)}
         return FineTuneConfig(**fields)

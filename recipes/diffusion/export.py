@@ -65,6 +65,20 @@ def materialize(module: StableDiffusionFineTune, names: tuple[str, ...] = ("unet
     return out if module.global_rank == 0 else parts
 
 
+def trained_state(module: StableDiffusionFineTune) -> dict[str, Any]:
+    """What a LoRA export reads: under Gemini `{"state": {name: full fp32 value}}` of the trained parameters only
+    (their chunks gathered one at a time; the frozen base, gigabytes for SDXL, is never gathered), else `{}` (the
+    modules hold their values). Call on every rank (collective)."""
+    from ...diffusion.streaming import gemini_of
+
+    _settle(module)
+    mgr = gemini_of(module.unet)
+    if mgr is None:
+        return {}
+    names = {p._gemini[1]: n for n, p in module.named_parameters() if p.requires_grad and hasattr(p, "_gemini")}
+    return {"state": {names[i]: v.detach().to("cpu", copy=True) for i, v in mgr.stream_values(names)}}
+
+
 def _fp32(m: torch.nn.Module) -> torch.nn.Module:
     """`m`, or an fp32 copy when it is not fp32 (the run's own modules keep their dtype)."""
     import copy
@@ -108,7 +122,7 @@ def write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
     cfg = module.config
     rank0 = module.global_rank == 0
     if cfg.lora:
-        parts = materialize(module)
+        parts = trained_state(module)
         if rank0:
             save_lora_weights(folder, _lora_layers(module, parts))
         return
@@ -134,7 +148,7 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
     cfg, out = module.config, Path(module.config.output_dir)
     rank0 = trainer.is_global_zero
     if cfg.lora:
-        parts = materialize(module)
+        parts = trained_state(module)
         if not rank0:
             return out
         path = save_lora_weights(out, _lora_layers(module, parts))

@@ -211,6 +211,9 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
     `data_cls` give another model family the same run (checks, run length, resume, Trainer): SDXL's."""
     check_run(cfg)
     data, length, ckpt = _prepare(cfg, cfg.devices * cfg.num_nodes, data_cls)
+    # as the scripts' set_seed(args.seed) before the models load: LoRA's random initial weights follow the seed,
+    # not whatever the process drew before (a second run in one process, a library caller)
+    torch.manual_seed(cfg.seed)
     module = module_cls(cfg)
     module.length = length
     data.tokenizer = module.tokenizer

@@ -157,11 +157,12 @@ class StableDiffusionFineTune(pl.LightningModule):
             return self.text_encoder(ids, attention_mask=mask.to(ids.device), return_dict=False)[0]
         return self.text_encoder(ids, return_dict=False)[0]
 
-    def step_noise(self, pixels: torch.Tensor, batch_idx: int) -> Any:
-        """The noise of this rank's slice of the global micro-batch (independent of the world size)."""
+    def step_noise(self, pixels: torch.Tensor, batch_idx: int, latents: bool = False) -> Any:
+        """The noise of this rank's slice of the global micro-batch (independent of the world size); `pixels` are
+        the batch's latents themselves with `latents` (pre-computed)."""
         parts = 2 if self.loss_cfg.with_prior_preservation else 1
         b, world, rank = pixels.shape[0] // parts, self.trainer.world_size, self.global_rank
-        shape = latent_shape(self.vae, pixels)
+        shape = tuple(pixels.shape) if latents else latent_shape(self.vae, pixels)
         g = step_generator(self.config.seed, self.global_step, batch_idx % self.trainer.accumulate_grad_batches)
         full = draw_step_noise((parts * b * world, *shape[1:]), self.noise_scheduler.config.num_train_timesteps,
                                g, self.loss_cfg.noise_offset, self.loss_cfg.input_perturbation)
@@ -195,7 +196,7 @@ class StableDiffusionFineTune(pl.LightningModule):
             sched = schedulers[0] if isinstance(schedulers, list) else schedulers
             self.log("lr", float(sched.get_last_lr()[0]), prog_bar=True, on_step=True)
         if self._t_last is not None:
-            images = batch["pixel_values"].shape[0] * self.trainer.world_size
+            images = batch["input_ids"].shape[0] * self.trainer.world_size
             self.log("images_per_s", images / max(now - self._t_last, 1e-9), prog_bar=True, on_step=True)
         self._t_last = now
         return loss

@@ -66,16 +66,32 @@ class SDXLCaptionedImages(CaptionedImages):
         replay = torch.Generator().set_state(generator.get_state())
         corner = self._crop_corner(img.size, replay)
         pixels = preprocess(img, self.cfg, generator)
+        ids = self.caption_ids(record, generator)
+        return {f"{prefix}pixel_values": pixels, f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1],
+                f"{prefix}original_size": torch.tensor([img.height, img.width]),
+                f"{prefix}crop_top_left": torch.tensor(corner)}
+
+    def caption_ids(self, record: ImageRecord, generator: torch.Generator) -> list[torch.Tensor]:
+        """Both tokenizers' ids `[L]` of the record's caption for this sample: one of several drawn, or (a share
+        `empty_prompts` of samples) the empty prompt."""
         caption = record.caption
         if not isinstance(caption, str):  # several captions: one per sample, drawn after the crop and flip
             caption = caption[int(torch.randint(len(caption), (1,), generator=generator))]
         if self.empty_prompts and float(torch.rand(1, generator=generator)) < self.empty_prompts:
             caption = ""
-        ids = [tok(caption, padding="max_length", truncation=True, max_length=tok.model_max_length,
-                   return_tensors="pt").input_ids[0] for tok in (self.tokenizer, self.tokenizer_2)]
-        return {f"{prefix}pixel_values": pixels, f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1],
-                f"{prefix}original_size": torch.tensor([img.height, img.width]),
-                f"{prefix}crop_top_left": torch.tensor(corner)}
+        return self.tokenize(caption)
+
+    def tokenize(self, caption: str) -> list[torch.Tensor]:
+        """Both tokenizers' ids `[L]` of `caption`, padded to the model length as the scripts tokenize."""
+        return [tok(caption, padding="max_length", truncation=True, max_length=tok.model_max_length,
+                    return_tensors="pt").input_ids[0] for tok in (self.tokenizer, self.tokenizer_2)]
+
+    def prompts(self) -> list[str]:
+        """Every prompt a sample can carry (each record's captions, the empty prompt when drawn)."""
+        out: list[str] = [""] if self.empty_prompts else []
+        for r in (*self.records, *self.class_records):
+            out.extend([r.caption] if isinstance(r.caption, str) else r.caption)
+        return out
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index, seed = key if isinstance(key, tuple) else (key, key)
@@ -83,6 +99,31 @@ class SDXLCaptionedImages(CaptionedImages):
         item = self._sample(self.records[index % len(self.records)], generator, "")
         if self.class_records:
             item.update(self._sample(self.class_records[index % len(self.class_records)], generator, "class_"))
+        return item
+
+
+class SDXLCachedLatents(SDXLCaptionedImages):
+    """`SDXLCaptionedImages` whose images were encoded once (`precompute_latents`): an item holds the record's
+    stored `latents` with the original size and crop corner they were made with (one crop and flip per image, as
+    train_text_to_image_sdxl.py's `dataset.map` fixes them); the caption is still drawn per sample."""
+
+    def __init__(self, base: SDXLCaptionedImages, stores: tuple[Any, Any | None]) -> None:
+        super().__init__(base.records, (base.tokenizer, base.tokenizer_2), base.cfg, base.class_records,
+                         base.empty_prompts)
+        self.stores = stores
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
+        index, seed = key if isinstance(key, tuple) else (key, key)
+        generator = torch.Generator().manual_seed(seed)
+        item: dict[str, torch.Tensor] = {}
+        for prefix, records, store in (("", self.records, self.stores[0]), ("class_", self.class_records,
+                                                                            self.stores[1])):
+            if not records:
+                continue
+            row = index % len(records)
+            ids = self.caption_ids(records[row], generator)
+            item.update({f"{prefix}{k}": v for k, v in store.get(row).items()})
+            item.update({f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1]})
         return item
 
 
@@ -97,8 +138,10 @@ class SDXLData(ImageCaptionData):
 
     def dataset(self) -> CaptionedImages:
         module = self.trainer.lightning_module
-        return SDXLCaptionedImages(self.scan(), (module.tokenizer, module.tokenizer_2), self.config.data_config(),
-                                   self.class_records, sdxl_settings(self.config).proportion_empty_prompts)
+        ds = SDXLCaptionedImages(self.scan(), (module.tokenizer, module.tokenizer_2), self.config.data_config(),
+                                 self.class_records, sdxl_settings(self.config).proportion_empty_prompts)
+        stores = getattr(module, "latent_stores", None)
+        return ds if stores is None else SDXLCachedLatents(ds, stores)
 
 
 # -- the LightningModule ----------------------------------------------------------------------------------------
@@ -127,6 +170,23 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
         self.text_encoder_2, self.tokenizer_2 = second
         self.vae_source: Path | None = self_vae_source
         self._freeze_second_encoder()
+        self.text_embeddings: Any = None
+        """`diffusion.precompute.TextEmbeddings` of every prompt (`--precompute text|both`), else None."""
+        self.latent_stores: Any = None
+        """(records', class records') `FeatureStore` of latents (`--precompute latents|both`), else None."""
+        self.precompute_dir: Path | None = None
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit" and self.text_embeddings is None and self.latent_stores is None:
+            from .sdxl_precompute import precompute
+
+            precompute(self, self.trainer.datamodule)
+
+    def teardown(self, stage: str) -> None:
+        from .sdxl_precompute import release_stores
+
+        release_stores(self)
 
     def _freeze_and_cast(self) -> None:
         super()._freeze_and_cast()
@@ -144,8 +204,12 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
 
     def set_modes(self) -> None:
-        super().set_modes()
-        self.text_encoder_2.train(self.config.train_text_encoder)
+        """As the SD recipe's, for the models still held (`--precompute` drops the frozen encoders / the VAE)."""
+        self.unet.train()
+        for name in ("vae", "text_encoder", "text_encoder_2"):
+            part = getattr(self, name)
+            if part is not None:
+                part.train(name != "vae" and self.config.train_text_encoder)
 
     def _both(self, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
         """`batch[key]`, the class images' appended under prior preservation."""
@@ -156,12 +220,20 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
     def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The loss of one micro-batch: the SD recipe's, the UNet conditioned as SDXL is (`encode_prompt_sdxl`,
         `time_ids`)."""
-        pixels = self._both(batch, "pixel_values")
         ids = [self._both(batch, "input_ids"), self._both(batch, "input_ids_2")]
-        noise = self.step_noise(pixels, batch_idx)
-        with torch.no_grad():
-            latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
-        hidden, pooled = encode_prompt_sdxl([self.text_encoder, self.text_encoder_2], ids)
+        if "latents" in batch:  # pre-computed
+            latents = self._both(batch, "latents").float()
+            noise = self.step_noise(latents, batch_idx, latents=True)
+        else:
+            pixels = self._both(batch, "pixel_values")
+            noise = self.step_noise(pixels, batch_idx)
+            with torch.no_grad():
+                latents = encode_latents(self.vae, pixels, noise.latent_eps).float()
+        if self.text_embeddings is not None:
+            got = self.text_embeddings.lookup([i.cpu() for i in ids])
+            hidden, pooled = got["hidden"].to(latents.device), got["pooled"].to(latents.device)
+        else:
+            hidden, pooled = encode_prompt_sdxl([self.text_encoder, self.text_encoder_2], ids)
         cond = {"text_embeds": pooled, "time_ids": time_ids(self._both(batch, "original_size"),
                                                             self._both(batch, "crop_top_left"),
                                                             self.config.resolution).to(pooled.device)}
@@ -201,6 +273,7 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
 
         from ...diffusion.sdxl import make_sdxl_pipeline
         from ...diffusion.streaming import gemini_of
+        from .sdxl_precompute import frozen_component
 
         if gemini_of(self.unet) is None:
             self.fill_hollow()
@@ -208,19 +281,17 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
         if use_ema and self.ema is not None:
             unet = copy.deepcopy(self.unet)
             self.ema.copy_to(unet.parameters())
-        comps = {"unet": unet, "vae": self.vae, "text_encoder": self.text_encoder,
-                 "text_encoder_2": self.text_encoder_2, "tokenizer": self.tokenizer, "tokenizer_2": self.tokenizer_2}
+        comps = {"unet": unet, **{name: frozen_component(self, name) for name in ("vae", "text_encoder",
+                                                                                   "text_encoder_2")},
+                 "tokenizer": self.tokenizer, "tokenizer_2": self.tokenizer_2}
         return make_sdxl_pipeline(comps, scheduler=self.validation_scheduler())
 
     def lora_layers(self, parts: dict[str, Any]) -> dict[str, Any]:
         """The diffusers-format LoRA layers of the UNet (and both text encoders with `train_text_encoder`), from
-        the modules or the state `materialize` gathered (`parts["state"]`)."""
+        the modules or the trained values `export.trained_state` gathered (`parts["state"]`)."""
         from ...diffusion.lora import lora_state_dicts
-        from .export import materialize
 
         state = parts.get("state")
-        if state is not None and self.config.train_text_encoder:
-            state = {**state, **materialize(self, ("text_encoder_2",)).get("state", {})}
 
         def sub(prefix: str) -> dict[str, torch.Tensor] | None:
             return None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}

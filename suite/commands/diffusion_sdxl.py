@@ -31,7 +31,7 @@ def add_sdxl_scripts(sub: argparse._SubParsersAction) -> None:
     """Add the three SDXL script subcommands to `suite diffusion`."""
     from ...diffusion.config import FineTuneConfig
     from ...diffusion.scripts import DIFFUSERS_VERSION
-    from ...diffusion.sdxl_scripts import SDXL_SCRIPT_FLAGS, SDXL_SCRIPTS
+    from ...diffusion.sdxl_scripts import SDXL_SCRIPT_FLAGS, SDXL_SCRIPTS, SDXLSettings
     from ...utils.settings import add_flags
     from .diffusion import LAUNCH_SETTINGS
 
@@ -46,6 +46,7 @@ def add_sdxl_scripts(sub: argparse._SubParsersAction) -> None:
                            **how, **({"required": True} if f.required else {}))
         launch = p.add_argument_group("launcher settings (not flags of the diffusers script)")
         add_flags(launch, FineTuneConfig, defaults=True, only=LAUNCH_SETTINGS)
+        add_flags(launch, SDXLSettings, defaults=True, only=("precompute",))
 
 
 def build_sdxl_config(args: argparse.Namespace) -> object:
@@ -55,7 +56,7 @@ def build_sdxl_config(args: argparse.Namespace) -> object:
 
     values = {f.name: getattr(args, f.name) for f in SDXL_SCRIPT_FLAGS[args.diffusion_command]}
     launch = {name: getattr(args, name) for name in LAUNCH_SETTINGS}
-    return sdxl_script_config(args.diffusion_command, values, launch)
+    return sdxl_script_config(args.diffusion_command, values, launch, precompute=args.precompute)
 
 
 def run_sdxl(args: argparse.Namespace) -> int:
