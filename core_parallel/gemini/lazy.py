@@ -36,8 +36,9 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "SafetensorsSource", "TensorSource", "clear_source", "close_sources", "fill_hollow",
-           "hollow_parameters", "is_hollow", "read_safetensors_header", "source_of", "take_value"]
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsSource", "TensorSource", "cast_parameters", "clear_source",
+           "close_sources", "fill_hollow", "hollow_parameters", "is_hollow", "read_safetensors_header", "source_of",
+           "take_value"]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -225,6 +226,26 @@ def hollow_parameters(module: torch.nn.Module, source: TensorSource, *, prefix: 
             mod._parameters[name] = new
             names.append(full)
     return names
+
+
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """`module.to(dtype)` for the parameters, hollow ones included: a hollow parameter becomes a hollow one of
+    `dtype` reading from the same source (its value is converted when its chunk is filled), nothing is read now.
+    Buffers are cast as `Module.to` casts them."""
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if is_hollow(p):
+                new = _hollow_like(torch.empty(p.shape, dtype=dtype, device="meta"), p.device)
+                new.requires_grad_(p.requires_grad)
+                setattr(new, _ATTR, source_of(p))
+                mod._parameters[name] = new
+            else:
+                p.data = p.data.to(dtype)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_floating_point():
+                mod._buffers[name] = b.to(dtype)
 
 
 def is_hollow(p: torch.Tensor) -> bool:

@@ -80,7 +80,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         half = None if dtype == torch.float32 else dtype
         trains_text_encoder = cfg.train_text_encoder and not cfg.lora
         return {"vae_dtype": half, "text_encoder_dtype": None if trains_text_encoder else half,
-                "stream_unet": not cfg.lora and not cfg.use_ema and _is_gemini(cfg)}
+                "stream_unet": stream_unet(cfg)}
 
     def setup(self, stage: str) -> None:
         if not isinstance(self.trainer.strategy, GeminiStrategy):
@@ -103,7 +103,9 @@ class StableDiffusionFineTune(pl.LightningModule):
         if not cfg.train_text_encoder:
             self.text_encoder.to(self.weight_dtype)
         if cfg.lora:
-            self.unet.to(self.weight_dtype)
+            from ...core_parallel.gemini.lazy import cast_parameters
+
+            cast_parameters(self.unet, self.weight_dtype)  # a streamed UNet's frozen base too, read nothing yet
             add_lora(self.unet, cfg.rank)
             if cfg.train_text_encoder:
                 self.text_encoder.to(self.weight_dtype)
@@ -304,6 +306,12 @@ class StableDiffusionFineTune(pl.LightningModule):
             for m, mode in modes.items():
                 m.training = mode
 
+
+
+def stream_unet(cfg: FineTuneConfig) -> bool:
+    """Whether the UNet is built hollow and streamed into Gemini's shards: Gemini places all of it (the trained
+    UNet, or LoRA's frozen base in the weight dtype), and no EMA needs its values before setup."""
+    return not cfg.use_ema and _is_gemini(cfg)
 
 
 def _is_gemini(cfg: FineTuneConfig) -> bool:

@@ -24,7 +24,7 @@ from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
 from ...diffusion.sdxl_scripts import SDXLSettings
 from ...diffusion.training import diffusion_loss, encode_latents
 from .datamodule import ImageCaptionData
-from .module import StableDiffusionFineTune, _is_gemini
+from .module import StableDiffusionFineTune, stream_unet
 
 __all__ = ["SDXLCaptionedImages", "SDXLData", "StableDiffusionXLFineTune", "fit_sdxl", "sdxl_settings"]
 
@@ -156,7 +156,7 @@ def _load_sdxl(cfg: FineTuneConfig) -> dict[str, Any]:
     return load_sdxl_components(cfg.pretrained_model_name_or_path, vae=s.pretrained_vae_model_name_or_path,
                                 revision=cfg.revision, variant=cfg.variant, cache_dir=cfg.cache_dir,
                                 vae_dtype=half if s.vae_in_training_dtype else None, text_encoder_dtype=half,
-                                stream_unet=not cfg.lora and not cfg.use_ema and _is_gemini(cfg))
+                                stream_unet=stream_unet(cfg))
 
 
 class StableDiffusionXLFineTune(StableDiffusionFineTune):

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--mixed_precision bf16 --gradient_checkpointing` (the CLI's streaming load and export) "
                              "each run --steps steps start to exit in its own memory cgroup (page cache counted; "
                              "else tree RSS + offload files' resident pages)")
+    from .diffusion_whole import add_whole_arguments
+
+    add_whole_arguments(parser)
 
 
 # ---- models ------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per step")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
-    parser.add_argument("--lora_strategy", default="auto", help="--strategy of ours in the LoRA row")
+    parser.add_argument("--lora_strategy", default="gemini_nvme", help="--strategy of ours in the LoRA row")
     parser.add_argument("--cap_gib", type=float, default=8.0, help="the published cap of the full row")
     parser.add_argument("--work", default="/tmp/lowmem-bench-sdxl", help="outputs and the NVMe folder")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per command before it is killed")
@@ -95,6 +95,9 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
     UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
     does), peft LoRA (r = alpha = rank, gaussian init, to_k/q/v/out.0) in fp32, AdamW, SDPA, bf16 autocast,
     `steps` steps on random images with the script's `time_ids`, then the LoRA file written."""
+    import gc
+    import time
+
     import torch
     import torch.nn.functional as F
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -131,9 +134,12 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
                     return_tensors="pt").input_ids
     with torch.no_grad():
         hidden, pooled = encode_prompt_sdxl(encoders, [ids, ids])
+    del encoders  # the script computes the instance prompt's embeddings once and deletes the text encoders
+    gc.collect()
     cond = {"text_embeds": pooled, "time_ids": time_ids(torch.tensor([[resolution] * 2] * batch),
                                                         torch.zeros(batch, 2, dtype=torch.long), resolution)}
-    for _ in range(steps):
+    for step in range(steps):
+        t0 = time.perf_counter()
         pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
         with torch.no_grad():
             latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
@@ -145,6 +151,7 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        print(f"plain step {step + 1}/{steps} s {time.perf_counter() - t0:.3f} loss {float(loss):.4f}", flush=True)
     layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
     StableDiffusionXLPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
 
@@ -157,7 +164,7 @@ def _sides(opts: dict, base: str, data: str) -> list[dict]:
     common = ["--pretrained_model_name_or_path", base, "--resolution", str(opts["resolution"]),
               "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
               "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
-              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
+              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0", "--log_every_n_steps", "1"]
     suite = [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion"]
     rows = []
     if "lora" in opts["rows"]:
@@ -194,11 +201,13 @@ def _plain_full_note() -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import statistics
     import subprocess
     import sys
 
     from ...diffusion.sample_data import write_sample_data
     from .common import print_table, write_json
+    from .diffusion_whole import _drop_cached, step_seconds
     from .memory import run_command
 
     opts = {k: getattr(args, k) for k in ("cache", "rows", "resolution", "batch", "steps", "rank", "lora_strategy",
@@ -209,28 +218,37 @@ def run(args: argparse.Namespace) -> int:
     data = str(write_sample_data(os.path.join(opts["work"], "data")))
     rows = []
     for side in _sides(opts, opts["cache"], data):
+        _drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
         log = os.path.join(opts["work"], f"{side['row']}-{side['side']}.log")
+        cap = int(opts["cap_gib"] * 2**30) if side["row"] == "full" else None
         with open(log, "w") as f:
             out = run_command(side["argv"], offload_paths=[os.path.join(opts["work"], d) for d in
                                                             ("nvme-lora", "nvme-full")],
-                              timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT)
+                              timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT,
+                              cap_bytes=cap)
+        times = step_seconds(log, opts["batch"])
         rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
                      "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
+                     "oom_killed": bool(out.get("oom_kills")), "step_times_s": times,
+                     "step_s": statistics.median(times[1:]) if len(times) > 1 else None,
                      "command": " ".join(side["argv"]), "log": log})
     if "full" in opts["rows"]:
         rows.append(_plain_full_note())
     for r in rows:
         if r["row"] == "full" and r["side"] == "ours" and r["peak_mib"]:
-            r["cap_mib"] = opts["cap_gib"] * 1024
-            r["under_cap"] = r["peak_mib"] <= r["cap_mib"]
+            r["cap_mib"] = opts["cap_gib"] * 1024  # a cgroup limit where the machine has one (method says)
+            r["under_cap"] = r["peak_mib"] <= r["cap_mib"] and not r["oom_killed"]
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
         if r["side"] == "ours" and r["row"] in plain:
             r["peak_ratio"] = r["peak_mib"] / plain[r["row"]]["peak_mib"]
             r["wall_ratio"] = r["wall_s"] / plain[r["row"]]["wall_s"]
-    print_table(rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "wall_s", "wall_ratio",
-                       "method"], title=f"SDXL (released UNet config, random weights), {opts['resolution']}px, "
-                                        f"batch {opts['batch']}, {opts['steps']} steps")
+            if r["step_s"] and plain[r["row"]]["step_s"]:
+                r["step_ratio"] = r["step_s"] / plain[r["row"]]["step_s"]
+    print_table(rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "oom_killed", "wall_s",
+                       "wall_ratio", "step_s", "step_ratio", "method"],
+                title=f"SDXL (released UNet config, random weights), {opts['resolution']}px, batch {opts['batch']}, "
+                      f"{opts['steps']} steps; step_s: median of the steps after the first")
     for r in rows:
         print(f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}")
     write_json(args.json, {"benchmark": "diffusion-sdxl", "config": opts, "rows": rows})

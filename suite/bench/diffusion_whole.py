@@ -17,7 +17,8 @@ import os
 
 from .diffusion import _MODULE, _encoders, _unet, add_arguments
 
-__all__ = ["main", "plain_loop", "run_whole", "whole_commands", "write_pipeline"]
+__all__ = ["add_whole_arguments", "main", "plain_loop", "run_whole", "step_seconds", "whole_commands",
+           "write_pipeline"]
 
 
 def _drop_cached(folder: str) -> None:
@@ -29,10 +30,50 @@ def _drop_cached(folder: str) -> None:
             drop_page_cache(os.path.join(top, name), write_back=True)
 
 
+def add_whole_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `--whole_command` only."""
+    parser.add_argument("--tiers", default="nvme",
+                        help="--whole_command: ours' runs, one per Gemini tier of the master weights and optimizer "
+                             "state (nvme, cpu; comma-separated), chunks of --chunk_mb")
+    parser.add_argument("--cap_mib", type=float, default=None,
+                        help="--whole_command: run ours under this memory cgroup limit (page cache included; the "
+                             "kernel reclaims, then kills): the published cap")
+
+
+def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
+    """A recipe YAML naming ours' Gemini config (what a user writes to set the chunk size)."""
+    where = f", offload_dir: {nvme}" if tier == "nvme" else ""
+    with open(path, "w") as f:
+        f.write(f"launch:\n  parallel:\n    gemini: {{offload_tier: {tier}{where}, offload_param_frac: 1.0, "
+                f"offload_optim_frac: 1.0, chunk_mb: {chunk_mb}}}\n")
+    return path
+
+
+def step_seconds(log: str, batch: int) -> list[float]:
+    """Seconds of each optimizer step a side's log reports, in order: the plain loop's `plain step k/N s X` lines,
+    or `suite diffusion`'s progress lines (`step k/N ... images/s X`, whose rate is the batch over the time since
+    step k-1 began: step k-1's duration)."""
+    import re
+
+    out = []
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = re.match(r"plain step \d+/\d+ s ([0-9.]+)", line)
+            if m:
+                out.append(float(m.group(1)))
+                continue
+            m = re.match(r"step (\d+)/\d+ .*images/s ([0-9.na]+)", line)
+            if m and m.group(2) != "nan" and float(m.group(2)) > 0:
+                out.append(batch / float(m.group(2)))
+    return out
+
+
 def whole_commands(opts: dict, work: str) -> list[dict]:
-    """The plain loop and `suite diffusion finetune` (Gemini on NVMe), each as a whole process tree in its own
-    memory cgroup (`suite.bench.memory.run_command`), on a pipeline folder of `opts`' shapes written in `work`.
-    Every input file is dropped from the page cache before each side, so each reads (and is charged for) its own."""
+    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`), each as a whole process tree in
+    its own memory cgroup (`suite.bench.memory.run_command`; ours under `--cap_mib` when given), on a pipeline
+    folder of `opts`' shapes written in `work`. Every input file is dropped from the page cache before each side,
+    so each reads (and is charged for) its own. Step time: the median of the steps after the first."""
+    import statistics
     import subprocess
     import sys
 
@@ -43,31 +84,41 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
     write_pipeline(base, opts)
     write_sample_data(data)
     py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
-    sides = {
-        "plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
-                  "--steps", steps, "--batch", batch, "--resolution", res],
-        "ours": [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune",
-                 "--pretrained_model_name_or_path", base,
-                 "--train_data_dir", data, "--resolution", res, "--train_batch_size", batch, "--max_train_steps",
-                 steps, "--strategy", "gemini_nvme", "--offload_dir", os.path.join(work, "nvme"),
-                 "--mixed_precision", "bf16", "--gradient_checkpointing", "--output_dir", os.path.join(work, "out")],
-    }
+    sides = {"plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
+                       "--steps", steps, "--batch", batch, "--resolution", res]}
+    for tier in opts.get("tiers", "nvme").split(","):
+        config = _ours_config(os.path.join(work, f"gemini-{tier}.yaml"), tier, os.path.join(work, "nvme"),
+                              opts["chunk_mb"])
+        sides[f"ours (gemini, {tier} tier)"] = [
+            py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune", "--config", config,
+            "--pretrained_model_name_or_path", base, "--train_data_dir", data, "--resolution", res,
+            "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
+            "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")]
+    cap = int(opts["cap_mib"] * 2**20) if opts.get("cap_mib") else None
     rows = []
     for side, argv in sides.items():
         _drop_cached(work)
         # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
-        log = os.path.join(work, f"{side}.log")
+        log = os.path.join(work, f"{side.split()[0]}-{len(rows)}.log")
         with open(log, "w") as f:
             out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
-                              stdout=f, stderr=subprocess.STDOUT)
-        if out["returncode"] != 0:
-            with open(log) as f:
-                tail = f.read()[-3000:]
+                              stdout=f, stderr=subprocess.STDOUT, cap_bytes=None if side == "plain" else cap)
+        with open(log, errors="replace") as f:
+            tail = f.read()[-3000:]
+        if out["returncode"] != 0 and not out.get("oom_kills"):
             raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
-        rows.append({"variant": side, "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"],
+        times = step_seconds(log, opts["batch"])
+        steady = times[1:]  # both sides' first figure is step 1's (warm-up): skipped
+        rows.append({"variant": side, "returncode": out["returncode"], "peak_mib": out["peak_bytes"] / 2**20,
+                     "cap_mib": (cap / 2**20) if cap and side != "plain" else None,
+                     "oom_killed": bool(out.get("oom_kills")), "wall_s": out["wall_s"],
+                     "step_s": statistics.median(steady) if steady else None, "step_times_s": times,
                      "method": out["method"], "command": " ".join(argv)})
-    rows[1]["peak_ratio"] = rows[1]["peak_mib"] / rows[0]["peak_mib"]
-    rows[1]["wall_ratio"] = rows[1]["wall_s"] / rows[0]["wall_s"]
+    plain = rows[0]
+    for r in rows[1:]:
+        r["peak_ratio"] = r["peak_mib"] / plain["peak_mib"]
+        r["wall_ratio"] = r["wall_s"] / plain["wall_s"]
+        r["step_ratio"] = r["step_s"] / plain["step_s"] if r["step_s"] and plain["step_s"] else None
     return rows
 
 
@@ -85,14 +136,16 @@ def run_whole(opts: dict, args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
-             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, torch {torch.__version__}")
-    print_table(rows, ["variant", "peak_mib", "peak_ratio", "wall_s", "wall_ratio", "method"], title=title)
+             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, ours' chunks "
+             f"{opts['chunk_mb']} MiB, torch {torch.__version__}")
+    print_table(rows, ["variant", "peak_mib", "cap_mib", "peak_ratio", "oom_killed", "wall_s", "wall_ratio",
+                       "step_s", "step_ratio", "method"], title=title)
     for r in rows:
         print(f"{r['variant']}: {r['command']}")
-    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); "
-          "target peak_ratio <= 0.33")
+    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); step_s: median of "
+          "the steps after the first; cap_mib: ours ran under that cgroup limit")
     write_json(args.json, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows})
-    return 0
+    return 1 if any(r["returncode"] for r in rows) else 0
 
 
 def write_pipeline(folder: str, opts: dict) -> None:
@@ -119,6 +172,8 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     and bf16 frozen VAE and text encoder loaded with `from_pretrained`, diffusers' default (SDPA) attention, fused
     AdamW, bf16 autocast, `steps` steps on random images, then the pipeline saved with the trained UNet as the
     script saves it."""
+    import time
+
     import torch
     import torch.nn.functional as F
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -139,7 +194,8 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
     ids = tokenizer(["a photo"] * batch, padding="max_length", max_length=tokenizer.model_max_length,
                     truncation=True, return_tensors="pt").input_ids
-    for _ in range(steps):
+    for step in range(steps):
+        t0 = time.perf_counter()
         pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with torch.no_grad():
@@ -152,6 +208,7 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        print(f"plain step {step + 1}/{steps} s {time.perf_counter() - t0:.3f} loss {float(loss):.4f}", flush=True)
     pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
     pipe.save_pretrained(out)
 

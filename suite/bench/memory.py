@@ -158,6 +158,24 @@ class Cgroup:
             return int(os.pread(self._peak_fd, 64, 0).split()[0])
         return _read_int(os.path.join(self.path, "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
 
+    def set_limit(self, nbytes: int) -> None:
+        """Cap the group's charge (anonymous memory and page cache) at `nbytes`: the kernel reclaims page cache
+        first and kills a task of the group when nothing more can be reclaimed (`oom_kills` counts it)."""
+        _write(os.path.join(self.path, "memory.max" if self.version == 2 else "memory.limit_in_bytes"), str(nbytes))
+
+    def oom_kills(self) -> int | None:
+        """Tasks of the group the kernel's OOM killer ended (None where the kernel does not say)."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            return None
+        return None
+
     def reset_peak(self) -> bool:
         """Start the peak again from the current charge; False where the kernel cannot."""
         try:
@@ -380,10 +398,19 @@ def _inherited_peak_bytes() -> int:
 
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
                 env: dict[str, str] | None = None, timeout: float | None = None, use_cgroup: bool = True,
-                **popen: Any) -> dict[str, Any]:
+                cap_bytes: int | None = None, **popen: Any) -> dict[str, Any]:
     """Run `argv` to its exit and return {"returncode", "peak_bytes", "method", "wall_s", ...}: the whole
-    process tree's memory from its first instruction to its exit (see the module doc)."""
-    group = Cgroup.create("cmd") if use_cgroup else None
+    process tree's memory from its first instruction to its exit (see the module doc).
+
+    `cap_bytes`: the cgroup's limit (page cache included; the kernel reclaims, then kills), reported back with
+    `cap_enforced` (False without a cgroup: then only the measured peak can be held against the cap) and
+    `oom_kills`."""
+    group = Cgroup.create("cmd") if use_cgroup or cap_bytes else None
+    capped: dict[str, Any] = {}
+    if cap_bytes:
+        capped = {"cap_bytes": cap_bytes, "cap_enforced": group is not None}
+        if group is not None:
+            group.set_limit(cap_bytes)
     t0 = time.perf_counter()
     if group:
         # the shell joins the group and execs the command, so every page of the command is charged there
@@ -414,7 +441,7 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
         wall = time.perf_counter() - t0
         if group:
             return {"returncode": proc.returncode, "peak_bytes": group.peak(), "method": group.method,
-                    "wall_s": wall}
+                    "wall_s": wall, **capped, **({"oom_kills": group.oom_kills()} if cap_bytes else {})}
         if offload_paths:
             files_max = max(files_max, files_resident_bytes(offload_paths))
         # read again now: the parent may have grown between the first reading and the fork; the kernel's RSS
@@ -425,7 +452,7 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
                 "method": f"{_FALLBACK} (tree RSS sampled every {interval * 1e3:.0f} ms, children's ru_maxrss "
                           f"{'counted' if counted else 'not above the parent peak it inherits: not counted'})",
                 "wall_s": wall, "tree_rss_bytes": sampled, "children_maxrss_bytes": maxrss,
-                "inherited_peak_bytes": inherited, "files_resident_bytes": files_max}
+                "inherited_peak_bytes": inherited, "files_resident_bytes": files_max, **capped}
     finally:
         if proc.poll() is None:
             proc.kill()

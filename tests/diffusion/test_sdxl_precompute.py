@@ -175,3 +175,34 @@ def test_bad_precompute_is_one_line_exit_2(capsys, tmp_path, sdxl_folder, images
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_lora_base_streamed_into_gemini_trains_as_loaded_whole(tmp_path, sdxl_folder, caplog):
+    """LoRA under a Gemini strategy: the UNet is built without weights and its frozen base streamed into Gemini's
+    chunks on the NVMe tier (never whole in memory), the embeddings pre-computed; the LoRA file equals that of a
+    run with the UNet loaded whole and no strategy, and diffusers loads it."""
+    import logging
+
+    from diffusers import StableDiffusionXLPipeline
+
+    from lowmem.diffusion.streaming import gemini_of
+
+    inst = tmp_path / "dog"
+    for i in range(2):
+        write_image(inst / f"{i}.png", size=(36, 36), seed=30 + i)
+    args = ["train_dreambooth_lora_sdxl", "--pretrained_model_name_or_path", str(sdxl_folder), "--instance_data_dir",
+            str(inst), "--instance_prompt", "a sks dog", "--train_batch_size", "1", "--max_train_steps", "2",
+            "--learning_rate", "1e-2", "--lr_warmup_steps", "0", "--seed", "4", "--adam_epsilon", "1"]
+    with caplog.at_level(logging.INFO, logger="lowmem.diffusion.streaming"):
+        module, held = _fit([*args, "--strategy", "gemini_nvme", "--offload_dir", str(tmp_path / "nvme"),
+                             "--output_dir", str(tmp_path / "streamed")])
+    assert "UNet built without weights" in caplog.text
+    assert gemini_of(module.unet) is not None and not held.seen["text_encoder"]
+    _fit([*args, "--output_dir", str(tmp_path / "whole")])
+    a, b = _lora(tmp_path / "streamed"), _lora(tmp_path / "whole")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-7)
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_folder)
+    pipe.load_lora_weights(tmp_path / "streamed")
+    assert set(pipe.get_list_adapters()) == {"unet"}

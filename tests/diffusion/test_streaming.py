@@ -72,6 +72,21 @@ def test_fill_hollow_without_gemini_equals_from_pretrained(small):
         assert torch.equal(v, want[k]), k
 
 
+def test_cast_hollow_reads_nothing_and_fills_the_cast_values(small):
+    """`cast_parameters` (LoRA's frozen base in the weight dtype): hollow parameters change dtype without reading
+    anything; filled, they hold the file's values cast as `Module.to` casts them."""
+    from lowmem.core_parallel.gemini.lazy import cast_parameters, source_of
+
+    unet = load_unet_hollow(small)
+    sources = {n: source_of(p) for n, p in unet.named_parameters()}
+    cast_parameters(unet, torch.bfloat16)
+    assert all(is_hollow(p) and p.dtype == torch.bfloat16 and p.untyped_storage().nbytes() == 0
+               and source_of(p) == sources[n] for n, p in unet.named_parameters())
+    fill_hollow(unet)
+    for k, v in _ref_state(small).items():
+        assert torch.equal(unet.state_dict()[k], v.to(torch.bfloat16)), k
+
+
 def test_streamed_export_is_what_save_pretrained_writes(small, tmp_path):
     """Gemini's weights (after a step) written chunk by chunk equal `save_pretrained` of the gathered model, byte
     for byte: config.json and the safetensors file."""

@@ -279,6 +279,24 @@ def test_mixed_keeps_fp32_parameters_true_converts():
     assert ShardedPrecision("bf16-true").convert_module(module)[1].weight.dtype == torch.bfloat16
 
 
+def test_mixed_forward_keeps_no_half_copies_of_the_weights():
+    """Under `*-mixed` the forward's autocast runs without its weight cache (with it, the half copy of every weight
+    used lives until the forward ends: the chunks Gemini released stay in memory as copies). Same casts, so the
+    same outputs as torch's default autocast."""
+    from lowmem.recipes.precision import ShardedPrecision
+
+    layer = nn.Linear(64, 64)
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+    plugin = ShardedPrecision("bf16-mixed")
+    plugin.device_type = "cpu"
+    with plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("strategy", "kwargs", "message"), [
     ("ZeroStrategy", {"stage": 2, "bukcet_mb": 1}, "'bukcet_mb'; did you mean 'bucket_mb'"),
     ("GeminiStrategy", {"chunk_md": 4}, "'chunk_md'; did you mean 'chunk_mb'"),

@@ -226,3 +226,33 @@ def test_bench_command_compares_with_a_baseline(tmp_path, capsys):
                                                                 rows["baseline"]["peak_MiB"])
     assert "peak_vs_baseline" in capsys.readouterr().out
     assert main(["bench", "command", "--", sys.executable, "-c", "raise SystemExit(1)"]) == 1
+
+
+def test_a_capped_command_keeps_page_cache_under_the_cap_and_is_killed_past_it(tmp_path):
+    """`run_command(cap_bytes=...)`: writing 3x the cap through the page cache finishes under it (the kernel
+    reclaims), holding 3x the cap in anonymous memory is killed and reported as such."""
+    if memory.cgroup_method() == "rss+mincore":
+        out = memory.run_command([sys.executable, "-c", "pass"], cap_bytes=96 * MIB, timeout=60)
+        assert out["cap_enforced"] is False  # said, not pretended
+        pytest.skip("no memory cgroup on this machine: a cap cannot be enforced")
+    cap = 96 * MIB
+    write = _WRITE.replace("range(64)", "range(288)")
+    out = memory.run_command([sys.executable, "-c", write, str(tmp_path / "big.bin")], cap_bytes=cap, timeout=120)
+    assert out["returncode"] == 0 and out["cap_enforced"] and out["oom_kills"] == 0, out
+    assert (tmp_path / "big.bin").stat().st_size == 288 * MIB
+    assert out["peak_bytes"] <= cap, out
+    hold = "b = bytearray(288 << 20)\nb[::4096] = b'\\x01' * len(b[::4096])\n"
+    out = memory.run_command([sys.executable, "-c", hold], cap_bytes=cap, timeout=120)
+    assert out["returncode"] != 0 and out["oom_kills"] >= 1, out
+
+
+def test_step_seconds_reads_both_sides_logs(tmp_path):
+    from lowmem.suite.bench.diffusion_whole import step_seconds
+
+    plain = tmp_path / "plain.log"
+    plain.write_text("noise\nplain step 1/3 s 10.5 loss 0.1\nplain step 2/3 s 4.25 loss 0.1\nplain step 3/3 s 4.75\n")
+    assert step_seconds(str(plain), 2) == [10.5, 4.25, 4.75]
+    ours = tmp_path / "ours.log"
+    ours.write_text("step 1/3 loss 1.1 images/s nan lr 1e-4 ETA 0:01:00\nstep 2/3 loss 1.0 images/s 0.25 lr 1e-4\n"
+                    "warning\nstep 3/3 loss 0.9 images/s 0.5 lr 1e-4 ETA 0:00:00\n")
+    assert step_seconds(str(ours), 2) == [8.0, 4.0]  # the rate at step k is the batch over step k-1's time
