@@ -78,6 +78,7 @@ class ChunkManager:
         self._storage_keys: dict[int, int] = {}
         self.passes = 0
         self._reduce_ptr = len(self.trainable_chunks) - 1
+        self._reduced: set[int] = set()  # chunks reduced in this backward pass
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
         self._clock = 0
         self._last_used: dict[int, int] = {}
@@ -300,6 +301,7 @@ class ChunkManager:
         self._in_backward = True
         self.passes += 1
         self._reduce_ptr = len(self.trainable_chunks) - 1
+        self._reduced = set()
         for c in self.chunks:
             c.sm.begin_backward()
         if queue:
@@ -317,13 +319,20 @@ class ChunkManager:
         if c.sm.grad_arrived(param_index):
             if c.sm.data is not ChunkState.RELEASED:  # every gradient is in: backward needs no value of it
                 self._release(c, in_use=True)
-            if self.sync:
+            if self.sync and self.world == 1:
+                # no collective to keep in step with other ranks: reduce each chunk as soon as its gradients are
+                # in. In parameter order, a chunk ending in the UNet's mid block completes only after every up
+                # block's gradients: half the model's gradients were held at once (2 GB of SD-1.5's 3.4)
+                self._reduce(c)
+            elif self.sync:
                 self._reduce_ready()
 
     def _account_local_grads(self, c: Chunk, held_before: int) -> None:
         self.ledger.add("device", "grads", c.local_grad_nbytes - held_before)
 
     def _reduce_ready(self) -> None:
+        """Reduce the chunks whose gradients are complete, in reverse chunk order (every rank issues the
+        reductions in the same order, whatever order its gradients completed in)."""
         while self._reduce_ptr >= 0:
             c = self.trainable_chunks[self._reduce_ptr]
             if not c.sm.grads_complete():
@@ -334,7 +343,11 @@ class ChunkManager:
     def _reduce(self, c: Chunk) -> None:
         """Start chunk `c`'s gradient reduce-scatter. Through the process group on several ranks it runs in the
         background while backward computes the next chunk's gradients: once it is started, the one before it is
-        finished, so at most two are in flight (local gradients are freed when their reduction finishes)."""
+        finished, so at most two are in flight (local gradients are freed when their reduction finishes). Once per
+        chunk and pass."""
+        if c.index in self._reduced:
+            return
+        self._reduced.add(c.index)
         if c.pending:  # the flat buffer first, then the shard: the parameter gradients are gone by then
             held = c.local_grad_nbytes
             c.materialize_grad()

@@ -409,3 +409,55 @@ def test_lr_scheduler_on_the_users_optimizer_follows_gemini_steps_without_a_fals
     got = model.state_dict()
     for name, p in ref_model.state_dict().items():
         torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
+
+
+class _MidLast(torch.nn.Module):
+    """A UNet's shape in miniature: registered down, up, mid; run down, mid, up. In parameter order the last chunk
+    (mid) gets its gradients only after every up layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.up = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.mid = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in (*self.down, self.mid, *self.up):
+            x = torch.tanh(m(x))
+        return x
+
+
+def test_one_rank_reduces_each_chunk_when_its_gradients_are_in():
+    """One rank (no collective order to keep): a chunk's local gradients are reduced into its shard as soon as they
+    are complete, so backward holds about one chunk's local gradients, not every up layer's waiting for mid's;
+    the weights equal torch's AdamW."""
+    torch.manual_seed(0)
+    ref = _MidLast()
+    model = copy.deepcopy(ref)
+    model, opt = setup_gemini(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                              GeminiConfig(chunk_mb=64 * 65 * 4 / 2**20))  # one layer (weight + bias) per chunk
+    mgr = model.gemini_manager
+    held, most = 0, 0
+    account = mgr._account_local_grads
+
+    def spy(c, before):
+        nonlocal held, most
+        held += c.local_grad_nbytes - before
+        most = max(most, held)
+        account(c, before)
+
+    mgr._account_local_grads = spy
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert len(mgr.trainable_chunks) == 7
+    assert most <= 2 * 64 * 65 * 4, most  # at most two chunks' local gradients at once (7 were held before)
+    state = model.state_dict()
+    for name, q in ref.named_parameters():
+        torch.testing.assert_close(state[name], q.detach(), rtol=1e-5, atol=1e-6)
