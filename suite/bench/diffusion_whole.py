@@ -36,16 +36,17 @@ def add_whole_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--whole_command: ours' runs, one per Gemini tier of the master weights and optimizer "
                              "state (nvme, cpu; comma-separated), chunks of --chunk_mb")
     parser.add_argument("--cap_mib", type=float, default=None,
-                        help="--whole_command: run ours under this memory cgroup limit (page cache included; the "
-                             "kernel reclaims, then kills): the published cap")
+                        help="--whole_command: run ours on the nvme tier under this memory cgroup limit (page cache "
+                             "included; the kernel reclaims, then kills): the published cap")
 
 
 def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
     """A recipe YAML naming ours' Gemini config (what a user writes to set the chunk size)."""
     where = f", offload_dir: {nvme}" if tier == "nvme" else ""
+    size = f", chunk_mb: {chunk_mb}" if chunk_mb > 0 else ""  # 0: Gemini searches it, as --strategy gemini_* does
     with open(path, "w") as f:
         f.write(f"launch:\n  parallel:\n    gemini: {{offload_tier: {tier}{where}, offload_param_frac: 1.0, "
-                f"offload_optim_frac: 1.0, chunk_mb: {chunk_mb}}}\n")
+                f"offload_optim_frac: 1.0{size}}}\n")
     return path
 
 
@@ -102,7 +103,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
         log = os.path.join(work, f"{side.split()[0]}-{len(rows)}.log")
         with open(log, "w") as f:
             out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
-                              stdout=f, stderr=subprocess.STDOUT, cap_bytes=None if side == "plain" else cap)
+                              stdout=f, stderr=subprocess.STDOUT, cap_bytes=cap if "nvme" in side else None)
         with open(log, errors="replace") as f:
             tail = f.read()[-3000:]
         if out["returncode"] != 0 and not out.get("oom_kills"):
@@ -110,7 +111,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
         times = step_seconds(log, opts["batch"])
         steady = times[1:]  # both sides' first figure is step 1's (warm-up): skipped
         rows.append({"variant": side, "returncode": out["returncode"], "peak_mib": out["peak_bytes"] / 2**20,
-                     "cap_mib": (cap / 2**20) if cap and side != "plain" else None,
+                     "cap_mib": (cap / 2**20) if cap and "nvme" in side else None,
                      "oom_killed": bool(out.get("oom_kills")), "wall_s": out["wall_s"],
                      "step_s": statistics.median(steady) if steady else None, "step_times_s": times,
                      "method": out["method"], "command": " ".join(argv)})
