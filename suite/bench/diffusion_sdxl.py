@@ -151,7 +151,8 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"plain step {step + 1}/{steps} s {time.perf_counter() - t0:.3f} loss {float(loss):.4f}", flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
     layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
     StableDiffusionXLPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
 

@@ -209,7 +209,8 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"plain step {step + 1}/{steps} s {time.perf_counter() - t0:.3f} loss {float(loss):.4f}", flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
     pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
     pipe.save_pretrained(out)
 
