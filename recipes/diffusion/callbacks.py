@@ -114,7 +114,7 @@ class PlainProgress(pl.Callback):
         eta = int(elapsed / done * max(trainer.max_steps - step, 0))
         m = trainer.callback_metrics
         loss, ips, lr = (float(m[k]) if k in m else float("nan") for k in ("train_loss", "images_per_s", "lr"))
-        print(f"step {step}/{trainer.max_steps} loss {loss:.4f} images/s {ips:.2f} lr {lr:.3g} "
+        print(f"step {step}/{trainer.max_steps} loss {loss:.4f} images/s {ips:.3g} lr {lr:.3g} "
               f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=self.stream or sys.stdout, flush=True)
 
 

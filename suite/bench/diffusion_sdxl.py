@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ...diffusion.sample_data import write_sample_data
     from .common import print_table, write_json
-    from .diffusion_whole import _drop_cached, step_seconds
+    from .diffusion_whole import _drop_cached, csv_step_seconds, step_seconds
     from .memory import run_command
 
     opts = {k: getattr(args, k) for k in ("cache", "rows", "resolution", "batch", "steps", "rank", "lora_strategy",
@@ -227,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
                                                             ("nvme-lora", "nvme-full")],
                               timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT,
                               cap_bytes=cap)
-        times = step_seconds(log, opts["batch"])
+        argv = side["argv"]
+        times = step_seconds(log, opts["batch"]) if side["side"] == "plain" else \
+            csv_step_seconds(argv[argv.index("--output_dir") + 1], opts["batch"])
         rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
                      "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
                      "oom_killed": bool(out.get("oom_kills")), "step_times_s": times,

@@ -17,8 +17,8 @@ import os
 
 from .diffusion import _MODULE, _encoders, _unet, add_arguments
 
-__all__ = ["add_whole_arguments", "main", "plain_loop", "run_whole", "step_seconds", "whole_commands",
-           "write_pipeline"]
+__all__ = ["add_whole_arguments", "csv_step_seconds", "main", "plain_loop", "run_whole", "step_seconds",
+           "whole_commands", "write_pipeline"]
 
 
 def _drop_cached(folder: str) -> None:
@@ -69,6 +69,19 @@ def step_seconds(log: str, batch: int) -> list[float]:
     return out
 
 
+def csv_step_seconds(folder: str, batch: int) -> list[float]:
+    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`): the
+    `images_per_s` logged at step k is the batch over step k-1's duration; [] without the file."""
+    import csv
+
+    path = os.path.join(folder, "logs", "csv", "metrics.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        rates = [float(r["images_per_s"]) for r in csv.DictReader(f) if r.get("images_per_s")]
+    return [batch / r for r in rates if r > 0]
+
+
 def whole_commands(opts: dict, work: str) -> list[dict]:
     """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`), each as a whole process tree in
     its own memory cgroup (`suite.bench.memory.run_command`; ours under `--cap_mib` when given), on a pipeline
@@ -108,7 +121,8 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
             tail = f.read()[-3000:]
         if out["returncode"] != 0 and not out.get("oom_kills"):
             raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
-        times = step_seconds(log, opts["batch"])
+        times = step_seconds(log, opts["batch"]) if side == "plain" else \
+            csv_step_seconds(os.path.join(work, f"out-{side.split()[-2]}"), opts["batch"])
         steady = times[1:]  # both sides' first figure is step 1's (warm-up): skipped
         rows.append({"variant": side, "returncode": out["returncode"], "peak_mib": out["peak_bytes"] / 2**20,
                      "cap_mib": (cap / 2**20) if cap and "nvme" in side else None,

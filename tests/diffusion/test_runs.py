@@ -114,7 +114,7 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
     _fit(cfg)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
     assert len(lines) == 2, lines
-    assert re.fullmatch(r"step 2/2 loss \d+\.\d{4} images/s \d+\.\d\d lr [0-9.e-]+ ETA 0:00:00", lines[-1])
+    assert re.fullmatch(r"step 2/2 loss \d+\.\d{4} images/s [0-9.e+-]+ lr [0-9.e-]+ ETA 0:00:00", lines[-1])
     with open(tmp_path / "out" / "logs" / "csv" / "metrics.csv") as f:
         header = f.readline()
     assert "lr" in header.strip().split(",") and "train_loss" in header

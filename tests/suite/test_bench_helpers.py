@@ -256,3 +256,13 @@ def test_step_seconds_reads_both_sides_logs(tmp_path):
     ours.write_text("step 1/3 loss 1.1 images/s nan lr 1e-4 ETA 0:01:00\nstep 2/3 loss 1.0 images/s 0.25 lr 1e-4\n"
                     "warning\nstep 3/3 loss 0.9 images/s 0.5 lr 1e-4 ETA 0:00:00\n")
     assert step_seconds(str(ours), 2) == [8.0, 4.0]  # the rate at step k is the batch over step k-1's time
+
+
+def test_csv_step_seconds_reads_the_runs_metrics(tmp_path):
+    from lowmem.suite.bench.diffusion_whole import csv_step_seconds
+
+    assert csv_step_seconds(str(tmp_path), 1) == []
+    (tmp_path / "logs" / "csv").mkdir(parents=True)
+    (tmp_path / "logs" / "csv" / "metrics.csv").write_text(
+        "epoch,images_per_s,lr,step,train_loss\n0,,1e-4,0,1.1\n0,0.0025,1e-4,1,1.4\n0,0.004,1e-4,2,1.2\n")
+    assert csv_step_seconds(str(tmp_path), 2) == [800.0, 500.0]
