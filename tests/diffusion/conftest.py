@@ -53,3 +53,16 @@ def write_image_folder(folder: Path, count: int, *, name: str = "img{i}.png", ca
 def image_folder(tmp_path) -> Path:
     """An imagefolder of 4 images with metadata.jsonl."""
     return write_image_folder(tmp_path / "data", 4)
+
+
+# -- the tiny SDXL pipeline and images of the SDXL tests (one per test module) ----------------------------------
+@pytest.fixture(scope="module")
+def sdxl_folder(tmp_path_factory) -> Path:
+    from lowmem.diffusion.sdxl import save_tiny_sdxl_pipeline
+
+    return save_tiny_sdxl_pipeline(tmp_path_factory.mktemp("sdxl") / "base")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])

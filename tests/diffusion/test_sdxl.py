@@ -18,7 +18,7 @@ from lowmem.diffusion.errors import InputError
 from lowmem.diffusion.scripts import DIFFUSERS_VERSION, Accept, Refuse
 from lowmem.diffusion.sdxl_scripts import SDXL_SCRIPT_FLAGS, SDXLSettings, handling, sdxl_script_config
 from lowmem.suite.cli import build_parser, main
-from tests.diffusion.conftest import write_image, write_image_folder
+from tests.diffusion.conftest import write_image
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "diffusers_flags"
 SCRIPTS = tuple(SDXL_SCRIPT_FLAGS)
@@ -186,18 +186,6 @@ def test_micro_conditioning_matches_the_crop(tmp_path):
 
 
 # -- runs on the tiny SDXL pipeline -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sdxl_folder(tmp_path_factory) -> Path:
-    from lowmem.diffusion.sdxl import save_tiny_sdxl_pipeline
-
-    return save_tiny_sdxl_pipeline(tmp_path_factory.mktemp("sdxl") / "base")
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])
-
-
 def _run(capsys, argv: list[str]) -> None:
     rc = main(["diffusion", *argv, "--resolution", "32", "--report_to", "csv"])
     err = capsys.readouterr().err

@@ -13,7 +13,7 @@ import torch
 
 from lowmem.diffusion.precompute import FeatureStore, TextEmbeddings, script_precompute
 from lowmem.suite.cli import build_parser, main
-from tests.diffusion.conftest import write_image, write_image_folder
+from tests.diffusion.conftest import write_image
 
 
 # -- the stores -------------------------------------------------------------------------------------------------
@@ -75,18 +75,6 @@ def test_auto_is_what_each_script_does():
 
 
 # -- runs on the tiny SDXL pipeline -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sdxl_folder(tmp_path_factory) -> Path:
-    from lowmem.diffusion.sdxl import save_tiny_sdxl_pipeline
-
-    return save_tiny_sdxl_pipeline(tmp_path_factory.mktemp("sdxl") / "base")
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])
-
-
 class _Held(pl.Callback):
     """What the module holds while the UNet trains."""
 
