@@ -165,7 +165,7 @@ def _sides(opts: dict, base: str, data: str) -> list[dict]:
     common = ["--pretrained_model_name_or_path", base, "--resolution", str(opts["resolution"]),
               "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
               "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
-              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0", "--log_every_n_steps", "1"]
+              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
     suite = [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion"]
     rows = []
     if "lora" in opts["rows"]:
