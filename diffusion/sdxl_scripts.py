@@ -46,7 +46,8 @@ class SDXLSettings:
     """Compute once, before the UNet trains, and free the models that made them: `text` (both text encoders'
     embeddings of every prompt), `latents` (the VAE latents of every image, one crop and flip each, as
     train_text_to_image_sdxl.py), `both`, or `none`; `auto`: what the script does (text_to_image_sdxl both,
-    dreambooth_lora_sdxl text unless --train_text_encoder, text_to_image_lora_sdxl none)."""
+    dreambooth_lora_sdxl text unless --train_text_encoder, text_to_image_lora_sdxl none), resolved by the commands
+    (`sdxl_script_config`); settings built in code without a script compute nothing for `auto`."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.proportion_empty_prompts <= 1.0:
@@ -55,10 +56,9 @@ class SDXLSettings:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.text_encoder_lr is not None and self.text_encoder_lr <= 0:
             raise ValueError(f"text_encoder_lr must be > 0, got {self.text_encoder_lr}")
-        from .precompute import PRECOMPUTE_CHOICES
+        from .precompute import check_precompute
 
-        if self.precompute not in PRECOMPUTE_CHOICES:
-            raise ValueError(f"precompute must be one of {', '.join(PRECOMPUTE_CHOICES)}, got {self.precompute!r}")
+        check_precompute(self.precompute, train_text_encoder=False)  # the combination: `sdxl_script_config`
 
 
 

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                               timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT,
                               cap_bytes=cap)
         argv = side["argv"]
-        times = step_seconds(log, opts["batch"]) if side["side"] == "plain" else \
+        times = step_seconds(log) if side["side"] == "plain" else \
             csv_step_seconds(argv[argv.index("--output_dir") + 1], opts["batch"])
         rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
                      "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],

@@ -50,23 +50,13 @@ def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
     return path
 
 
-def step_seconds(log: str, batch: int) -> list[float]:
-    """Seconds of each optimizer step a side's log reports, in order: the plain loop's `plain step k/N s X` lines,
-    or `suite diffusion`'s progress lines (`step k/N ... images/s X`, whose rate is the batch over the time since
-    step k-1 began: step k-1's duration)."""
+def step_seconds(log: str) -> list[float]:
+    """Seconds of each optimizer step the plain loop's log reports (its `plain step k/N s X` lines), in order; ours'
+    come from the run's CSV metrics (`csv_step_seconds`)."""
     import re
 
-    out = []
     with open(log, errors="replace") as f:
-        for line in f:
-            m = re.match(r"plain step \d+/\d+ s ([0-9.]+)", line)
-            if m:
-                out.append(float(m.group(1)))
-                continue
-            m = re.match(r"step (\d+)/\d+ .*images/s ([0-9.na]+)", line)
-            if m and m.group(2) != "nan" and float(m.group(2)) > 0:
-                out.append(batch / float(m.group(2)))
-    return out
+        return [float(m.group(1)) for line in f if (m := re.match(r"plain step \d+/\d+ s ([0-9.]+)", line))]
 
 
 def csv_step_seconds(folder: str, batch: int) -> list[float]:
@@ -117,11 +107,11 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
         with open(log, "w") as f:
             out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
                               stdout=f, stderr=subprocess.STDOUT, cap_bytes=cap if "nvme" in side else None)
-        with open(log, errors="replace") as f:
-            tail = f.read()[-3000:]
         if out["returncode"] != 0 and not out.get("oom_kills"):
+            with open(log, errors="replace") as f:
+                tail = f.read()[-3000:]
             raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
-        times = step_seconds(log, opts["batch"]) if side == "plain" else \
+        times = step_seconds(log) if side == "plain" else \
             csv_step_seconds(os.path.join(work, f"out-{side.split()[-2]}"), opts["batch"])
         steady = times[1:]  # both sides' first figure is step 1's (warm-up): skipped
         rows.append({"variant": side, "returncode": out["returncode"], "peak_mib": out["peak_bytes"] / 2**20,
