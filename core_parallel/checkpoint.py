@@ -21,6 +21,7 @@ flattening of its global shape) recorded in the index. `index.json`:
  "model_file": "model.safetensors" | null, "model_keys": [...],
  "checksums": {"shard-00000-of-00002.safetensors": "<sha256 hex>", ..., "model.safetensors": "..."},
  "aliases": {"tied.name": "canonical.name"},        tied parameters, stored once
+ "frozen_omitted": [names],                        saved with frozen=False: frozen parameters left out
  "param_groups": [{"lr": 0.001, ..., "params": [names]}],
  "loss_scaler": {...}, "info": {"kind": "zero", "stage": 2, ...}, "extra": {...user JSON...}}
 ```
@@ -43,17 +44,23 @@ when PATH is missing). All ranks must see the same file system.
 
 Protocol a sharded optimizer implements (ZeRO here, Gemini in `core_parallel.gemini`):
 - `process_group` attribute (None: the default group, or one process).
-- `sharded_state() -> ShardedState`: this rank's pieces (`ParamShard` per parameter name, names as in
+- `sharded_state(*, frozen=True) -> ShardedState`: this rank's pieces (`ParamShard` per parameter name, names as in
   `model.named_parameters()`), the param groups' hyperparameters with their parameter names, the loss
   scaler's `state_dict()`, and a small JSON `info` dict.
 - `load_sharded_state(reader: CheckpointReader)`: read its own ranges, restore the hyperparameters
   (`restore_param_groups`) and loss scaler, and bring the model's parameters up to date.
 Parameters not in `ShardedState.params` are saved from `model.state_dict()` by rank 0 alone, after
 `sharded_state()` ran on every rank, so the model's state_dict must then return real values for them
-without communicating; an optional `end_sharded_state()`, called on every rank once the save is done (or
+without communicating (with `frozen=False`, called only when the save leaves frozen parameters out, it need
+not ready those: they are not read); an optional `end_sharded_state()`, called on every rank once the save is done (or
 failed), ends that mode. Without an optimizer every rank calls `model.state_dict()` (it may be a collective)
 and rank 0 writes it. Loading never calls `model.state_dict()`: the expected names come from
 `named_parameters(remove_duplicate=False)` and the persistent buffers.
+
+`save_checkpoint(..., frozen=False)` leaves out the parameters with `requires_grad=False` that the optimizer does
+not hold (a fine-tuning run's frozen base, rebuilt from its source before a resume, as Lightning's own
+strategies drop them through `on_save_checkpoint`): the index lists their names, and a load keeps the values
+the model holds for them, after checking each is frozen in the model too.
 
 `consolidate_checkpoint(path, out)` writes one plain safetensors file that `model.load_state_dict` accepts.
 `save_checkpoint(path, model)` without an optimizer writes the same folder with the whole model in
@@ -172,14 +179,19 @@ def _flush_and_hash(path: Path) -> str:
     return sha256_of(path)
 
 
-def _write_model_file(folder: Path, state_dict: dict[str, Any], managed: set[str], aliases: dict[str, str]
+def _frozen_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the parameters with requires_grad=False (a tied one under every name)."""
+    return {n for n, t in tensor_names(model).items() if isinstance(t, torch.nn.Parameter) and not t.requires_grad}
+
+
+def _write_model_file(folder: Path, state_dict: dict[str, Any], skip: set[str], aliases: dict[str, str]
                       ) -> tuple[list[str], str | None]:
     from safetensors.torch import save_file
 
     tensors = {
         k: v.detach().cpu().contiguous()
         for k, v in state_dict.items()
-        if k not in managed and k not in aliases and isinstance(v, torch.Tensor)
+        if k not in skip and k not in aliases and isinstance(v, torch.Tensor)
     }
     if not tensors:
         return [], None
@@ -188,7 +200,7 @@ def _write_model_file(folder: Path, state_dict: dict[str, Any], managed: set[str
 
 
 def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list[str], model_sha: str | None,
-                 aliases: dict[str, str], extra: dict | None) -> dict[str, Any]:
+                 aliases: dict[str, str], extra: dict | None, omitted: set[str]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     shards: dict[str, dict] = {}
     checksums: dict[str, str] = {}
@@ -210,6 +222,7 @@ def _build_index(metas: list[dict], state: ShardedState | None, model_keys: list
         "model_keys": model_keys,
         "checksums": checksums,
         "aliases": aliases,
+        **({"frozen_omitted": sorted(omitted)} if omitted else {}),
         "param_groups": jsonable(state.param_groups) if state else [],
         "loss_scaler": jsonable(state.loss_scaler) if state else {},
         "info": jsonable(state.info) if state else {"kind": "model"},
@@ -223,15 +236,18 @@ def save_checkpoint(
     optimizer: Any | None = None,
     *,
     extra: dict[str, Any] | None = None,
+    frozen: bool = True,
 ) -> Path:
     """Save `model` (and a sharded `optimizer`, see the module docstring) into folder `path`, atomically.
 
     Collective: every rank of the optimizer's group (or of the default group) must call it. `extra` is a
-    small JSON-able dict stored in the index (step counters, scheduler state, ...). Returns the path.
+    small JSON-able dict stored in the index (step counters, scheduler state, ...). `frozen=False` leaves out
+    the frozen parameters the optimizer does not hold (listed in the index; see the module docstring).
+    Returns the path.
     """
     path = Path(path)
     try:
-        return _save(path, model, optimizer, extra)
+        return _save(path, model, optimizer, extra, frozen)
     finally:
         # Gemini: model.state_dict() gathers full values again (sharded_state() switched it to placeholders)
         end = getattr(optimizer, "end_sharded_state", None)
@@ -239,11 +255,16 @@ def save_checkpoint(
             end()
 
 
-def _save(path: Path, model: torch.nn.Module, optimizer: Any | None, extra: dict[str, Any] | None) -> Path:
+def _save(path: Path, model: torch.nn.Module, optimizer: Any | None, extra: dict[str, Any] | None,
+          frozen: bool) -> Path:
     group = _group_of(optimizer)
     world, rank = world_rank(group)
-    state = optimizer.sharded_state() if optimizer is not None else None
+    state = None
+    if optimizer is not None:
+        state = optimizer.sharded_state() if frozen else optimizer.sharded_state(frozen=False)
     managed = set(state.params) if state else set()
+    aliases = _aliases(model)
+    omitted = set() if frozen else _frozen_names(model) - managed - set(aliases)
     # Without a sharded optimizer the model's own state_dict() holds everything; a sharded model (Gemini)
     # gathers it collectively, so every rank takes part. With one, rank 0 alone reads what the optimizer
     # does not manage (Gemini's sharded_state() switches its state_dict to local placeholders first).
@@ -251,7 +272,6 @@ def _save(path: Path, model: torch.nn.Module, optimizer: Any | None, extra: dict
     if rank != 0:
         _save_on_other_rank(path, state, rank, world, group)
         return path
-    aliases = _aliases(model)
     with atomic_dir(path) as tmp:
         if world > 1:
             dist.broadcast_object_list([str(tmp)], src=_src(group), group=group)
@@ -259,15 +279,16 @@ def _save(path: Path, model: torch.nn.Module, optimizer: Any | None, extra: dict
         def write() -> tuple[dict[str, Any], tuple[list[str], str | None]]:
             meta = _write_shard(tmp, state, rank, world)
             sd = model_sd if model_sd is not None else model.state_dict()
-            return meta, _write_model_file(tmp, sd, managed, aliases)
+            return meta, _write_model_file(tmp, sd, managed | omitted, aliases)
 
         metas, (model_keys, model_sha) = _write_and_agree(path, write, rank, group, world)
-        index = _build_index(metas, state, model_keys, model_sha, aliases, extra)
+        index = _build_index(metas, state, model_keys, model_sha, aliases, extra, omitted)
         with atomic_write(tmp / INDEX) as f:
             json.dump(index, f, indent=1)
     if world > 1:
         dist.barrier(group=group)
-    logger.info("saved checkpoint %s (%d shards)", path, world)
+    logger.info("saved checkpoint %s (%d shards%s)", path, world,
+                f"; {len(omitted)} frozen parameters left out" if omitted else "")
     return path
 
 
@@ -314,25 +335,43 @@ def load_checkpoint(
     """Load a checkpoint saved on any number of ranks into `model` (and a sharded `optimizer`).
 
     Collective when `optimizer` communicates (ZeRO all-gathers the parameters). Without an optimizer the
-    full model is loaded on every rank. Returns the `extra` dict given at save time.
+    full model is loaded on every rank. Frozen parameters the save left out (`frozen=False`) keep the values
+    the model holds; each must be a frozen parameter of `model`. Returns the `extra` dict given at save time.
     """
     reader = CheckpointReader(path)
     reader.verify()  # every rank fails alike before any collective, not only those that read a bad file
+    omitted = _check_omitted(reader, model)
     if optimizer is None:
-        model.load_state_dict(reader.state_dict(), strict=strict)
-        return reader.extra
-    tensors = reader.model_tensors()
+        tensors, covered = reader.state_dict(), set()
+    else:
+        tensors = reader.model_tensors()
+        covered = set(reader.param_names()) | set(reader.index.get("aliases", {}))
     expected = set(tensor_names(model))  # not model.state_dict(): under Gemini that gathers every tensor
     unexpected = sorted(set(tensors) - expected)
     if strict and unexpected:
         raise CheckpointError(f"{path}: model has no tensors named {unexpected[:5]}")
-    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
-    covered = set(tensors) | set(reader.param_names()) | set(reader.index.get("aliases", {}))
-    missing = sorted(expected - covered)
+    missing = sorted(expected - set(tensors) - covered - omitted)
     if strict and missing:
         raise CheckpointError(f"{path}: checkpoint lacks model tensors {missing[:5]}")
-    optimizer.load_sharded_state(reader)
+    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+    if optimizer is not None:
+        optimizer.load_sharded_state(reader)
     return reader.extra
+
+
+def _check_omitted(reader: CheckpointReader, model: torch.nn.Module) -> set[str]:
+    """The frozen parameters `reader`'s save left out, after checking none is trained by `model`."""
+    omitted = set(reader.frozen_omitted)
+    if not omitted:
+        return omitted
+    tensors = tensor_names(model)
+    trained = sorted(n for n in omitted if isinstance(tensors.get(n), torch.nn.Parameter) and tensors[n].requires_grad)
+    if trained:
+        raise CheckpointError(f"{reader.path}: the checkpoint left out frozen parameter {trained[0]!r} (saved with "
+                              f"frozen=False), which this model trains: its saved value does not exist")
+    logger.info("%s: %d frozen parameters were not saved; they keep the values the model holds", reader.path,
+                len(omitted))
+    return omitted
 
 
 def consolidate_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "working") -> Path:
@@ -343,7 +382,12 @@ def consolidate_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, d
     """
     from safetensors.torch import save
 
-    sd = CheckpointReader(path).state_dict(dtype)
+    reader = CheckpointReader(path)
+    if reader.frozen_omitted:
+        raise CheckpointError(f"{reader.path}: the checkpoint left out {len(reader.frozen_omitted)} frozen parameters "
+                              f"(saved with frozen=False, e.g. {reader.frozen_omitted[0]!r}); a consolidated file "
+                              f"would lack them: load it into the model (load_checkpoint) and save that instead")
+    sd = reader.state_dict(dtype)
     seen: dict[int, str] = {}
     for k, v in list(sd.items()):
         if v.data_ptr() in seen and v.numel():

@@ -154,6 +154,12 @@ class CheckpointReader:
         aliases = ix.get("aliases", {})
         if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
             raise self._bad("field 'aliases' must map names to names")
+        omitted = ix.get("frozen_omitted", [])
+        if not isinstance(omitted, list) or not all(isinstance(n, str) for n in omitted):
+            raise self._bad("field 'frozen_omitted' must be a list of names")
+        clash = sorted(set(omitted) & (set(numels) | set(ix.get("model_keys") or [])))
+        if clash:
+            raise self._bad(f"'frozen_omitted' names {clash[0]!r}, which the checkpoint also holds")
 
     def _file(self, fname: str) -> Path:
         """The checked path of file `fname` of the checkpoint: a regular file, matching its checksum."""
@@ -258,6 +264,11 @@ class CheckpointReader:
         """The whole tensor `key` of parameter `name`, in its global shape."""
         shape = tuple(self.index["params"][name]["shape"])
         return self.read(name, key, 0, _numel(shape)).view(shape)
+
+    @property
+    def frozen_omitted(self) -> list[str]:
+        """Frozen parameters the save left out (`save_checkpoint(frozen=False)`): a load keeps the model's own."""
+        return list(self.index.get("frozen_omitted", []))
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """The full-size tensors rank 0 saved from `model.state_dict()` (buffers, unmanaged parameters)."""

@@ -258,7 +258,11 @@ class _ShardedStrategy(DDPStrategy):
         # model-only save would gather Gemini's chunks on rank 0 alone.
         if self.state_dict_type == "full" and path.is_dir() and not (path / LIGHTNING_STATE).is_file():
             raise IsADirectoryError(f"the checkpoint path exists and is a folder: {path}")
-        core_parallel.save_checkpoint(staging, self.model, self._core_optimizer)
+        # A module whose frozen weights are rebuilt from their source before a resume (a fine-tuning base) says
+        # so with `save_frozen_parameters = False`: they stay out of the folder, as its on_save_checkpoint drops
+        # them under Lightning's own strategies, and Gemini does not gather them for the save.
+        frozen = bool(getattr(self.lightning_module, "save_frozen_parameters", True))
+        core_parallel.save_checkpoint(staging, self.model, self._core_optimizer, frozen=frozen)
         if self.state_dict_type == "full":
             self._save_full(checkpoint, staging, path)
             return

@@ -464,10 +464,11 @@ class ChunkManager:
         self.pass_open = False
         yield from self.state_io.stream_values(pidxs)
 
-    def begin_checkpoint(self) -> None:
-        """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication."""
+    def begin_checkpoint(self, *, frozen: bool = True) -> None:
+        """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication
+        (`frozen=False`: the frozen parameters are not saved, so not gathered)."""
         self.pass_open = False
-        self.state_io.begin_checkpoint()
+        self.state_io.begin_checkpoint(frozen=frozen)
 
     def end_checkpoint(self) -> None:
         """Back to normal state_dict behaviour (collective full values)."""

@@ -327,12 +327,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
             buf.done()
 
     # ---- the core_parallel.checkpoint protocol ------------------------------------------------------
-    def sharded_state(self):
-        """This rank's pieces of every trained parameter for `save_checkpoint` (collective)."""
+    def sharded_state(self, *, frozen: bool = True):
+        """This rank's pieces of every trained parameter for `save_checkpoint` (collective); `frozen=False`: the
+        save leaves the frozen parameters out, so their chunks are not gathered for it."""
         from ..checkpoint import ParamShard, ShardedState
 
         mgr = self.manager
-        mgr.begin_checkpoint()  # rank 0 alone calls model.state_dict() next: no collectives
+        mgr.begin_checkpoint(frozen=frozen)  # rank 0 alone calls model.state_dict() next: no collectives
         params = {}
         for pidx, name in enumerate(mgr.names):
             if pidx not in self.steps:

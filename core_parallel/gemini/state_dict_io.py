@@ -78,15 +78,16 @@ class StateDictIO:
                     yield s.param, full[s.offset : s.offset + s.numel].view(self.params[s.param].shape)
             del full
 
-    def begin_checkpoint(self) -> None:
+    def begin_checkpoint(self, *, frozen: bool = True) -> None:
         """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication.
 
         Trained parameters come from the optimizer's shards (placeholders here); frozen ones are gathered
-        now and kept on rank 0, so they land in the model file exactly as ZeRO saves them.
+        now and kept on rank 0, so they land in the model file exactly as ZeRO saves them -- unless `frozen`
+        is False: the save leaves them out (placeholders too, never written).
         """
         self.end_checkpoint()
         for c in self.chunks:
-            if c.spec.trainable:
+            if c.spec.trainable or not frozen:
                 continue
             full = c.gather_fp32(c.master)
             if self.rank == 0:

@@ -321,8 +321,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = None
 
     # ------------------------------------------------------------------------------- checkpoints
-    def sharded_state(self) -> ShardedState:
-        """This rank's part of the state, in the `core_parallel.checkpoint` protocol."""
+    def sharded_state(self, *, frozen: bool = True) -> ShardedState:
+        """This rank's part of the state, in the `core_parallel.checkpoint` protocol (`frozen` changes nothing
+        here: the frozen parameters outside the optimizer are whole in the model, saved or left out by the
+        caller)."""
         from ..checkpoint import ParamShard, ShardedState
 
         params = {}

@@ -63,6 +63,9 @@ class StableDiffusionFineTune(pl.LightningModule):
                     if uses_ema else None)
         del ema_start
         self.strict_loading = False
+        self.save_frozen_parameters = False
+        """The sharded strategies leave the frozen weights out of checkpoints (the base and encoders reload from
+        --pretrained_model_name_or_path on resume, as on_save_checkpoint drops them under Lightning's own)."""
         self._t_last = None
         self.length: Any = None
         """The run's `diffusion.schedule.RunLength` (set by `fit_finetune`): the LR schedule's length and, on

@@ -168,7 +168,10 @@ def test_bad_precompute_is_one_line_exit_2(capsys, tmp_path, sdxl_folder, images
 def test_lora_base_streamed_into_gemini_trains_as_loaded_whole(tmp_path, sdxl_folder, caplog):
     """LoRA under a Gemini strategy: the UNet is built without weights and its frozen base streamed into Gemini's
     chunks on the NVMe tier (never whole in memory), the embeddings pre-computed; the LoRA file equals that of a
-    run with the UNet loaded whole and no strategy, and diffusers loads it."""
+    run with the UNet loaded whole and no strategy, and diffusers loads it. Its checkpoint holds the adapters and
+    their optimizer state but not the frozen base (nor the encoders): a resume from it reloads the base from the
+    pipeline and ends with the same LoRA file (one step per epoch: the resume restarts no epoch half-way)."""
+    import json
     import logging
 
     from diffusers import StableDiffusionXLPipeline
@@ -179,18 +182,26 @@ def test_lora_base_streamed_into_gemini_trains_as_loaded_whole(tmp_path, sdxl_fo
     for i in range(2):
         write_image(inst / f"{i}.png", size=(36, 36), seed=30 + i)
     args = ["train_dreambooth_lora_sdxl", "--pretrained_model_name_or_path", str(sdxl_folder), "--instance_data_dir",
-            str(inst), "--instance_prompt", "a sks dog", "--train_batch_size", "1", "--max_train_steps", "2",
+            str(inst), "--instance_prompt", "a sks dog", "--train_batch_size", "2", "--max_train_steps", "2",
             "--learning_rate", "1e-2", "--lr_warmup_steps", "0", "--seed", "4", "--adam_epsilon", "1"]
+    gemini = ["--strategy", "gemini_nvme", "--offload_dir", str(tmp_path / "nvme")]
     with caplog.at_level(logging.INFO, logger="lowmem.diffusion.streaming"):
-        module, held = _fit([*args, "--strategy", "gemini_nvme", "--offload_dir", str(tmp_path / "nvme"),
-                             "--output_dir", str(tmp_path / "streamed")])
+        module, held = _fit([*args, *gemini, "--checkpointing_steps", "1", "--output_dir", str(tmp_path / "streamed")])
     assert "UNet built without weights" in caplog.text
     assert gemini_of(module.unet) is not None and not held.seen["text_encoder"]
+    index = json.loads((tmp_path / "streamed" / "checkpoint-1" / "trainer_state.ckpt" / "index.json").read_text())
+    base = {f"unet.{n}" for n, p in module.unet.named_parameters() if not p.requires_grad}
+    assert base and base <= set(index["frozen_omitted"]) and not base & set(index["model_keys"])
+    assert index["params"] and all("lora" in n for n in index["params"])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "streamed" / "checkpoint-1", resumed / "checkpoint-1")
+    _fit([*args, *gemini, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])
     _fit([*args, "--output_dir", str(tmp_path / "whole")])
-    a, b = _lora(tmp_path / "streamed"), _lora(tmp_path / "whole")
-    assert a.keys() == b.keys()
+    a, b, c = _lora(tmp_path / "streamed"), _lora(tmp_path / "whole"), _lora(resumed)
+    assert a.keys() == b.keys() == c.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-7)
+        assert torch.equal(a[k], c[k]), k
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_folder)
     pipe.load_lora_weights(tmp_path / "streamed")
     assert set(pipe.get_list_adapters()) == {"unet"}
