@@ -78,18 +78,28 @@ def round_trip(rank: int, world: int, case: dict, folder: str) -> str | None:
     train(model, opt, rank, world, case["dims"], case["steps"])
     core_parallel.save_checkpoint(f"{folder}/a", model, opt)
     close(model)
-    model, opt = setup(case, case["load"], seed=1)
-    core_parallel.load_checkpoint(f"{folder}/a", model, opt)
+    return load_and_compare(lambda: setup(case, case["load"], seed=1), f"{folder}/a", f"{folder}/a", f"{folder}/b")
+
+
+def load_and_compare(make, path: str, ref: str, again: str) -> str | None:
+    """Load checkpoint `path` into the model and optimizer `make()` builds, save them to `again`; the first
+    difference of the loaded weights and of the saved optimizer state from checkpoint `ref` (None: none)."""
+    model, opt = make()
+    core_parallel.load_checkpoint(path, model, opt)
     got = {k: v.float() for k, v in model.state_dict().items()}
-    core_parallel.save_checkpoint(f"{folder}/b", model, opt)
+    core_parallel.save_checkpoint(again, model, opt)
     close(model)
-    want = CheckpointReader(f"{folder}/a").state_dict("float32")
+    want = CheckpointReader(ref).state_dict("float32")
     if set(got) != set(want):
         return f"state_dict names differ: {sorted(set(got) ^ set(want))}"
     for k in want:
         if not torch.equal(got[k], want[k]):
             return f"weight {k}: loaded {got[k].flatten()[:3]} != saved {want[k].flatten()[:3]}"
-    a, b = optimizer_state(f"{folder}/a"), optimizer_state(f"{folder}/b")
+    return state_difference(optimizer_state(ref), optimizer_state(again))
+
+
+def state_difference(a: dict, b: dict) -> str | None:
+    """The first difference between two `optimizer_state` results (saved `a`, after the load `b`), or None."""
     if set(a) != set(b):
         return f"optimizer state for different parameters: {sorted(set(a) ^ set(b))}"
     for name in a:

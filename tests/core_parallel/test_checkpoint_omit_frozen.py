@@ -21,9 +21,7 @@ from lowmem.core_parallel import ZeroConfig, run_on_ranks
 from lowmem.core_parallel.checkpoint import CheckpointError, CheckpointReader, consolidate_checkpoint
 from lowmem.core_parallel.gemini import GeminiConfig
 from lowmem.core_parallel.gemini.chunk import Chunk
-from tests.core_parallel.test_checkpoint_frozen import close, optimizer_state, train
-
-KINDS = ("zero1", "zero2", "gemini")
+from tests.core_parallel.test_checkpoint_frozen import cases, close, load_and_compare, train
 
 
 def build(case: dict, seed: int, base_seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -96,42 +94,12 @@ def omit_round_trip(rank: int, world: int, case: dict, folder: str) -> str | Non
         return f"left out {index.get('frozen_omitted')}, the frozen parameters are {sorted(frozen_names)}"
     if set(index["model_keys"]) & frozen_names:
         return f"the model file holds frozen parameters {sorted(set(index['model_keys']) & frozen_names)}"
-    model, opt = setup(case, case["load"], seed=1)
-    core_parallel.load_checkpoint(f"{folder}/lean", model, opt)
-    got = {k: v.float() for k, v in model.state_dict().items()}
-    core_parallel.save_checkpoint(f"{folder}/again", model, opt)
-    close(model)
-    want = CheckpointReader(f"{folder}/ref").state_dict("float32")
-    if set(got) != set(want):
-        return f"state_dict names differ: {sorted(set(got) ^ set(want))}"
-    for k in want:
-        if not torch.equal(got[k], want[k]):
-            return f"weight {k}: loaded {got[k].flatten()[:3]} != saved {want[k].flatten()[:3]}"
-    return _state_difference(optimizer_state(f"{folder}/ref"), optimizer_state(f"{folder}/again"))
-
-
-def _state_difference(a: dict, b: dict) -> str | None:
-    if set(a) != set(b):
-        return f"optimizer state for different parameters: {sorted(set(a) ^ set(b))}"
-    for name in a:
-        for key, value in a[name].items():
-            other = b[name].get(key)
-            if not isinstance(other, torch.Tensor) or not torch.equal(torch.as_tensor(value), other):
-                return f"optimizer state {key} of {name}: {other} after the load, {value} saved"
-    return None
+    return load_and_compare(lambda: setup(case, case["load"], seed=1), f"{folder}/lean", f"{folder}/ref",
+                            f"{folder}/again")
 
 
 def _round_trips(rank: int, world: int, cases: list[dict], tmp: str) -> list[str | None]:
     return [omit_round_trip(rank, world, case, f"{tmp}/{i}") for i, case in enumerate(cases)]
-
-
-@st.composite
-def cases(draw) -> dict:
-    dims = draw(st.lists(st.integers(1, 9), min_size=2, max_size=4))
-    n = 2 * (len(dims) - 1)
-    return {"dims": dims, "frozen": draw(st.lists(st.booleans(), min_size=n, max_size=n)),
-            "save": draw(st.sampled_from(KINDS)), "load": draw(st.sampled_from(KINDS)),
-            "steps": draw(st.integers(1, 2))}
 
 
 LORA_LIKE = {"dims": [6, 8, 8, 3], "frozen": [True, True, False, False, True, True], "save": "gemini",
