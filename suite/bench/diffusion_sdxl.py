@@ -7,9 +7,12 @@ Rows:
   and text encoders in the weight dtype, the VAE in fp32, peft LoRA rank r on the UNet's attention, its
   parameters in fp32, AdamW, SDPA, gradient checkpointing when asked) against
   `suite diffusion train_dreambooth_lora_sdxl` with the same flags (and a Gemini strategy when given).
-- `full`: the plain fp32 AdamW loop needs 16 bytes per UNet parameter before activations (41 GB): where that is
-  over the machine's memory it is not started, and the row says so; `suite diffusion train_text_to_image_sdxl
-  --strategy gemini_nvme` runs, and its peak is compared with `--cap_gib`.
+- `full`: diffusers' `train_text_to_image_sdxl.py` loop reduced to its work (`plain_full`: fp32 UNet, AdamW) needs
+  16 bytes per UNet parameter before activations (41 GB); it runs inside a memory cgroup limited to the machine's
+  memory less 1.5 GiB, so where it does not fit the kernel kills it there and the row says so (without a cgroup it
+  is not started, and the row says what it needs); `suite diffusion train_text_to_image_sdxl --strategy
+  gemini_nvme` runs under `--cap_gib` as a cgroup limit, and the row records its losses (finite?) and whether the
+  exported pipeline loads in diffusers (`check_pipeline`, a process of its own).
 
 The pipeline is written once into `--cache` (`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR`),
 with the released configs of SDXL base 1.0 (UNet, VAE, CLIP ViT-L and OpenCLIP bigG text encoders at their
@@ -21,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["SDXL_UNET", "add_arguments", "main", "plain_lora", "run", "write_pipeline"]
+__all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
 
 _MODULE = __spec__.name if __spec__ is not None else __name__
 
@@ -89,63 +92,56 @@ def write_pipeline(folder: str, seed: int = 0) -> str:
     return folder
 
 
-def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, rank: int,
-               checkpointing: bool = True) -> None:
-    """`train_dreambooth_lora_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: the
-    UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
-    does), peft LoRA (r = alpha = rank, gaussian init, to_k/q/v/out.0) in fp32, AdamW, SDPA, bf16 autocast,
-    `steps` steps on random images with the script's `time_ids`, then the LoRA file written."""
-    import gc
+def _load_sdxl(base: str, dtype) -> dict:
+    """The pipeline's parts as diffusers' SDXL scripts load them: everything with `from_pretrained` in fp32 and
+    frozen; the text encoders then cast to `dtype` (the scripts' weight dtype)."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    parts = {"scheduler": DDPMScheduler.from_pretrained(base, subfolder="scheduler"),
+             "tokenizer": CLIPTokenizer.from_pretrained(base, subfolder="tokenizer"),
+             "encoders": [CLIPTextModel.from_pretrained(base, subfolder="text_encoder"),
+                          CLIPTextModelWithProjection.from_pretrained(base, subfolder="text_encoder_2")],
+             "vae": AutoencoderKL.from_pretrained(base, subfolder="vae"),
+             "unet": UNet2DConditionModel.from_pretrained(base, subfolder="unet")}
+    for m in (parts["unet"], parts["vae"], *parts["encoders"]):
+        m.requires_grad_(False)
+    for m in parts["encoders"]:
+        m.to(dtype)
+    return parts
+
+
+def _prompt(parts: dict, batch: int, resolution: int) -> tuple:
+    """The prompt's embeddings (computed once, as both scripts do) and the `added_cond_kwargs` of a batch."""
+    import torch
+
+    from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
+
+    ids = parts["tokenizer"](["a photo of sks dog"] * batch, padding="max_length", max_length=77, truncation=True,
+                             return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden, pooled = encode_prompt_sdxl(parts["encoders"], [ids, ids])
+    cond = {"text_embeds": pooled, "time_ids": time_ids(torch.tensor([[resolution] * 2] * batch),
+                                                        torch.zeros(batch, 2, dtype=torch.long), resolution)}
+    return hidden, cond
+
+
+def _train(unet, latents_of, hidden, cond, optimizer, scheduler, steps: int, checkpointing: bool) -> None:
+    """The scripts' step: noise, timesteps, the UNet under bf16 autocast (SDPA), MSE on the noise, AdamW."""
     import time
 
     import torch
     import torch.nn.functional as F
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
-
-    torch.manual_seed(0)
-    bf16 = torch.bfloat16
-    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
-    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
-    encoders = [CLIPTextModel.from_pretrained(base, subfolder="text_encoder"),
-                CLIPTextModelWithProjection.from_pretrained(base, subfolder="text_encoder_2")]
-    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    for m in (unet, vae, *encoders):
-        m.requires_grad_(False)
-    unet.to(bf16)
-    for m in encoders:
-        m.to(bf16)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
-                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
-    params = [p for p in unet.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
     if checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
-    ids = tokenizer(["a photo of sks dog"] * batch, padding="max_length", max_length=77, truncation=True,
-                    return_tensors="pt").input_ids
-    with torch.no_grad():
-        hidden, pooled = encode_prompt_sdxl(encoders, [ids, ids])
-    del encoders  # the script computes the instance prompt's embeddings once and deletes the text encoders
-    gc.collect()
-    cond = {"text_embeds": pooled, "time_ids": time_ids(torch.tensor([[resolution] * 2] * batch),
-                                                        torch.zeros(batch, 2, dtype=torch.long), resolution)}
     for step in range(steps):
         t0 = time.perf_counter()
-        pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
-        with torch.no_grad():
-            latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
-        with torch.autocast("cpu", dtype=bf16):
+        latents = latents_of(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             noise = torch.randn_like(latents)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
             pred = unet(scheduler.add_noise(latents, noise, t), t, hidden, added_cond_kwargs=cond).sample
             loss = F.mse_loss(pred.float(), noise.float())
         loss.backward()
@@ -153,8 +149,69 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
+
+
+def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, rank: int,
+               checkpointing: bool = True) -> None:
+    """`train_dreambooth_lora_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: the
+    UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
+    does), peft LoRA (r = alpha = rank, gaussian init, to_k/q/v/out.0) in fp32, AdamW, SDPA, bf16 autocast,
+    `steps` steps on random images with the script's `time_ids`, then the LoRA file written."""
+    import gc
+
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(0)
+    parts = _load_sdxl(base, torch.bfloat16)
+    unet, vae = parts["unet"], parts["vae"]
+    unet.to(torch.bfloat16)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    params = [p for p in unet.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
+    hidden, cond = _prompt(parts, batch, resolution)
+    del parts["encoders"]  # the script computes the instance prompt's embeddings once and deletes the text encoders
+    gc.collect()
+
+    def latents_of(step: int) -> torch.Tensor:
+        with torch.no_grad():
+            pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
+            return vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+
+    _train(unet, latents_of, hidden, cond, optimizer, parts["scheduler"], steps, checkpointing)
     layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
     StableDiffusionXLPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
+
+
+def plain_full(base: str, out: str, *, steps: int, batch: int, resolution: int, checkpointing: bool = True) -> None:
+    """`train_text_to_image_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: every
+    part loaded with `from_pretrained`, the text encoders cast to bf16, the prompt embeddings and the images' VAE
+    latents computed first and the encoders and VAE deleted (the script's `dataset.map` pre-computation), then the
+    UNet trained in fp32 with AdamW (torch's default, as the script builds it) under bf16 autocast, SDPA; the UNet
+    saved in the end. On a machine smaller than its 16 bytes per parameter it is killed for memory."""
+    import gc
+
+    import torch
+
+    torch.manual_seed(0)
+    parts = _load_sdxl(base, torch.bfloat16)
+    unet, vae = parts["unet"], parts["vae"]
+    hidden, cond = _prompt(parts, batch, resolution)
+    with torch.no_grad():
+        latents = [vae.encode(torch.rand(batch, 3, resolution, resolution) * 2 - 1).latent_dist.sample()
+                   * vae.config.scaling_factor for _ in range(steps)]
+    del parts["encoders"], parts["vae"], vae
+    gc.collect()
+    unet.requires_grad_(True)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5, weight_decay=1e-2)
+    _train(unet, latents.__getitem__, hidden, cond, optimizer, parts["scheduler"], steps, checkpointing)
+    unet.save_pretrained(os.path.join(out, "unet"))
 
 
 def _sides(opts: dict, base: str, data: str) -> list[dict]:
@@ -180,25 +237,72 @@ def _sides(opts: dict, base: str, data: str) -> list[dict]:
                 *(["--offload_dir", os.path.join(work, "nvme-lora")] if "nvme" in opts["lora_strategy"] else []),
                 "--output_dir", os.path.join(work, "out-lora-ours")]},
         ]
+    if "full" in opts["rows"] and opts.get("plain_full_cap"):
+        rows.append({"row": "full", "side": "plain", "cap": opts["plain_full_cap"], "argv": [
+            py, "-m", _MODULE, "plain_full", base, os.path.join(work, "out-full-plain"), "--steps", str(opts["steps"]),
+            "--batch", str(opts["batch"]), "--resolution", str(opts["resolution"])]})
     if "full" in opts["rows"]:
-        rows.append({"row": "full", "side": "ours", "argv": [
+        rows.append({"row": "full", "side": "ours", "cap": int(opts["cap_gib"] * 2**30), "argv": [
             *suite, "train_text_to_image_sdxl", *common, "--train_data_dir", data, "--strategy", "gemini_nvme",
             "--offload_dir", os.path.join(work, "nvme-full"), "--output_dir", os.path.join(work, "out-full-ours")]})
     return rows
 
 
-def _plain_full_note() -> dict:
-    """The plain full fine-tune, not started where it cannot fit: its weights, gradients and AdamW states."""
+def _unet_params() -> int:
     from diffusers import UNet2DConditionModel
 
     with __import__("torch").device("meta"):
-        n = sum(p.numel() for p in UNet2DConditionModel(**SDXL_UNET).parameters())
-    need = n * 16  # fp32 weight + gradient + two AdamW moments
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return sum(p.numel() for p in UNet2DConditionModel(**SDXL_UNET).parameters())
+
+
+def _machine_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _plain_full_note() -> dict:
+    """The plain full fine-tune where it is not started (no memory cgroup to hold it in): what it needs."""
+    n = _unet_params()
+    need, total = n * 16, _machine_bytes()  # fp32 weight + gradient + two AdamW moments
     fits = "" if need > total else " (it would fit: not measured by this benchmark)"
     return {"row": "full", "side": "plain", "returncode": None, "params_M": round(n / 1e6), "peak_mib": None,
-            "note": f"not started{fits}: needs >= {need / 2**30:.1f} GiB for fp32 weights, gradients and AdamW "
-                    f"states before activations; the machine has {total / 2**30:.1f} GiB"}
+            "note": f"not started{fits} (no memory cgroup to run it in safely): needs >= {need / 2**30:.1f} GiB for "
+                    f"fp32 weights, gradients and AdamW states before activations; the machine has "
+                    f"{total / 2**30:.1f} GiB"}
+
+
+def _full_checks(out: str) -> dict:
+    """What the full row must show besides its peak: the logged losses are finite and the exported pipeline
+    loads in diffusers with a finite UNet of the released size (checked in a process of its own)."""
+    import csv
+    import json
+    import math
+    import subprocess
+    import sys
+
+    path = os.path.join(out, "logs", "csv", "metrics.csv")
+    losses = []
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    done = subprocess.run([sys.executable, "-m", _MODULE, "check_pipeline", out], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    loaded = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+        "loads": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return {"losses": losses, "loss_finite": bool(losses) and all(math.isfinite(v) for v in losses),
+            "pipeline": loaded}
+
+
+def check_pipeline(out: str) -> None:
+    """Print (JSON) whether `StableDiffusionXLPipeline.from_pretrained(out)` loads, its UNet's size and finiteness."""
+    import json
+
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(out)
+    params = list(pipe.unet.parameters())
+    print(json.dumps({"loads": True, "unet_params": sum(p.numel() for p in params),
+                      "finite": all(bool(torch.isfinite(p).all()) for p in params)}))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,11 +313,14 @@ def run(args: argparse.Namespace) -> int:
     from ...diffusion.sample_data import write_sample_data
     from .common import print_table, write_json
     from .diffusion_whole import _drop_cached, csv_step_seconds, step_seconds
-    from .memory import run_command
+    from .memory import cgroup_method, run_command
 
     opts = {k: getattr(args, k) for k in ("cache", "rows", "resolution", "batch", "steps", "rank", "lora_strategy",
                                           "cap_gib", "work", "timeout")}
     opts["rows"] = opts["rows"].split(",")
+    # the plain full loop is started only inside a memory cgroup whose limit keeps the machine alive (1.5 GiB below
+    # its memory): it needs 16 bytes per parameter, so where that is over the machine the kernel kills it there
+    opts["plain_full_cap"] = _machine_bytes() - 3 * 2**29 if cgroup_method() != "rss+mincore" else None
     os.makedirs(opts["work"], exist_ok=True)
     subprocess.run([sys.executable, "-m", _MODULE, "write_pipeline", opts["cache"]], check=True, cwd=opts["work"])
     data = str(write_sample_data(os.path.join(opts["work"], "data")))
@@ -221,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     for side in _sides(opts, opts["cache"], data):
         _drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
         log = os.path.join(opts["work"], f"{side['row']}-{side['side']}.log")
-        cap = int(opts["cap_gib"] * 2**30) if side["row"] == "full" else None
+        cap = side.get("cap")
         with open(log, "w") as f:
             out = run_command(side["argv"], offload_paths=[os.path.join(opts["work"], d) for d in
                                                             ("nvme-lora", "nvme-full")],
@@ -234,12 +341,13 @@ def run(args: argparse.Namespace) -> int:
                      "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
                      "oom_killed": bool(out.get("oom_kills")), "step_times_s": times,
                      "step_s": statistics.median(times[1:]) if len(times) > 1 else None,
-                     "command": " ".join(side["argv"]), "log": log})
-    if "full" in opts["rows"]:
+                     "command": " ".join(side["argv"]), "log": log, **({"cap_mib": cap / 2**20} if cap else {})})
+        if side["row"] == "full" and side["side"] == "ours" and out["returncode"] == 0:
+            rows[-1].update(_full_checks(argv[argv.index("--output_dir") + 1]))
+    if "full" in opts["rows"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
     for r in rows:
-        if r["row"] == "full" and r["side"] == "ours" and r["peak_mib"]:
-            r["cap_mib"] = opts["cap_gib"] * 1024  # a cgroup limit where the machine has one (method says)
+        if r.get("cap_mib") and r["peak_mib"]:  # a cgroup limit where the machine has one (method says)
             r["under_cap"] = r["peak_mib"] <= r["cap_mib"] and not r["oom_killed"]
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
@@ -249,32 +357,43 @@ def run(args: argparse.Namespace) -> int:
             if r["step_s"] and plain[r["row"]]["step_s"]:
                 r["step_ratio"] = r["step_s"] / plain[r["row"]]["step_s"]
     print_table(rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "oom_killed", "wall_s",
-                       "wall_ratio", "step_s", "step_ratio", "method"],
+                       "wall_ratio", "step_s", "step_ratio", "loss_finite", "method"],
                 title=f"SDXL (released UNet config, random weights), {opts['resolution']}px, batch {opts['batch']}, "
                       f"{opts['steps']} steps; step_s: median of the steps after the first")
     for r in rows:
         print(f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}")
+        if "pipeline" in r:
+            print(f"{r['row']}/{r['side']}: losses {r['losses']}, exported pipeline {r['pipeline']}")
     write_json(args.json, {"benchmark": "diffusion-sdxl", "config": opts, "rows": rows})
     return 1 if any(r["returncode"] not in (0, None) for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR | plain_lora BASE OUT ...`."""
+    """`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR | plain_lora BASE OUT ... | plain_full BASE
+    OUT ... | check_pipeline OUT`."""
     parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
     sub = parser.add_subparsers(dest="what", required=True)
-    w = sub.add_parser("write_pipeline", help="the random-weight SDXL pipeline folder")
-    w.add_argument("folder")
-    p = sub.add_parser("plain_lora", help="the plain DreamBooth LoRA SDXL loop as a whole process")
-    p.add_argument("base")
-    p.add_argument("out")
-    for name, default in (("steps", 2), ("batch", 1), ("resolution", 256), ("rank", 4)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    sub.add_parser("write_pipeline", help="the random-weight SDXL pipeline folder").add_argument("folder")
+    sub.add_parser("check_pipeline", help="whether an exported pipeline loads").add_argument("folder")
+    for name, help_ in (("plain_lora", "the plain DreamBooth LoRA SDXL loop as a whole process"),
+                        ("plain_full", "the plain SDXL full fine-tune loop as a whole process")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("base")
+        p.add_argument("out")
+        for flag, default in (("steps", 2), ("batch", 1), ("resolution", 256)):
+            p.add_argument(f"--{flag}", type=int, default=default)
+        if name == "plain_lora":
+            p.add_argument("--rank", type=int, default=4)
     args = parser.parse_args(argv)
     if args.what == "write_pipeline":
         write_pipeline(args.folder)
-    else:
+    elif args.what == "check_pipeline":
+        check_pipeline(args.folder)
+    elif args.what == "plain_lora":
         plain_lora(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution,
                    rank=args.rank)
+    else:
+        plain_full(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
     return 0
 
 

@@ -1,9 +1,11 @@
-"""`suite bench diffusion-sdxl` (issue 33) without running it: the released UNet config's size, the rows'
-commands, and the plain full fine-tune's not-started row."""
+"""`suite bench diffusion-sdxl` (issue 33) without running it at size: the released UNet config's size, the rows'
+commands, the plain full fine-tune (under the machine cap, or its not-started row), the plain loops on a tiny
+SDXL pipeline, and the full row's checks of losses and the exported pipeline."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import torch
 
@@ -44,3 +46,46 @@ def test_plain_full_row_says_why_it_is_not_started():
     row = bench._plain_full_note()
     assert row["params_M"] == 2567 and row["peak_mib"] is None
     assert row["note"].startswith("not started") and "38.3 GiB" in row["note"]
+
+
+def test_plain_full_row_runs_first_under_the_machine_cap_when_a_cgroup_holds_it():
+    sides = bench._sides(_opts(rows="full", plain_full_cap=7 * 2**30, work="/w"), "/base", "/data")
+    assert [(s["row"], s["side"]) for s in sides] == [("full", "plain"), ("full", "ours")]
+    plain, ours = sides
+    assert plain["argv"][3:6] == ["plain_full", "/base", "/w/out-full-plain"] and plain["cap"] == 7 * 2**30
+    assert ours["cap"] == 8 * 2**30 and "--rank" not in plain["argv"]
+
+
+def test_plain_loops_train_and_write_what_the_scripts_write(tmp_path, sdxl_folder, capsys):
+    """Both plain loops, on the tiny SDXL pipeline: every step prints a finite loss, the LoRA loop writes a LoRA
+    file diffusers loads, the full loop a UNet whose weights changed."""
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+
+    bench.plain_lora(str(sdxl_folder), str(tmp_path / "lora"), steps=2, batch=1, resolution=32, rank=2)
+    bench.plain_full(str(sdxl_folder), str(tmp_path / "full"), steps=2, batch=1, resolution=32)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("plain step")]
+    assert len(lines) == 4 and all(torch.isfinite(torch.tensor(float(ln.split()[-1]))) for ln in lines)
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_folder)
+    pipe.load_lora_weights(tmp_path / "lora")
+    assert set(pipe.get_list_adapters()) == {"unet"}
+    trained = dict(UNet2DConditionModel.from_pretrained(tmp_path / "full" / "unet").named_parameters())
+    base = UNet2DConditionModel.from_pretrained(sdxl_folder, subfolder="unet")
+    assert any(not torch.equal(p, trained[n]) for n, p in base.named_parameters())
+
+
+def test_full_checks_read_the_losses_and_load_the_pipeline(tmp_path, sdxl_folder):
+    def metrics(folder, losses):
+        (folder / "logs" / "csv").mkdir(parents=True, exist_ok=True)
+        rows = "".join(f"0,,1e-4,{i},{v}\n" for i, v in enumerate(losses))
+        (folder / "logs" / "csv" / "metrics.csv").write_text("epoch,images_per_s,lr,step,train_loss\n" + rows)
+
+    good = tmp_path / "good"
+    shutil.copytree(sdxl_folder, good)
+    metrics(good, [1.0, 0.5])
+    out = bench._full_checks(str(good))
+    assert out["losses"] == [1.0, 0.5] and out["loss_finite"]
+    assert out["pipeline"]["loads"] and out["pipeline"]["finite"] and out["pipeline"]["unet_params"] > 0
+    bad = tmp_path / "bad"
+    metrics(bad, [1.0, float("nan")])
+    out = bench._full_checks(str(bad))
+    assert not out["loss_finite"] and not out["pipeline"]["loads"] and out["pipeline"]["error"]
