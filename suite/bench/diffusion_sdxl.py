@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per step")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument("--sides", default="plain,ours", help="which sides of each row: plain, ours (comma-separated)")
     parser.add_argument("--lora_strategy", default="gemini_nvme", help="--strategy of ours in the LoRA row")
     parser.add_argument("--cap_gib", type=float, default=8.0, help="the published cap of the full row")
     parser.add_argument("--work", default="/tmp/lowmem-bench-sdxl", help="outputs and the NVMe folder")
@@ -311,13 +312,17 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from ...diffusion.sample_data import write_sample_data
+    from ..errors import UsageError
     from .common import print_table, write_json
     from .diffusion_whole import _drop_cached, csv_step_seconds, step_seconds
     from .memory import cgroup_method, run_command
 
-    opts = {k: getattr(args, k) for k in ("cache", "rows", "resolution", "batch", "steps", "rank", "lora_strategy",
-                                          "cap_gib", "work", "timeout")}
-    opts["rows"] = opts["rows"].split(",")
+    opts = {k: getattr(args, k) for k in ("cache", "rows", "sides", "resolution", "batch", "steps", "rank",
+                                          "lora_strategy", "cap_gib", "work", "timeout")}
+    opts["rows"], opts["sides"] = opts["rows"].split(","), opts["sides"].split(",")
+    bad = sorted(set(opts["rows"]) - {"lora", "full"}) + sorted(set(opts["sides"]) - {"plain", "ours"})
+    if bad:
+        raise UsageError(f"--rows/--sides: unknown {bad[0]!r} (rows: lora, full; sides: plain, ours)")
     # the plain full loop is started only inside a memory cgroup whose limit keeps the machine alive (1.5 GiB below
     # its memory): it needs 16 bytes per parameter, so where that is over the machine the kernel kills it there
     opts["plain_full_cap"] = _machine_bytes() - 3 * 2**29 if cgroup_method() != "rss+mincore" else None
@@ -325,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     subprocess.run([sys.executable, "-m", _MODULE, "write_pipeline", opts["cache"]], check=True, cwd=opts["work"])
     data = str(write_sample_data(os.path.join(opts["work"], "data")))
     rows = []
-    for side in _sides(opts, opts["cache"], data):
+    for side in [s for s in _sides(opts, opts["cache"], data) if s["side"] in opts["sides"]]:
         _drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
         log = os.path.join(opts["work"], f"{side['row']}-{side['side']}.log")
         cap = side.get("cap")
@@ -344,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
                      "command": " ".join(side["argv"]), "log": log, **({"cap_mib": cap / 2**20} if cap else {})})
         if side["row"] == "full" and side["side"] == "ours" and out["returncode"] == 0:
             rows[-1].update(_full_checks(argv[argv.index("--output_dir") + 1]))
-    if "full" in opts["rows"] and not opts["plain_full_cap"]:
+    if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
     for r in rows:
         if r.get("cap_mib") and r["peak_mib"]:  # a cgroup limit where the machine has one (method says)

@@ -89,3 +89,13 @@ def test_full_checks_read_the_losses_and_load_the_pipeline(tmp_path, sdxl_folder
     metrics(bad, [1.0, float("nan")])
     out = bench._full_checks(str(bad))
     assert not out["loss_finite"] and not out["pipeline"]["loads"] and out["pipeline"]["error"]
+
+
+def test_unknown_row_or_side_is_one_line_exit_2(tmp_path, capsys):
+    from lowmem.suite.cli import main
+
+    for flag in (["--sides", "mine"], ["--rows", "fulll"]):
+        rc = main(["bench", "diffusion-sdxl", *flag, "--work", str(tmp_path / "w"), "--json", str(tmp_path / "j")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and repr(flag[1]) in err[0], err
+    assert not (tmp_path / "w").exists()
