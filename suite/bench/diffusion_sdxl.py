@@ -279,13 +279,18 @@ def _full_checks(out: str) -> dict:
     import math
     import subprocess
     import sys
+    import tempfile
 
     path = os.path.join(out, "logs", "csv", "metrics.csv")
     losses = []
     if os.path.exists(path):
         with open(path, newline="") as f:
             losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
-    done = subprocess.run([sys.executable, "-m", _MODULE, "check_pipeline", out], capture_output=True, text=True)
+    # its own empty working folder: `-m` puts the working folder first on sys.path, and a checkout's `kernels/`
+    # there would shadow Hugging Face's, which diffusers imports
+    with tempfile.TemporaryDirectory() as cwd:
+        done = subprocess.run([sys.executable, "-m", _MODULE, "check_pipeline", os.path.abspath(out)],
+                              capture_output=True, text=True, cwd=cwd)
     lines = done.stdout.strip().splitlines()
     loaded = json.loads(lines[-1]) if done.returncode == 0 and lines else {
         "loads": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
