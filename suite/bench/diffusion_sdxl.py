@@ -128,28 +128,16 @@ def _prompt(parts: dict, batch: int, resolution: int) -> tuple:
 
 
 def _train(unet, latents_of, hidden, cond, optimizer, scheduler, steps: int, checkpointing: bool) -> None:
-    """The scripts' step: noise, timesteps, the UNet under bf16 autocast (SDPA), MSE on the noise, AdamW."""
-    import time
-
-    import torch
-    import torch.nn.functional as F
+    """The scripts' steps (`diffusion_whole.plain_step` of `noise_loss`: bf16 autocast, SDPA, MSE on the noise)
+    with SDXL's added conditioning."""
+    from .diffusion_whole import noise_loss, plain_step
 
     if checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
     for step in range(steps):
-        t0 = time.perf_counter()
-        latents = latents_of(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            noise = torch.randn_like(latents)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
-            pred = unet(scheduler.add_noise(latents, noise, t), t, hidden, added_cond_kwargs=cond).sample
-            loss = F.mse_loss(pred.float(), noise.float())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - t0
-        print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
+        plain_step(step, steps, optimizer,
+                   lambda s=step: noise_loss(unet, scheduler, latents_of(s), hidden, added_cond_kwargs=cond))
 
 
 def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, rank: int,
@@ -274,18 +262,15 @@ def _plain_full_note() -> dict:
 def _full_checks(out: str) -> dict:
     """What the full row must show besides its peak: the logged losses are finite and the exported pipeline
     loads in diffusers with a finite UNet of the released size (checked in a process of its own)."""
-    import csv
     import json
     import math
     import subprocess
     import sys
     import tempfile
 
-    path = os.path.join(out, "logs", "csv", "metrics.csv")
-    losses = []
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    from .diffusion_whole import csv_metric
+
+    losses = csv_metric(out, "train_loss")
     # its own empty working folder: `-m` puts the working folder first on sys.path, and a checkout's `kernels/`
     # there would shadow Hugging Face's, which diffusers imports
     with tempfile.TemporaryDirectory() as cwd:
@@ -345,15 +330,15 @@ def run(args: argparse.Namespace) -> int:
                               timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT,
                               cap_bytes=cap)
         argv = side["argv"]
-        times = step_seconds(log) if side["side"] == "plain" else \
-            csv_step_seconds(argv[argv.index("--output_dir") + 1], opts["batch"])
+        out_dir = argv[argv.index("--output_dir") + 1] if side["side"] == "ours" else None
+        times = step_seconds(log) if out_dir is None else csv_step_seconds(out_dir, opts["batch"])
         rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
                      "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
                      "oom_killed": bool(out.get("oom_kills")), "step_times_s": times,
                      "step_s": statistics.median(times[1:]) if len(times) > 1 else None,
                      "command": " ".join(side["argv"]), "log": log, **({"cap_mib": cap / 2**20} if cap else {})})
         if side["row"] == "full" and side["side"] == "ours" and out["returncode"] == 0:
-            rows[-1].update(_full_checks(argv[argv.index("--output_dir") + 1]))
+            rows[-1].update(_full_checks(out_dir))
     if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
     for r in rows:

@@ -17,8 +17,8 @@ import os
 
 from .diffusion import _MODULE, _encoders, _unet, add_arguments
 
-__all__ = ["add_whole_arguments", "csv_step_seconds", "main", "plain_loop", "run_whole", "step_seconds",
-           "whole_commands", "write_pipeline"]
+__all__ = ["add_whole_arguments", "csv_metric", "csv_step_seconds", "main", "noise_loss", "plain_loop", "plain_step",
+           "run_whole", "step_seconds", "whole_commands", "write_pipeline"]
 
 
 def _drop_cached(folder: str) -> None:
@@ -59,17 +59,48 @@ def step_seconds(log: str) -> list[float]:
         return [float(m.group(1)) for line in f if (m := re.match(r"plain step \d+/\d+ s ([0-9.]+)", line))]
 
 
-def csv_step_seconds(folder: str, batch: int) -> list[float]:
-    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`): the
-    `images_per_s` logged at step k is the batch over step k-1's duration; [] without the file."""
+def csv_metric(folder: str, column: str) -> list[float]:
+    """The values of `column` in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`), in order, rows
+    without it skipped; [] without the file."""
     import csv
 
     path = os.path.join(folder, "logs", "csv", "metrics.csv")
     if not os.path.exists(path):
         return []
     with open(path, newline="") as f:
-        rates = [float(r["images_per_s"]) for r in csv.DictReader(f) if r.get("images_per_s")]
-    return [batch / r for r in rates if r > 0]
+        return [float(r[column]) for r in csv.DictReader(f) if r.get(column)]
+
+
+def csv_step_seconds(folder: str, batch: int) -> list[float]:
+    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder`: the `images_per_s` logged at
+    step k is the batch over step k-1's duration; [] without the file."""
+    return [batch / r for r in csv_metric(folder, "images_per_s") if r > 0]
+
+
+def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
+    """The scripts' loss under bf16 autocast: noise and timesteps drawn, the UNet's prediction, MSE on the noise."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],))
+        pred = unet(scheduler.add_noise(latents, noise, t), t, hidden, **unet_kwargs).sample
+        return F.mse_loss(pred.float(), noise.float())
+
+
+def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
+    """One step of a plain loop: `loss_of()`, backward, the optimizer's step, and the `plain step k/N s X loss L`
+    line `step_seconds` reads (the time covers all of it)."""
+    import time
+
+    t0 = time.perf_counter()
+    loss = loss_of()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
 
 
 def whole_commands(opts: dict, work: str) -> list[dict]:
@@ -177,10 +208,7 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     and bf16 frozen VAE and text encoder loaded with `from_pretrained`, diffusers' default (SDPA) attention, fused
     AdamW, bf16 autocast, `steps` steps on random images, then the pipeline saved with the trained UNet as the
     script saves it."""
-    import time
-
     import torch
-    import torch.nn.functional as F
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -199,22 +227,16 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
     ids = tokenizer(["a photo"] * batch, padding="max_length", max_length=tokenizer.model_max_length,
                     truncation=True, return_tensors="pt").input_ids
-    for step in range(steps):
-        t0 = time.perf_counter()
+
+    def loss_of() -> torch.Tensor:
         pixels = torch.rand(batch, 3, resolution, resolution) * 2 - 1
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with torch.no_grad():
-                latents = vae.encode(pixels.to(torch.bfloat16)).latent_dist.sample() * vae.config.scaling_factor
-                states = text(ids, return_dict=False)[0]
-            noise = torch.randn_like(latents)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
-            pred = unet(scheduler.add_noise(latents, noise, t), t, states).sample
-            loss = F.mse_loss(pred.float(), noise.float())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - t0
-        print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            latents = vae.encode(pixels.to(torch.bfloat16)).latent_dist.sample() * vae.config.scaling_factor
+            states = text(ids, return_dict=False)[0]
+        return noise_loss(unet, scheduler, latents, states)
+
+    for step in range(steps):
+        plain_step(step, steps, optimizer, loss_of)
     pipe = StableDiffusionPipeline.from_pretrained(base, text_encoder=text, vae=vae, unet=unet)
     pipe.save_pretrained(out)
 
