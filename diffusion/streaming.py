@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..core_parallel.gemini.lazy import SafetensorsSource, hollow_parameters
+from ..core_parallel.gemini.param_reads import owner_of
 from ..core_parallel.gemini.storage import WriteBehind
 
 __all__ = ["SafetensorsWriter", "gemini_of", "load_unet_hollow", "save_unet_streaming", "unet_weight_files"]
@@ -162,7 +163,7 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 def gemini_of(module: torch.nn.Module) -> Any | None:
     """The Gemini chunk manager holding `module`'s parameters, or None (no Gemini, or plain tensors)."""
     for p in module.parameters():
-        owner = getattr(p, "_gemini", None)
+        owner = owner_of(p)
         return owner[0] if owner is not None else None
     return None
 
@@ -190,7 +191,7 @@ def save_unet_streaming(unet: torch.nn.Module, folder: str | Path | None, varian
     named = list(unet.named_parameters(remove_duplicate=False))
     if len({id(p) for _, p in named}) != len(named) or any(True for _ in unet.buffers()):
         raise ValueError("save_unet_streaming: tied parameters or buffers; use save_pretrained on gathered weights")
-    pidx_of = {p._gemini[1]: name for name, p in named}
+    pidx_of = {owner_of(p)[1]: name for name, p in named}
     writers: dict[str, SafetensorsWriter] = {}
     file_of: dict[str, str] = {}
     if folder is not None:

@@ -22,50 +22,16 @@ parameter already has is the parameter itself, anywhere; one that would change t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
+
+from .param_reads import BackwardCall, outside_modes, owner_of, set_owner
 
 __all__ = ["GeminiParamError", "guard", "unguard"]
 
 
 class GeminiParamError(RuntimeError):
     """A chunked parameter's data was read where Gemini cannot gather it."""
-
-
-def _outside_modes():
-    """Gathers and releases run outside any TorchDispatchMode. Under selective activation checkpointing the
-    module hooks fire inside the checkpointed region, in forward and again in the recompute, and whether a
-    chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops of a
-    gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
-    rejects ("encountered during backward but not found in storage")."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
-
-
-class _BackwardCall:
-    """One forward use of some chunks (a module call, or one op of the fallback), seen from backward: gathers
-    once before its backward, releases once after."""
-
-    __slots__ = ("mgr", "ids", "gathered", "released")
-
-    def __init__(self, mgr, ids: tuple[int, ...]) -> None:
-        self.mgr, self.ids = mgr, ids
-        self.gathered = self.released = False
-
-    def pre(self, grad: torch.Tensor) -> None:
-        if not self.gathered:
-            self.gathered = True
-            self.mgr.begin_backward()
-            with _outside_modes():
-                self.mgr.access(self.ids)
-
-    def post(self, grad: torch.Tensor) -> None:
-        if self.gathered and not self.released and self.mgr.in_backward:
-            self.released = True
-            with _outside_modes():
-                self.mgr.done(self.ids)
 
 
 # Tensor methods and functions that read metadata only (no element of the data).
@@ -90,7 +56,7 @@ def _op_name(func) -> str:
 
 class _ChunkView(torch.Tensor):
     """A view of a chunk's data made by the fallback (`w.t()`, `w.detach()`, ...): guarded like a parameter.
-    `_gemini` is (manager, parameter index) of the parameter it came from."""
+    Its owner (`param_reads.owner_of`) is the (manager, parameter index) of the parameter it came from."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -113,7 +79,7 @@ def _guarded_class(base: type) -> type:
 
 
 def guard(params) -> None:
-    """Give `params` (tensors carrying `_gemini`) their guarded class."""
+    """Give `params` (tensors tagged by `param_reads.set_owner`) their guarded class."""
     for p in params:
         cls = type(p)
         if "_gemini_base" not in cls.__dict__:
@@ -149,7 +115,7 @@ def _as_view(out, mgr, pidx: int, keys: set[int]):
         if t.untyped_storage()._cdata not in keys:
             return t
         v = t.as_subclass(_ChunkView)
-        v._gemini = (mgr, pidx)
+        set_owner(v, mgr, pidx)
         return v
 
     return tree_map_only(torch.Tensor, wrap, out)
@@ -217,7 +183,7 @@ def _intercept(func, args, kwargs):
     if name == "data.__set__" and len(args) == 2 and args[1] is args[0]:
         return None  # `p.data = p`: what Module._apply does after a move that changed nothing
     leaves, _ = tree_flatten((args, kwargs))
-    refs = [t._gemini for t in leaves if _is_guarded(t)]
+    refs = [owner_of(t) for t in leaves if _is_guarded(t)]
     if not refs:  # e.g. an arg mixing guarded and plain subclasses: nothing of ours to read
         return _plain(func, args, kwargs)
     mgr, pidx = refs[0]
@@ -234,12 +200,12 @@ def _intercept(func, args, kwargs):
             "rank inside core_parallel.gemini.collective_reads(model) (a strategy's collective_reads())"
         )
     ids = tuple(sorted({m.slot_of[i].chunk for m, i in refs if m is mgr}))
-    with _outside_modes():
+    with outside_modes():
         mgr.access(ids)
     try:
         out = _plain(func, args, kwargs)
     finally:
-        with _outside_modes():
+        with outside_modes():
             mgr.done(ids)
     out = _as_view(out, mgr, pidx, mgr.storage_keys(ids))
     if torch.is_grad_enabled():
@@ -254,7 +220,7 @@ def _track_backward(mgr, ids: tuple[int, ...], inputs: list, out) -> None:
             and type(t) is not _ChunkView]
     if not outs:
         return
-    call = _BackwardCall(mgr, ids)
+    call = BackwardCall(mgr, ids)
     for t in outs:
         t.register_hook(call.pre)
     for t in inputs:

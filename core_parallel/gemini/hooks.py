@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .fallback import _BackwardCall, _outside_modes, guard, unguard
+from .fallback import guard, unguard
 from .manager import ChunkManager
+from .param_reads import BackwardCall, outside_modes, set_owner
 
 __all__ = ["register_hooks"]
 
@@ -40,17 +41,17 @@ def _grad_tensors(args, kwargs: dict | None = None) -> list[torch.Tensor]:
 
 
 def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ...], own: tuple) -> list:
-    calls: list[_BackwardCall] = []
+    calls: list[BackwardCall] = []
     entered = [0]  # calls whose gather succeeded: `post` also runs when forward (or `pre`) raised
 
     def pre(mod, args, kwargs):
         mgr.begin_pass()
-        with _outside_modes():
+        with outside_modes():
             mgr.access(ids)
         entered[0] += 1
         unguard(own)
         if torch.is_grad_enabled():
-            call = _BackwardCall(mgr, ids)
+            call = BackwardCall(mgr, ids)
             calls.append(call)
             for t in _grad_tensors(args, kwargs):
                 t.register_hook(call.post)
@@ -60,7 +61,7 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
         if not entered[0]:
             return
         entered[0] -= 1
-        with _outside_modes():
+        with outside_modes():
             mgr.done(ids)
         if torch.is_grad_enabled() and calls:
             call = calls.pop()
@@ -116,7 +117,7 @@ def register_hooks(model: torch.nn.Module, mgr: ChunkManager, index_of: dict[int
             handles.append(p.register_post_accumulate_grad_hook(_grad_hook(mgr, pidx)))
     handles.append(model.register_forward_hook(lambda mod, args, out: mgr.end_forward()))
     for pidx, p in enumerate(mgr.params):
-        p._gemini = (mgr, pidx)
+        set_owner(p, mgr, pidx)
     guard(mgr.params)
     return handles
 

@@ -69,13 +69,15 @@ def trained_state(module: StableDiffusionFineTune) -> dict[str, Any]:
     """What a LoRA export reads: under Gemini `{"state": {name: full fp32 value}}` of the trained parameters only
     (their chunks gathered one at a time; the frozen base, gigabytes for SDXL, is never gathered), else `{}` (the
     modules hold their values). Call on every rank (collective)."""
+    from ...core_parallel.gemini.param_reads import owner_of
     from ...diffusion.streaming import gemini_of
 
     _settle(module)
     mgr = gemini_of(module.unet)
     if mgr is None:
         return {}
-    names = {p._gemini[1]: n for n, p in module.named_parameters() if p.requires_grad and hasattr(p, "_gemini")}
+    owned = ((owner_of(p), n) for n, p in module.named_parameters() if p.requires_grad)
+    names = {owner[1]: n for owner, n in owned if owner is not None}
     return {"state": {names[i]: v.detach().to("cpu", copy=True) for i, v in mgr.stream_values(names)}}
 
 

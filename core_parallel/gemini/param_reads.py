@@ -1,0 +1,59 @@
+"""What the two read paths of a chunked parameter share: the module hooks (`hooks.py`, the fast path) and the
+guarded fallback (`fallback.py`, any other read). Both tag a tensor with the chunk manager and parameter index it
+reads from (`set_owner`, `owner_of`), gather and release outside any dispatch mode (`outside_modes`), and gather
+a forward use's chunks again around its backward (`BackwardCall`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["BackwardCall", "outside_modes", "owner_of", "set_owner"]
+
+
+def set_owner(t: torch.Tensor, mgr: Any, pidx: int) -> None:
+    """Tag `t` (a chunked parameter, or a fallback view of one) with its chunk manager and parameter index."""
+    t._gemini = (mgr, pidx)
+
+
+def owner_of(t: torch.Tensor) -> tuple[Any, int] | None:
+    """(chunk manager, parameter index) of a tensor tagged by `set_owner`; None for any other tensor."""
+    return getattr(t, "_gemini", None)
+
+
+def outside_modes() -> Any:
+    """A context in which gathers and releases run outside any TorchDispatchMode. Under selective activation
+    checkpointing the module hooks fire inside the checkpointed region, in forward and again in the recompute, and
+    whether a chunk must be gathered there can differ between the two (it may still be gathered, or not); the ops
+    of a gather (empty, all_gather) would then appear in one run and not the other, which selective checkpointing
+    rejects ("encountered during backward but not found in storage")."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
+class BackwardCall:
+    """One forward use of some chunks (a module call, or one op of the fallback), seen from backward: gathers
+    once before its backward (`pre`, a hook on its outputs' gradients), releases once after (`post`, a hook on
+    its inputs' gradients)."""
+
+    __slots__ = ("mgr", "ids", "gathered", "released")
+
+    def __init__(self, mgr: Any, ids: tuple[int, ...]) -> None:
+        self.mgr, self.ids = mgr, ids
+        self.gathered = self.released = False
+
+    def pre(self, grad: torch.Tensor) -> None:
+        if not self.gathered:
+            self.gathered = True
+            self.mgr.begin_backward()
+            with outside_modes():
+                self.mgr.access(self.ids)
+
+    def post(self, grad: torch.Tensor) -> None:
+        if self.gathered and not self.released and self.mgr.in_backward:
+            self.released = True
+            with outside_modes():
+                self.mgr.done(self.ids)
