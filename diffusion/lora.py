@@ -56,19 +56,23 @@ def lora_state_dicts(unet: Any, text_encoder: Any | None = None,
     return out
 
 
-def save_lora_weights(folder: str | Path, layers: dict[str, dict]) -> Path:
-    """Write `pytorch_lora_weights.safetensors` into `folder` atomically (a kill leaves the old file)."""
-    from diffusers import StableDiffusionPipeline
+def save_lora_weights(folder: str | Path, layers: dict[str, dict | None], *, sdxl: bool | None = None) -> Path:
+    """Write `pytorch_lora_weights.safetensors` into `folder` atomically (a kill leaves the old file), as the
+    pipeline's `save_lora_weights` writes it: `StableDiffusionXLPipeline`'s with `sdxl` (by default when `layers`
+    holds `text_encoder_2_lora_layers`: SDXL's pipeline writes the second text encoder's layers), else
+    `StableDiffusionPipeline`'s. `layers`: `unet_lora_layers` and optionally `text_encoder_lora_layers`,
+    `text_encoder_2_lora_layers` (None: not written)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    if "text_encoder_2_lora_layers" in layers:  # SDXL: its pipeline writes the second text encoder's layers
-        from .sdxl import save_sdxl_lora_weights
-
-        return save_sdxl_lora_weights(folder, layers)
+    if sdxl is None:
+        sdxl = "text_encoder_2_lora_layers" in layers
+    pipeline = StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    layers = {k: None if v is None else {n: t.detach().float().cpu().contiguous() for n, t in v.items()}
+              for k, v in layers.items()}
     with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
-        layers = {k: {n: t.detach().float().cpu().contiguous() for n, t in v.items()} for k, v in layers.items()}
-        StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
+        pipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
         os.replace(Path(tmp) / LORA_WEIGHT_NAME, folder / LORA_WEIGHT_NAME)
     fsync_dir(folder)
     return folder / LORA_WEIGHT_NAME

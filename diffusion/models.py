@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import InputError
 
-__all__ = ["COMPONENTS", "check_pipeline_folder", "load_components", "make_pipeline", "resolve_pretrained"]
+__all__ = ["COMPONENTS", "check_pipeline_folder", "drop_folder_cache", "load_components", "load_text_encoder",
+           "load_unet", "make_pipeline", "resolve_pretrained"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,10 @@ def _scheduler_class(folder: Path) -> Any:
     return cls if cls is not None and hasattr(cls, "from_pretrained") else diffusers.DDPMScheduler
 
 
-def _unet(folder: Path, variant: str | None, stream: bool) -> Any:
-    """The UNet: hollow (streamed into Gemini's shards later) when `stream` and the folder allows it, else whole."""
+def load_unet(folder: Path, variant: str | None, stream: bool) -> Any:
+    """The UNet of the pipeline folder `folder` (its `unet/`, the weights of `variant`): hollow (streamed into
+    Gemini's shards later, `diffusion.streaming`) when `stream` and the folder allows it, else whole. The SD and
+    SDXL loaders share it."""
     from diffusers import UNet2DConditionModel
 
     if stream:
@@ -86,7 +89,10 @@ def _unet(folder: Path, variant: str | None, stream: bool) -> Any:
     return UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant)
 
 
-def _text_encoder(folder: Path, variant: str | None, dtype: Any, cls: Any = None, sub: str = "text_encoder") -> Any:
+def load_text_encoder(folder: Path, variant: str | None, dtype: Any, cls: Any = None,
+                      sub: str = "text_encoder") -> Any:
+    """The text encoder in the subfolder `sub` of the pipeline folder `folder`, loaded as `cls` (CLIPTextModel by
+    default) directly in `dtype` (None: fp32). The SD and SDXL loaders share it."""
     from transformers import CLIPTextModel
 
     cls = cls or CLIPTextModel  # SDXL's second encoder: CLIPTextModelWithProjection from text_encoder_2/
@@ -111,10 +117,10 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
     vae_kw = {} if vae_dtype is None else {"torch_dtype": vae_dtype}
     loaders = {
         # a non-EMA revision's UNet loads without the variant, as diffusers' train_text_to_image loads it
-        "unet": lambda: _unet(folder, variant, stream_unet) if unet_folder is None else
-        _unet(unet_folder, None, stream_unet),
+        "unet": lambda: load_unet(folder, variant, stream_unet) if unet_folder is None else
+        load_unet(unet_folder, None, stream_unet),
         "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant, **vae_kw),
-        "text_encoder": lambda: _text_encoder(folder, variant, text_encoder_dtype),
+        "text_encoder": lambda: load_text_encoder(folder, variant, text_encoder_dtype),
         "tokenizer": tokenizer_source,
         "scheduler": lambda: DDPMScheduler.from_pretrained(folder, subfolder="scheduler"),
         "inference_scheduler": lambda: _scheduler_class(folder).from_pretrained(folder, subfolder="scheduler"),
@@ -137,7 +143,7 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
 def _from_folder_unet(folder: Path, variant: str | None) -> Any:
     """The whole UNet of a pipeline folder (the EMA's start under --non_ema_revision)."""
     try:
-        return _unet(folder, variant, False)
+        return load_unet(folder, variant, False)
     except Exception as exc:  # noqa: BLE001 - any failure here is a bad model folder
         raise InputError(f"{folder / 'unet'}: cannot load the 'unet' component ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc

@@ -20,8 +20,8 @@ from typing import Any
 
 from .errors import InputError
 
-__all__ = ["DIFFUSERS_VERSION", "HANDLING", "SCRIPTS", "SCRIPT_FLAGS", "Accept", "Refuse", "ScriptFlag",
-           "field_help", "script_config"]
+__all__ = ["COMMON_FLAGS", "DIFFUSERS_VERSION", "HANDLING", "SCRIPTS", "SCRIPT_FLAGS", "TEXT_TO_IMAGE_FLAGS", "Accept",
+           "Refuse", "ScriptFlag", "field_help", "flag_table", "script_config", "script_values"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,9 @@ class ScriptFlag:
     required: bool = False
 
 
-def _F(name: str, default: Any, type: type | None = None, **kw: Any) -> ScriptFlag:  # noqa: N802
-    return ScriptFlag(name, default, type, **kw)
+_F = ScriptFlag  # the tables' short spelling: _F(name, default, type, action=..., ...)
 
-
-_COMMON: tuple[ScriptFlag, ...] = (  # the rows all three scripts define alike
+COMMON_FLAGS: tuple[ScriptFlag, ...] = (
     _F('adam_beta1', 0.9, float),
     _F('adam_beta2', 0.999, float),
     _F('adam_epsilon', 1e-08, float),
@@ -79,7 +77,8 @@ _COMMON: tuple[ScriptFlag, ...] = (  # the rows all three scripts define alike
     _F('use_8bit_adam', False, action='store_true'),
     _F('variant', None, str),
 )
-_TEXT_TO_IMAGE: tuple[ScriptFlag, ...] = (  # the rows both text_to_image scripts add alike
+"""The rows all three SD 1.x scripts define alike (the SDXL scripts' tables take them too, `diffusion.sdxl_scripts`)."""
+TEXT_TO_IMAGE_FLAGS: tuple[ScriptFlag, ...] = (
     _F('cache_dir', None, str),
     _F('caption_column', 'text', str),
     _F('dataset_config_name', None, str),
@@ -95,10 +94,12 @@ _TEXT_TO_IMAGE: tuple[ScriptFlag, ...] = (  # the rows both text_to_image script
     _F('train_batch_size', 16, int),
     _F('train_data_dir', None, str),
 )
+"""The rows both text_to_image scripts add alike (SD 1.x and SDXL)."""
 
 
-def _table(*parts: tuple[ScriptFlag, ...]) -> tuple[ScriptFlag, ...]:
-    """One script's flags from its shared and own rows, in diffusers' order (by name, as `--help` lists them)."""
+def flag_table(*parts: tuple[ScriptFlag, ...]) -> tuple[ScriptFlag, ...]:
+    """One script's flags from its shared and own rows (`COMMON_FLAGS`, `TEXT_TO_IMAGE_FLAGS`, the script's), in
+    diffusers' order (by name, as `--help` lists them); a name in two parts raises `ValueError`."""
     flags = sorted((f for part in parts for f in part), key=lambda f: f.name)
     if len({f.name for f in flags}) != len(flags):
         raise ValueError("a flag in two parts of one script's table")
@@ -106,7 +107,8 @@ def _table(*parts: tuple[ScriptFlag, ...]) -> tuple[ScriptFlag, ...]:
 
 
 SCRIPT_FLAGS: dict[str, tuple[ScriptFlag, ...]] = {
-    "train_text_to_image": _table(_COMMON, _TEXT_TO_IMAGE, (  # examples/text_to_image/train_text_to_image.py
+    # examples/text_to_image/train_text_to_image.py
+    "train_text_to_image": flag_table(COMMON_FLAGS, TEXT_TO_IMAGE_FLAGS, (
         _F('dream_detail_preservation', 1.0, float),
         _F('dream_training', False, action='store_true'),
         _F('foreach_ema', False, action='store_true'),
@@ -119,14 +121,15 @@ SCRIPT_FLAGS: dict[str, tuple[ScriptFlag, ...]] = {
         _F('validation_epochs', 5, int),
         _F('validation_prompts', None, str, nargs='+'),
     )),
-    "train_text_to_image_lora": _table(_COMMON, _TEXT_TO_IMAGE, (  # examples/text_to_image/train_text_to_image_lora.py
+    # examples/text_to_image/train_text_to_image_lora.py
+    "train_text_to_image_lora": flag_table(COMMON_FLAGS, TEXT_TO_IMAGE_FLAGS, (
         _F('num_validation_images', 4, int),
         _F('output_dir', 'sd-model-finetuned-lora', str),
         _F('rank', 4, int),
         _F('validation_epochs', 1, int),
         _F('validation_prompt', None, str),
     )),
-    "train_dreambooth": _table(_COMMON, (  # examples/dreambooth/train_dreambooth.py
+    "train_dreambooth": flag_table(COMMON_FLAGS, (  # examples/dreambooth/train_dreambooth.py
         _F('class_data_dir', None, str),
         _F('class_labels_conditioning', None),
         _F('class_prompt', None, str),

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..utils.fileio import fsync_dir
 from .errors import InputError
+from .lora import save_lora_weights
+from .models import check_pipeline_folder, drop_folder_cache, load_text_encoder, load_unet, resolve_pretrained
 
 __all__ = ["SDXL_COMPONENTS", "TinySDXLConfig", "encode_prompt_sdxl",
            "load_sdxl_components", "load_sdxl_frozen", "make_sdxl_pipeline", "save_sdxl_lora_weights",
@@ -59,8 +58,6 @@ def load_sdxl_components(pretrained: str, *, vae: str | None = None, revision: s
     UNet hollow for Gemini to fill from the safetensors (`diffusion.streaming`). Any failure is one `InputError`
     naming the component's folder.
     """
-    from .models import check_pipeline_folder, drop_folder_cache, resolve_pretrained
-
     folder = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     if not folder.is_dir():
         raise InputError(f"{folder}: the SDXL commands need a diffusers pipeline folder (single files are not read)")
@@ -88,20 +85,18 @@ def _loaders(folder: Path, vae_folder: Path | None, variant: str | None, vae_dty
     from diffusers import AutoencoderKL, DDPMScheduler
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from .models import _text_encoder, _unet
-
     sched_class = json.loads((folder / "scheduler" / "scheduler_config.json").read_text()).get("_class_name")
     sched_class = getattr(diffusers, str(sched_class), diffusers.EulerDiscreteScheduler)
     return {
-        "unet": (folder / "unet", lambda: _unet(folder, variant, stream_unet)),
+        "unet": (folder / "unet", lambda: load_unet(folder, variant, stream_unet)),
         "vae": (vae_folder or folder / "vae",
                 lambda: AutoencoderKL.from_pretrained(vae_folder, **_dtype_kw(vae_dtype)) if vae_folder else
                 AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant, **_dtype_kw(vae_dtype))),
         "text_encoder": (folder / "text_encoder",
-                         lambda: _text_encoder(folder, variant, text_encoder_dtype, CLIPTextModel)),
+                         lambda: load_text_encoder(folder, variant, text_encoder_dtype, CLIPTextModel)),
         "text_encoder_2": (folder / "text_encoder_2",
-                           lambda: _text_encoder(folder, variant, text_encoder_dtype, CLIPTextModelWithProjection,
-                                                 "text_encoder_2")),
+                           lambda: load_text_encoder(folder, variant, text_encoder_dtype,
+                                                      CLIPTextModelWithProjection, "text_encoder_2")),
         "tokenizer": (folder / "tokenizer", lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")),
         "tokenizer_2": (folder / "tokenizer_2",
                         lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2")),
@@ -162,19 +157,7 @@ def make_sdxl_pipeline(components: dict[str, Any], scheduler: Any | None = None)
 def save_sdxl_lora_weights(folder: str | Path, layers: dict[str, Any]) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusionXLPipeline.save_lora_weights` does, atomically;
     `layers`: `unet_lora_layers` and optionally `text_encoder_lora_layers`, `text_encoder_2_lora_layers`."""
-    from diffusers import StableDiffusionXLPipeline
-
-    from .lora import LORA_WEIGHT_NAME
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    layers = {k: None if v is None else {n: t.detach().float().cpu().contiguous() for n, t in v.items()}
-              for k, v in layers.items()}
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
-        StableDiffusionXLPipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
-        os.replace(Path(tmp) / LORA_WEIGHT_NAME, folder / LORA_WEIGHT_NAME)
-    fsync_dir(folder)
-    return folder / LORA_WEIGHT_NAME
+    return save_lora_weights(folder, layers, sdxl=True)
 
 
 # -- a tiny SDXL-shaped pipeline --------------------------------------------------------------------------------

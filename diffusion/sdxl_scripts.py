@@ -18,11 +18,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
-from .scripts import _COMMON, _F, _TEXT_TO_IMAGE, HANDLING, Accept, Refuse, ScriptFlag, _table, script_values
+from .scripts import (
+    COMMON_FLAGS,
+    HANDLING,
+    TEXT_TO_IMAGE_FLAGS,
+    Accept,
+    Refuse,
+    ScriptFlag,
+    flag_table,
+    script_values,
+)
 
 __all__ = ["SDXL_HANDLING", "SDXL_SCRIPTS", "SDXL_SCRIPT_FLAGS", "SDXLSettings", "handling", "sdxl_script_config"]
 
 logger = logging.getLogger(__name__)
+
+_F = ScriptFlag  # the tables' short spelling, as in diffusion.scripts
 
 
 @dataclass(kw_only=True)
@@ -76,7 +87,7 @@ _SDXL_T2I = (  # the rows both text_to_image SDXL scripts add alike
 )
 
 SDXL_SCRIPT_FLAGS: dict[str, tuple[ScriptFlag, ...]] = {
-    "train_text_to_image_sdxl": _table(_without(_COMMON, "resolution"), _TEXT_TO_IMAGE, _SDXL_T2I, (
+    "train_text_to_image_sdxl": flag_table(_without(COMMON_FLAGS, "resolution"), TEXT_TO_IMAGE_FLAGS, _SDXL_T2I, (
         _F('output_dir', 'sdxl-model-finetuned', str),
         _F('proportion_empty_prompts', 0, float),
         _F('timestep_bias_begin', 0, int),
@@ -86,15 +97,15 @@ SDXL_SCRIPT_FLAGS: dict[str, tuple[ScriptFlag, ...]] = {
         _F('timestep_bias_strategy', 'none', str, choices=('earlier', 'later', 'range', 'none')),
         _F('use_ema', False, action='store_true'),
     )),
-    "train_text_to_image_lora_sdxl": _table(_without(_COMMON, "resolution"), _TEXT_TO_IMAGE, _SDXL_T2I, (
+    "train_text_to_image_lora_sdxl": flag_table(_without(COMMON_FLAGS, "resolution"), TEXT_TO_IMAGE_FLAGS, _SDXL_T2I, (
         _F('debug_loss', False, action='store_true'),
         _F('output_dir', 'sd-model-finetuned-lora', str),
         _F('rank', 4, int),
         _F('train_text_encoder', False, action='store_true'),
     )),
-    "train_dreambooth_lora_sdxl": _table(
-        _without(_COMMON, "resolution", "adam_weight_decay"),
-        _without(_TEXT_TO_IMAGE, "caption_column", "num_train_epochs", "train_batch_size", "max_train_samples",
+    "train_dreambooth_lora_sdxl": flag_table(
+        _without(COMMON_FLAGS, "resolution", "adam_weight_decay"),
+        _without(TEXT_TO_IMAGE_FLAGS, "caption_column", "num_train_epochs", "train_batch_size", "max_train_samples",
                  "noise_offset", "prediction_type", "train_data_dir"), (
             _F('adam_weight_decay', 0.0001, float),
             _F('adam_weight_decay_text_encoder', 0.001, float),
