@@ -1,7 +1,8 @@
 """`suite bench NAME`: benchmarks that print a table and write JSON, side by side with the baseline.
 
-Each benchmark is a module here with `add_arguments(parser)` and `run(args) -> int`. Modules keep their
-top-level imports light (argparse only); heavy imports happen inside `run`.
+Each benchmark is a module here with `add_arguments(parser)` and `run(args) -> int`: its rows and its sides; the
+running, measuring and publishing are `harness`'s (and `memory`'s). Modules keep their top-level imports light
+(the standard library only); heavy imports happen inside `run`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+
+from .harness import add_output_arguments
 
 __all__ = ["BENCHMARKS", "add_arguments", "run"]
 
@@ -33,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True, parser_class=type(parser))
     for name, (module, help_text) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON to FILE")
+        add_output_arguments(p)
         try:
             importlib.import_module(module, __name__).add_arguments(p)
         except ModuleNotFoundError as exc:

@@ -21,12 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -> dict:
     import statistics
-    import time
 
     import torch
     import torch.distributed as dist
 
     from ...core_parallel.host_comm import HostCollectives
+    from .harness import step_times
 
     largest = max(int(mb * 2**20) // 4 // world for mb in sizes)
     host = HostCollectives.create(None, slot_bytes=largest * 4)
@@ -45,12 +45,7 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
         for (op, path), (call, call_args) in calls.items():
             for _ in range(warmup):
                 call(*call_args)
-            times = []
-            for _ in range(repeat):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call(*call_args)
-                times.append(time.perf_counter() - t0)
+            times = step_times(lambda c=call, a=call_args: c(*a), repeat, before=dist.barrier)
             out[f"{op}/{mb}/{path}"] = statistics.median(times) * 1e3
     host.close()
     return out
@@ -60,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ...core_parallel import run_on_ranks
     from ...core_parallel.host_comm import host_collectives_supported
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import publish
 
     try:
         sizes = [float(x) for x in args.mb.split(",") if x.strip()]
@@ -74,10 +69,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for op in ("all_gather", "reduce_scatter"):
         for mb in sizes:
-            gloo = max(r[f"{op}/{mb}/gloo"] for r in per_rank)
-            host = max(r[f"{op}/{mb}/host"] for r in per_rank)
+            gloo, host = (max(r[f"{op}/{mb}/{p}"] for r in per_rank) for p in ("gloo", "host"))
             rows.append({"op": op, "MiB": mb, "gloo_ms": gloo, "host_ms": host, "host_vs_gloo": host / gloo})
-    print_table(rows, title=f"collectives between {args.ranks} local CPU ranks (fp32, slowest rank, median "
-                            f"of {args.repeat})")
-    write_json(args.json, {"benchmark": "collectives", "ranks": args.ranks, "rows": rows})
+    title = f"collectives between {args.ranks} local CPU ranks (fp32, slowest rank, median of {args.repeat})"
+    publish(args, {"benchmark": "collectives", "ranks": args.ranks, "rows": rows}, [(title, rows, None)])
     return 0

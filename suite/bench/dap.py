@@ -16,23 +16,14 @@ residues, so the answer is measured rather than extrapolated.
 from __future__ import annotations
 
 import argparse
-import logging
 
-logger = logging.getLogger(__name__)
+from .harness import int_list
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+__all__ = ["add_arguments", "dap_group", "fit_longest", "run", "search_longest"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=_int_list, default=[1, 2], help="DAP rank counts, e.g. 1,2,4")
+    parser.add_argument("--ranks", type=int_list, default=[1, 2], help="DAP rank counts, e.g. 1,2,4")
     parser.add_argument("--n_res", type=int, default=384, help="residues")
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows")
     parser.add_argument("--blocks", type=int, default=2, help="Evoformer blocks")
@@ -51,16 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per rank count")
 
 
-def _pin(rank: int, world: int) -> int | None:
-    """Pin this process to its own core (the rank-th allowed one) when every rank can have one."""
-    import os
+def dap_group(rank: int, world: int, model, device):
+    """Split `model` across a DAP group of `world` ranks (nothing with one rank): (topology or None, group or
+    None). `topology.destroy()` ends it. Also `suite bench fold-model --multimer`'s DAP rows."""
+    from ...core_parallel import Axis, Topology
+    from ...fastfold.dap import parallelize_dap
 
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < world:
-        logger.warning("affinity: %d ranks but %d cores allowed; not pinning", world, len(cores))
-        return None
-    os.sched_setaffinity(0, {cores[rank]})
-    return cores[rank]
+    if world == 1:
+        return None, None
+    topo = Topology(world_size=world, rank=rank, dap=world, backend="nccl" if device.type == "cuda" else "gloo")
+    group = topo.init().group(Axis.DAP)
+    parallelize_dap(model, group)
+    return topo, group
 
 
 def fit_longest(small: tuple[int, float], large: tuple[int, float], budget_mb: float) -> int:
@@ -115,24 +108,19 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from ...core_parallel import Axis, Topology
-    from ...fastfold.dap import parallelize_dap
     from ...fastfold.model import InferenceOptions, config
     from ...fastfold.model.evoformer import EvoformerStack
-    from .common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
+    from .harness import pin_to_core, time_fn
+    from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
     device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
-    core = _pin(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
+    core = pin_to_core(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
     dtype = getattr(torch, opts["dtype"])
     cfg = dataclasses.replace(config.preset("model_1").evoformer, num_blocks=opts["blocks"])
     torch.manual_seed(0)
     holder = nn.Module()
     holder.stack = EvoformerStack(cfg).to(device=device, dtype=dtype).eval()
-    topo = group = None
-    if world > 1:
-        topo = Topology(world_size=world, rank=rank, dap=world, backend="nccl" if device.type == "cuda" else "gloo")
-        group = topo.init().group(Axis.DAP)
-        parallelize_dap(holder, group)
+    topo, group = dap_group(rank, world, holder, device)
     options = InferenceOptions(chunk_size=opts["chunk_size"], residual=opts["residual"])
     sync = torch.cuda.synchronize if device.type == "cuda" else None
 
@@ -190,17 +178,13 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 
 def _measure(world: int, opts: dict, timeout: float) -> dict:
     from ...core_parallel import run_on_ranks
-    from .common import fixed_mmap_threshold
+    from .memory import fixed_mmap_threshold
 
     with fixed_mmap_threshold():
         per_rank = run_on_ranks(_bench_rank, world, opts, timeout=timeout, backend="none")
-    row = {
-        "ranks": world,
-        "n_res": opts["n_res"],
-        "seconds": None if opts["repeat"] == 0 else max(r["seconds"] for r in per_rank),
-        "peak_mb_per_rank": max(r["peak_mb"] for r in per_rank),
-        "cores": ",".join(str(r["core"]) for r in per_rank),
-    }
+    row = {"ranks": world, "n_res": opts["n_res"],
+           "seconds": None if opts["repeat"] == 0 else max(r["seconds"] for r in per_rank),
+           "peak_mb_per_rank": max(r["peak_mb"] for r in per_rank), "cores": ",".join(str(r["core"]) for r in per_rank)}
     if opts["budget_mb"]:
         first = per_rank[0]
         row.update(longest_n_res_fit=first["longest_fit"], longest_n_res_measured=first["longest_measured"])
@@ -210,7 +194,7 @@ def _measure(world: int, opts: dict, timeout: float) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import publish
 
     if args.device == "cuda":
         import torch
@@ -229,16 +213,11 @@ def run(args: argparse.Namespace) -> int:
         row["memory_vs_first"] = row["peak_mb_per_rank"] / max(base["peak_mb_per_rank"], 1e-9)
         if args.budget_mb:
             row["longest_vs_first"] = row["longest_n_res_measured"] / max(base["longest_n_res_measured"], 1)
-    title = (
-        f"Evoformer x{args.blocks} (model_1 sizes), N_res {args.n_res}, MSA {args.n_seq}, {args.dtype}, "
-        f"{args.device}, chunk {args.chunk_size}, {args.residual}, 1 thread per rank, affinity {args.affinity}"
-        + (f", budget {args.budget_mb:g} MB/rank" if args.budget_mb else "")
-    )
+    title = (f"Evoformer x{args.blocks} (model_1 sizes), N_res {args.n_res}, MSA {args.n_seq}, {args.dtype}, "
+             f"{args.device}, chunk {args.chunk_size}, {args.residual}, 1 thread per rank, affinity {args.affinity}"
+             + (f", budget {args.budget_mb:g} MB/rank" if args.budget_mb else ""))
     columns = [c for c in rows[0] if c != "probes"] + [c for c in rows[-1] if c not in rows[0]]
-    print_table(rows, columns=columns, title=title)
-    if args.budget_mb:
-        for row in rows:
-            probes = ", ".join(f"{n}: {p:.0f}" for n, p in row["probes"])
-            print(f"{row['ranks']} rank(s), peak MB per N_res probed: {probes}")
-    write_json(args.json, {"benchmark": "dap", "settings": opts, "rows": rows})
+    notes = [f"{r['ranks']} rank(s), peak MB per N_res probed: " + ", ".join(f"{n}: {p:.0f}" for n, p in r["probes"])
+             for r in rows if args.budget_mb]
+    publish(args, {"benchmark": "dap", "settings": opts, "rows": rows}, [(title, rows, columns)], notes)
     return 0

@@ -41,23 +41,14 @@ from __future__ import annotations
 
 import argparse
 
+from .diffusion_whole import add_shape_arguments, add_whole_arguments, encoder_models, unet_model
+
 __all__ = ["add_arguments", "run"]
-
-_MODULE = __spec__.name if __spec__ is not None else __name__
-"""This module's import name (also under `python -m`), which runs the whole-command tools of `diffusion_whole`:
-the namespace is named in one place only."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that size the models and the run."""
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models train")
-    parser.add_argument("--channels", default="64,128,256", help="UNet block channels (SD 1.5: 320,640,1280,1280)")
-    parser.add_argument("--layers_per_block", type=int, default=1, help="ResNet layers per block (SD 1.5: 2)")
-    parser.add_argument("--cross_attention_dim", type=int, default=256, help="text state width (SD 1.5: 768)")
-    parser.add_argument("--attention_head_dim", type=int, default=8, help="heads per attention (SD 1.5: 8)")
-    parser.add_argument("--encoders", choices=["small", "sd", "none"], default="small",
-                        help="frozen VAE and text encoder: small (scaled down), sd (SD 1.5 shapes) or none")
-    parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (latents: /8)")
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=2, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -87,57 +78,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--mixed_precision bf16 --gradient_checkpointing` (the CLI's streaming load and export) "
                              "each run --steps steps start to exit in its own memory cgroup (page cache counted; "
                              "else tree RSS + offload files' resident pages)")
-    from .diffusion_whole import add_whole_arguments
-
     add_whole_arguments(parser)
 
 
 # ---- models ------------------------------------------------------------------------------------------------
 
 
-def _unet(opts: dict):
-    from diffusers import UNet2DConditionModel
-
-    channels = tuple(int(c) for c in opts["channels"].split(","))
-    n = len(channels)
-    return UNet2DConditionModel(
-        sample_size=opts["resolution"] // 8, block_out_channels=channels, layers_per_block=opts["layers_per_block"],
-        down_block_types=("CrossAttnDownBlock2D",) * (n - 1) + ("DownBlock2D",),
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n - 1),
-        cross_attention_dim=opts["cross_attention_dim"], attention_head_dim=opts["attention_head_dim"],
-    )
-
-
-def _encoders(opts: dict):
-    """(vae, text_encoder) with random weights, or (None, None). `sd`: SD 1.5's shapes; `small`: 8x VAE with
-    (32, 64, 128, 128) channels and a 2-layer CLIP of the cross-attention width with a 4096-token vocabulary."""
-    if opts["encoders"] == "none":
-        return None, None
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    sd = opts["encoders"] == "sd"
-    channels = (128, 256, 512, 512) if sd else (32, 64, 128, 128)
-    vae = AutoencoderKL(block_out_channels=channels, layers_per_block=2 if sd else 1,
-                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        latent_channels=4, sample_size=opts["resolution"])
-    width = opts["cross_attention_dim"]
-    text = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408 if sd else 4096, hidden_size=width, intermediate_size=4 * width,
-        num_attention_heads=12 if sd else 4, num_hidden_layers=12 if sd else 2, max_position_embeddings=77,
-        projection_dim=width, hidden_act="quick_gelu", bos_token_id=0, eos_token_id=2, pad_token_id=1))
-    return vae, text
-
-
 def _setup(variant: str, opts: dict, rank: int, world: int, device):
     """(unet, optimizer, gemini optimizer or None, vae, text encoder, offload folder or None) of a variant."""
     import torch
 
-    from .common import ddp_options, fast_optimizer
+    from .harness import ddp_options, fast_optimizer
 
     torch.manual_seed(0)
-    model = _unet(opts)
-    vae, text = _encoders(opts)
+    model = unet_model(opts)
+    vae, text = encoder_models(opts)
     frozen_dtype = torch.float32 if variant == "plain" else torch.bfloat16
     for m in (vae, text):
         if m is not None:
@@ -265,8 +220,8 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
     import torch
     from diffusers.utils import logging as diffusers_logging
 
-    from .common import hwm_bytes, reset_peak_rss, rss_bytes, time_fn
-    from .memory import SideMeter
+    from .harness import time_fn
+    from .memory import SideMeter, hwm_bytes, reset_peak_rss, rss_bytes
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
@@ -362,7 +317,7 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
-    from .common import fixed_mmap_threshold
+    from .memory import fixed_mmap_threshold
 
     whole: dict = {}
     if opts["device"] == "cuda":
@@ -417,7 +372,8 @@ def _defaults(args: argparse.Namespace) -> dict:
             raise UsageError("--device cuda: no CUDA device is available")
         if args.world > torch.cuda.device_count():
             raise UsageError(f"--world {args.world}: only {torch.cuda.device_count()} CUDA device(s)")
-    opts = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json", "bench", "command")}
+    skip = ("json", "markdown", "plot", "bench", "command")
+    opts = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
     if opts["gemini_offload"] is None:
         opts["gemini_offload"] = "nvme" if args.device == "cpu" else "cpu"
     return opts
@@ -427,17 +383,16 @@ def run(args: argparse.Namespace) -> int:
     """Run both variants and print the table."""
     import torch
 
-    from .common import fast_optimizer, print_table, write_json
+    from .diffusion_whole import run_whole
+    from .harness import optimizer_impl, publish
 
     opts = _defaults(args)
     if opts.get("whole_command"):
-        from .diffusion_whole import run_whole
-
         return run_whole(opts, args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
     ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
         "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
-    impl = fast_optimizer(torch.optim.AdamW, [torch.nn.Parameter(torch.zeros(1))])[1]
+    impl = optimizer_impl(torch.optim.AdamW)
     plain = f"plain diffusers loop (fp32, SDPA attention, AdamW {impl}" + (
         ", DDP(gradient_as_bucket_view=True)" if opts["world"] > 1 else "") + ")"
     if opts["no_gemini"]:
@@ -448,8 +403,8 @@ def run(args: argparse.Namespace) -> int:
     rows[1]["mem_ratio"] = rows[1]["charged_mib"] / rows[0]["charged_mib"]
     if "whole_mib" in rows[0] and "whole_mib" in rows[1]:
         rows[1]["whole_ratio"] = rows[1]["whole_mib"] / rows[0]["whole_mib"]
-    vae, text = _encoders(opts)
-    counts = {"unet": sum(p.numel() for p in _unet(opts).parameters())}
+    vae, text = encoder_models(opts)
+    counts = {"unet": sum(p.numel() for p in unet_model(opts).parameters())}
     if vae is not None:
         counts["vae"] = sum(p.numel() for p in vae.parameters())
         counts["text_encoder"] = sum(p.numel() for p in text.parameters())
@@ -457,22 +412,20 @@ def run(args: argparse.Namespace) -> int:
     title = (f"{opts['device']}: UNet {opts['channels']} x{opts['layers_per_block']}, {sizes} params, "
              f"{opts['resolution']}px, batch {opts['batch']}/rank, world {opts['world']}, torch {torch.__version__}")
     columns = ["variant", "step_s", "charged_mib", "mem_ratio", "whole_mib", "whole_ratio", "time_ratio",
-               "train_mib", "rss_ratio", "state_mib", "peak_mib"]
-    columns += ["nvme_mib"] if "nvme_mib" in rows[1] else []
-    print_table(rows, [c for c in columns if any(c in r for r in rows)], title=title)
+               "train_mib", "rss_ratio", "state_mib", "peak_mib", "nvme_mib"]
     measure = "max_memory_allocated" if opts["device"] == "cuda" else "peak RSS (VmHWM, fixed mmap threshold)"
-    print(f"charged_mib: {rows[0]['memory_method']}, from before the models were built (worst rank, page cache "
-          "included); whole_mib: each side's processes start to exit in one cgroup; "
-          f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
-          "state_mib: held after setup (RSS); targets: mem_ratio <= 0.33, time_ratio <= 1.2")
+    notes = [f"charged_mib: {rows[0]['memory_method']}, from before the models were built (worst rank, page cache "
+             "included); whole_mib: each side's processes start to exit in one cgroup; "
+             f"train_mib: {measure} over the steps minus the same before the models were built (worst rank); "
+             "state_mib: held after setup (RSS); targets: mem_ratio <= 0.33, time_ratio <= 1.2"]
     if len(ratios) > 1:
-        print("time_ratio per step (plain and ours taking turns): " + ", ".join(f"{r:.3f}" for r in ratios))
-    write_json(args.json, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows,
-                           "step_time_ratios": ratios})
+        notes.append("time_ratio per step (plain and ours taking turns): " + ", ".join(f"{r:.3f}" for r in ratios))
+    publish(args, {"benchmark": "diffusion", "config": opts, "params": counts, "rows": rows,
+                   "step_time_ratios": ratios}, [(title, rows, columns)], notes)
     return 0
 
 
-if __name__ == "__main__":  # the whole-command tools (`diffusion_whole`), under this module's documented name
+if __name__ == "__main__":  # the whole-command tools (`diffusion_whole.main`), under this module's documented name
     from .diffusion_whole import main
 
     raise SystemExit(main())

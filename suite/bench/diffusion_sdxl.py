@@ -268,7 +268,7 @@ def _full_checks(out: str) -> dict:
     import sys
     import tempfile
 
-    from .diffusion_whole import csv_metric
+    from .harness import csv_metric
 
     losses = csv_metric(out, "train_loss")
     # its own empty working folder: `-m` puts the working folder first on sys.path, and a checkout's `kernels/`
@@ -297,15 +297,13 @@ def check_pipeline(out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import statistics
     import subprocess
     import sys
 
     from ...diffusion.sample_data import write_sample_data
     from ..errors import UsageError
-    from .common import print_table, write_json
-    from .diffusion_whole import _drop_cached, csv_step_seconds, step_seconds
-    from .memory import cgroup_method, run_command
+    from .harness import Side, drop_cached, median, mib, publish, ratio, run_side
+    from .memory import cgroup_method
 
     opts = {k: getattr(args, k) for k in ("cache", "rows", "sides", "resolution", "batch", "steps", "rank",
                                           "lora_strategy", "cap_gib", "work", "timeout")}
@@ -320,24 +318,20 @@ def run(args: argparse.Namespace) -> int:
     subprocess.run([sys.executable, "-m", _MODULE, "write_pipeline", opts["cache"]], check=True, cwd=opts["work"])
     data = str(write_sample_data(os.path.join(opts["work"], "data")))
     rows = []
-    for side in [s for s in _sides(opts, opts["cache"], data) if s["side"] in opts["sides"]]:
-        _drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
-        log = os.path.join(opts["work"], f"{side['row']}-{side['side']}.log")
-        cap = side.get("cap")
-        with open(log, "w") as f:
-            out = run_command(side["argv"], offload_paths=[os.path.join(opts["work"], d) for d in
-                                                            ("nvme-lora", "nvme-full")],
-                              timeout=opts["timeout"], cwd=opts["work"], stdout=f, stderr=subprocess.STDOUT,
-                              cap_bytes=cap)
-        argv = side["argv"]
-        out_dir = argv[argv.index("--output_dir") + 1] if side["side"] == "ours" else None
-        times = step_seconds(log) if out_dir is None else csv_step_seconds(out_dir, opts["batch"])
-        rows.append({"row": side["row"], "side": side["side"], "returncode": out["returncode"],
-                     "peak_mib": out["peak_bytes"] / 2**20, "wall_s": out["wall_s"], "method": out["method"],
-                     "oom_killed": bool(out.get("oom_kills")), "step_times_s": times,
-                     "step_s": statistics.median(times[1:]) if len(times) > 1 else None,
-                     "command": " ".join(side["argv"]), "log": log, **({"cap_mib": cap / 2**20} if cap else {})})
-        if side["row"] == "full" and side["side"] == "ours" and out["returncode"] == 0:
+    for spec in [s for s in _sides(opts, opts["cache"], data) if s["side"] in opts["sides"]]:
+        drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
+        side = Side(f"{spec['row']}/{spec['side']}", spec["argv"], cap_bytes=spec.get("cap"), timeout=opts["timeout"],
+                    cwd=opts["work"], log=os.path.join(opts["work"], f"{spec['row']}-{spec['side']}.log"),
+                    offload_paths=[os.path.join(opts["work"], d) for d in ("nvme-lora", "nvme-full")])
+        got = run_side(side)
+        out_dir = side.argv[side.argv.index("--output_dir") + 1] if spec["side"] == "ours" else None
+        times = got.step_times(out_dir, opts["batch"])
+        rows.append({"row": spec["row"], "side": spec["side"], "returncode": got.returncode,
+                     "peak_mib": mib(got.peak_bytes), "wall_s": got.wall_s, "method": got.method,
+                     "oom_killed": got.oom_killed, "step_times_s": times, "step_s": median(times[1:]),
+                     "command": " ".join(side.argv), "log": side.log,
+                     **({"cap_mib": side.cap_bytes / 2**20} if side.cap_bytes else {})})
+        if spec["row"] == "full" and spec["side"] == "ours" and got.returncode == 0:
             rows[-1].update(_full_checks(out_dir))
     if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
@@ -347,19 +341,18 @@ def run(args: argparse.Namespace) -> int:
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
         if r["side"] == "ours" and r["row"] in plain:
-            r["peak_ratio"] = r["peak_mib"] / plain[r["row"]]["peak_mib"]
-            r["wall_ratio"] = r["wall_s"] / plain[r["row"]]["wall_s"]
-            if r["step_s"] and plain[r["row"]]["step_s"]:
-                r["step_ratio"] = r["step_s"] / plain[r["row"]]["step_s"]
-    print_table(rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "oom_killed", "wall_s",
-                       "wall_ratio", "step_s", "step_ratio", "loss_finite", "method"],
-                title=f"SDXL (released UNet config, random weights), {opts['resolution']}px, batch {opts['batch']}, "
-                      f"{opts['steps']} steps; step_s: median of the steps after the first")
-    for r in rows:
-        print(f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}")
-        if "pipeline" in r:
-            print(f"{r['row']}/{r['side']}: losses {r['losses']}, exported pipeline {r['pipeline']}")
-    write_json(args.json, {"benchmark": "diffusion-sdxl", "config": opts, "rows": rows})
+            base = plain[r["row"]]
+            r.update(peak_ratio=r["peak_mib"] / base["peak_mib"], wall_ratio=r["wall_s"] / base["wall_s"])
+            if ratio(r["step_s"], base["step_s"]):
+                r["step_ratio"] = r["step_s"] / base["step_s"]
+    notes = [f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}" for r in rows]
+    notes += [f"{r['row']}/{r['side']}: losses {r['losses']}, exported pipeline {r['pipeline']}"
+              for r in rows if "pipeline" in r]
+    title = (f"SDXL (released UNet config, random weights), {opts['resolution']}px, batch {opts['batch']}, "
+             f"{opts['steps']} steps; step_s: median of the steps after the first")
+    publish(args, {"benchmark": "diffusion-sdxl", "config": opts, "rows": rows},
+            [(title, rows, ["row", "side", "returncode", "peak_mib", "peak_ratio", "cap_mib", "oom_killed", "wall_s",
+                            "wall_ratio", "step_s", "step_ratio", "loss_finite", "method"])], notes)
     return 1 if any(r["returncode"] not in (0, None) for r in rows) else 0
 
 

@@ -7,7 +7,9 @@ is the plain diffusers loop a user runs, as a whole process (what `suite diffusi
     suite bench command --baseline "python -m lowmem.suite.bench.diffusion plain_loop BASE OUT1" -- \\
         suite diffusion finetune --pretrained_model_name_or_path BASE --strategy gemini_nvme ...
 
-`--whole_command` runs each of the two in its own memory cgroup, start to exit (`suite.bench.memory.run_command`).
+`--whole_command` runs each of the two as a side (`harness.run_side`) in its own memory cgroup, start to exit.
+The UNet and frozen encoders of the benchmark's shapes (`unet_model`, `encoder_models`) and the plain loops' step
+(`noise_loss`, `plain_step`, also the SDXL bench's) live here.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ from __future__ import annotations
 import argparse
 import os
 
-from .diffusion import _MODULE, _encoders, _unet, add_arguments
+__all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
+           "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
 
-__all__ = ["add_whole_arguments", "csv_metric", "csv_step_seconds", "main", "noise_loss", "plain_loop", "plain_step",
-           "run_whole", "step_seconds", "whole_commands", "write_pipeline"]
+MODULE = f"{__package__}.diffusion"
+"""The import name of `suite bench diffusion`, whose `python -m` runs this module's tools (`main`)."""
 
 
-def _drop_cached(folder: str) -> None:
-    """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
-    from ...utils.fileio import drop_page_cache
-
-    for top, _, names in os.walk(folder):
-        for name in names:
-            drop_page_cache(os.path.join(top, name), write_back=True)
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape the UNet and the frozen encoders."""
+    parser.add_argument("--channels", default="64,128,256", help="UNet block channels (SD 1.5: 320,640,1280,1280)")
+    parser.add_argument("--layers_per_block", type=int, default=1, help="ResNet layers per block (SD 1.5: 2)")
+    parser.add_argument("--cross_attention_dim", type=int, default=256, help="text state width (SD 1.5: 768)")
+    parser.add_argument("--attention_head_dim", type=int, default=8, help="heads per attention (SD 1.5: 8)")
+    parser.add_argument("--encoders", choices=["small", "sd", "none"], default="small",
+                        help="frozen VAE and text encoder: small (scaled down), sd (SD 1.5 shapes) or none")
+    parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (latents: /8)")
 
 
 def add_whole_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +45,41 @@ def add_whole_arguments(parser: argparse.ArgumentParser) -> None:
                              "included; the kernel reclaims, then kills): the published cap")
 
 
+def unet_model(opts: dict):
+    """The benchmark's UNet (random weights) of `opts`' channels, layers per block and widths."""
+    from diffusers import UNet2DConditionModel
+
+    channels = tuple(int(c) for c in opts["channels"].split(","))
+    n = len(channels)
+    return UNet2DConditionModel(
+        sample_size=opts["resolution"] // 8, block_out_channels=channels, layers_per_block=opts["layers_per_block"],
+        down_block_types=("CrossAttnDownBlock2D",) * (n - 1) + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n - 1),
+        cross_attention_dim=opts["cross_attention_dim"], attention_head_dim=opts["attention_head_dim"],
+    )
+
+
+def encoder_models(opts: dict):
+    """(vae, text_encoder) with random weights, or (None, None). `sd`: SD 1.5's shapes; `small`: 8x VAE with
+    (32, 64, 128, 128) channels and a 2-layer CLIP of the cross-attention width with a 4096-token vocabulary."""
+    if opts["encoders"] == "none":
+        return None, None
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    sd = opts["encoders"] == "sd"
+    channels = (128, 256, 512, 512) if sd else (32, 64, 128, 128)
+    vae = AutoencoderKL(block_out_channels=channels, layers_per_block=2 if sd else 1,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        latent_channels=4, sample_size=opts["resolution"])
+    width = opts["cross_attention_dim"]
+    text = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408 if sd else 4096, hidden_size=width, intermediate_size=4 * width,
+        num_attention_heads=12 if sd else 4, num_hidden_layers=12 if sd else 2, max_position_embeddings=77,
+        projection_dim=width, hidden_act="quick_gelu", bos_token_id=0, eos_token_id=2, pad_token_id=1))
+    return vae, text
+
+
 def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
     """A recipe YAML naming ours' Gemini config (what a user writes to set the chunk size)."""
     where = f", offload_dir: {nvme}" if tier == "nvme" else ""
@@ -48,33 +88,6 @@ def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
         f.write(f"launch:\n  parallel:\n    gemini: {{offload_tier: {tier}{where}, offload_param_frac: 1.0, "
                 f"offload_optim_frac: 1.0{size}}}\n")
     return path
-
-
-def step_seconds(log: str) -> list[float]:
-    """Seconds of each optimizer step the plain loop's log reports (its `plain step k/N s X` lines), in order; ours'
-    come from the run's CSV metrics (`csv_step_seconds`)."""
-    import re
-
-    with open(log, errors="replace") as f:
-        return [float(m.group(1)) for line in f if (m := re.match(r"plain step \d+/\d+ s ([0-9.]+)", line))]
-
-
-def csv_metric(folder: str, column: str) -> list[float]:
-    """The values of `column` in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`), in order, rows
-    without it skipped; [] without the file."""
-    import csv
-
-    path = os.path.join(folder, "logs", "csv", "metrics.csv")
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return [float(r[column]) for r in csv.DictReader(f) if r.get(column)]
-
-
-def csv_step_seconds(folder: str, batch: int) -> list[float]:
-    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder`: the `images_per_s` logged at
-    step k is the batch over step k-1's duration; [] without the file."""
-    return [batch / r for r in csv_metric(folder, "images_per_s") if r > 0]
 
 
 def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
@@ -90,71 +103,66 @@ def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
 
 
 def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
-    """One step of a plain loop: `loss_of()`, backward, the optimizer's step, and the `plain step k/N s X loss L`
-    line `step_seconds` reads (the time covers all of it)."""
+    """One step of a plain loop: `loss_of()`, backward, the optimizer's step, and the `harness.log_step` line its
+    per-step time is read back from (the time covers all of it)."""
     import time
+
+    from .harness import log_step
 
     t0 = time.perf_counter()
     loss = loss_of()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - t0
-    print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {float(loss.detach()):.4f}", flush=True)
+    log_step(step, steps, time.perf_counter() - t0, float(loss.detach()))
 
 
 def whole_commands(opts: dict, work: str) -> list[dict]:
-    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`), each as a whole process tree in
-    its own memory cgroup (`suite.bench.memory.run_command`; ours under `--cap_mib` when given), on a pipeline
-    folder of `opts`' shapes written in `work`. Every input file is dropped from the page cache before each side,
-    so each reads (and is charged for) its own. Step time: the median of the steps after the first."""
-    import statistics
-    import subprocess
+    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`), each a side (`run_side`: the
+    whole process tree in its own memory cgroup; ours under `--cap_mib` when given), on a pipeline folder of
+    `opts`' shapes written in `work`. Every input file is dropped from the page cache before each side, so each
+    reads (and is charged for) its own. Step time: the median of the steps after the first."""
     import sys
 
     from ...diffusion.sample_data import write_sample_data
-    from .memory import run_command
+    from .harness import Side, drop_cached, median, mib, ratio, run_side
 
     base, data = os.path.join(work, "base"), os.path.join(work, "data")
     write_pipeline(base, opts)
     write_sample_data(data)
     py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
-    sides = {"plain": [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"),
-                       "--steps", steps, "--batch", batch, "--resolution", res]}
+    cap = int(opts["cap_mib"] * 2**20) if opts.get("cap_mib") else None
+    # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
+    held = {"timeout": opts["timeout"], "cwd": work, "offload_paths": [os.path.join(work, "nvme")]}
+    sides = [Side("plain", [py, "-m", MODULE, "plain_loop", base, os.path.join(work, "out-plain"), "--steps", steps,
+                            "--batch", batch, "--resolution", res], log=os.path.join(work, "plain-0.log"), **held)]
     for tier in opts.get("tiers", "nvme").split(","):
         config = _ours_config(os.path.join(work, f"gemini-{tier}.yaml"), tier, os.path.join(work, "nvme"),
                               opts["chunk_mb"])
-        sides[f"ours (gemini, {tier} tier)"] = [
-            py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune", "--config", config,
+        sides.append(Side(f"ours (gemini, {tier} tier)", [
+            py, "-m", MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune", "--config", config,
             "--pretrained_model_name_or_path", base, "--train_data_dir", data, "--resolution", res,
             "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
-            "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")]
-    cap = int(opts["cap_mib"] * 2**20) if opts.get("cap_mib") else None
+            "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")],
+            cap_bytes=cap if tier == "nvme" else None, log=os.path.join(work, f"ours-{len(sides)}.log"), **held))
     rows = []
-    for side, argv in sides.items():
-        _drop_cached(work)
-        # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
-        log = os.path.join(work, f"{side.split()[0]}-{len(rows)}.log")
-        with open(log, "w") as f:
-            out = run_command(argv, offload_paths=[os.path.join(work, "nvme")], timeout=opts["timeout"], cwd=work,
-                              stdout=f, stderr=subprocess.STDOUT, cap_bytes=cap if "nvme" in side else None)
-        if out["returncode"] != 0 and not out.get("oom_kills"):
-            with open(log, errors="replace") as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"{side}: {' '.join(argv)} exited with {out['returncode']}:\n{tail}")
-        times = step_seconds(log) if side == "plain" else \
-            csv_step_seconds(os.path.join(work, f"out-{side.split()[-2]}"), opts["batch"])
-        steady = times[1:]  # both sides' first figure is step 1's (warm-up): skipped
-        rows.append({"variant": side, "returncode": out["returncode"], "peak_mib": out["peak_bytes"] / 2**20,
-                     "cap_mib": (cap / 2**20) if cap and "nvme" in side else None,
-                     "oom_killed": bool(out.get("oom_kills")), "wall_s": out["wall_s"],
-                     "step_s": statistics.median(steady) if steady else None, "step_times_s": times,
-                     "method": out["method"], "command": " ".join(argv)})
+    for side in sides:
+        drop_cached(work)
+        got = run_side(side)
+        if got.returncode != 0 and not got.oom_killed:
+            with open(side.log, errors="replace") as f:
+                raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n"
+                                   f"{f.read()[-3000:]}")
+        out_dir = None if side.name == "plain" else side.argv[side.argv.index("--output_dir") + 1]
+        times = got.step_times(out_dir, opts["batch"])
+        rows.append({"variant": side.name, "returncode": got.returncode, "peak_mib": mib(got.peak_bytes),
+                     "cap_mib": side.cap_bytes / 2**20 if side.cap_bytes else None, "oom_killed": got.oom_killed,
+                     "wall_s": got.wall_s, "step_s": median(times[1:]),  # step 1 (warm-up) skipped on both sides
+                     "step_times_s": times, "method": got.method, "command": " ".join(side.argv)})
     plain = rows[0]
     for r in rows[1:]:
-        r["peak_ratio"] = r["peak_mib"] / plain["peak_mib"]
-        r["wall_ratio"] = r["wall_s"] / plain["wall_s"]
-        r["step_ratio"] = r["step_s"] / plain["step_s"] if r["step_s"] and plain["step_s"] else None
+        r.update(peak_ratio=r["peak_mib"] / plain["peak_mib"], wall_ratio=r["wall_s"] / plain["wall_s"],
+                 step_ratio=ratio(r["step_s"], plain["step_s"]))
     return rows
 
 
@@ -164,7 +172,7 @@ def run_whole(opts: dict, args: argparse.Namespace) -> int:
 
     import torch
 
-    from .common import print_table, write_json
+    from .harness import publish
 
     work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
     try:
@@ -174,13 +182,13 @@ def run_whole(opts: dict, args: argparse.Namespace) -> int:
     title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
              f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, ours' chunks "
              f"{opts['chunk_mb']} MiB, torch {torch.__version__}")
-    print_table(rows, ["variant", "peak_mib", "cap_mib", "peak_ratio", "oom_killed", "wall_s", "wall_ratio",
-                       "step_s", "step_ratio", "method"], title=title)
-    for r in rows:
-        print(f"{r['variant']}: {r['command']}")
-    print("peak_mib: the process tree from start to exit (page cache included with a cgroup); step_s: median of "
-          "the steps after the first; cap_mib: ours ran under that cgroup limit")
-    write_json(args.json, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows})
+    columns = ["variant", "peak_mib", "cap_mib", "peak_ratio", "oom_killed", "wall_s", "wall_ratio", "step_s",
+               "step_ratio", "method"]
+    notes = [f"{r['variant']}: {r['command']}" for r in rows]
+    notes.append("peak_mib: the process tree from start to exit (page cache included with a cgroup); step_s: median "
+                 "of the steps after the first; cap_mib: ours ran under that cgroup limit")
+    publish(args, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows}, [(title, rows, columns)],
+            notes)
     return 1 if any(r["returncode"] for r in rows) else 0
 
 
@@ -193,8 +201,8 @@ def write_pipeline(folder: str, opts: dict) -> None:
     from ...diffusion.tiny import build_tokenizer
 
     torch.manual_seed(0)
-    unet = _unet(opts)
-    vae, text = _encoders({**opts, "encoders": "small" if opts["encoders"] == "none" else opts["encoders"]})
+    unet = unet_model(opts)
+    vae, text = encoder_models({**opts, "encoders": "small" if opts["encoders"] == "none" else opts["encoders"]})
     scheduler = PNDMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                               beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=build_tokenizer(77), unet=unet,
@@ -212,7 +220,7 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from .common import fast_optimizer
+    from .harness import fast_optimizer
 
     torch.manual_seed(0)
     scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
@@ -243,11 +251,11 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m lowmem.suite.bench.diffusion write_pipeline | plain_loop ...`."""
-    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     sub = parser.add_subparsers(dest="what", required=True)
     w = sub.add_parser("write_pipeline", help="a pipeline folder of the benchmark's shapes, random weights")
     w.add_argument("folder")
-    add_arguments(w)
+    add_shape_arguments(w)
     p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
     p.add_argument("base")
     p.add_argument("out")

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _targets(n: int, n_res: int, seed: int):
     import numpy as np
 
-    from ...fastfold.pipeline import Target
+    from ...fastfold.run import Target
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -37,27 +37,21 @@ def _targets(n: int, n_res: int, seed: int):
 
 
 def _database(path, targets, size: int, seed: int) -> None:
-    """Ten mutated copies of each target among random decoys (FASTA)."""
+    """Ten mutated copies of each target (5% to 50% of residues changed) among random decoys (FASTA)."""
     import numpy as np
 
+    from .fold_dbs import decoys, families, write_fasta
+
     rng = np.random.default_rng(seed + 1)
-    letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
-    with open(path, "w") as f:
-        for t in targets:
-            for k in range(10):
-                seq = np.array(list(t.sequence))
-                flip = rng.random(len(seq)) < 0.05 * (k + 1)
-                seq[flip] = rng.choice(letters, int(flip.sum()))
-                f.write(f">{t.name}_hom{k}\n{''.join(seq)}\n")
-        for k in range(size):
-            f.write(f">decoy{k}\n{''.join(rng.choice(letters, len(targets[0].sequence)))}\n")
+    homologs = families([(t.name, t.sequence) for t in targets], 10, rng)
+    write_fasta(path, homologs + decoys(size, len(targets[0].sequence), rng))
 
 
 def _stage_rows(target, cfg):
     import time
     from pathlib import Path
 
-    from ...fastfold import pipeline as fp
+    from ...fastfold import run as fp
     from ...fastfold.relax import relax_protein
 
     spec = cfg.models[0]
@@ -85,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
+    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
     from ...fastfold.relax import RelaxConfig
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import publish
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")
@@ -113,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
         base = FoldConfig(output_dir=str(tmp / "stage"), models=[spec], alignment=alignment,
                           relax=RelaxConfig(platform="auto") if args.relax else None)
         stages = _stage_rows(targets[0], base)
-        print_table(stages, title=f"suite fold stages, one target ({'jackhmmer' if jackhmmer else 'single sequence'})")
         runs = []
         cfg = dataclasses.replace(base, output_dir=str(tmp / "run0"), num_workers=0)
         t0 = time.perf_counter()
@@ -143,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
                      "seconds": seconds, "done": done})
         for row in runs[1:]:
             row["speedup"] = runs[0]["seconds"] / row["seconds"]
-        print_table(runs, title=f"{len(targets)} targets of {args.n_res} residues")
-        write_json(args.json, {"benchmark": "fold", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                               "stages": stages, "runs": runs, "jackhmmer": jackhmmer})
+        publish(args, {"benchmark": "fold", "args": {k: v for k, v in vars(args).items() if k != "func"},
+                       "stages": stages, "runs": runs, "jackhmmer": jackhmmer},
+                [(f"suite fold stages, one target ({'jackhmmer' if jackhmmer else 'single sequence'})", stages, None),
+                 (f"{len(targets)} targets of {args.n_res} residues", runs, None)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

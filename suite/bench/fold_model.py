@@ -29,24 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+
+from .harness import int_list
 
 __all__ = ["add_arguments", "run"]
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n_res", type=_int_list, default=[256, 512], help="residue counts, e.g. 256,512")
+    parser.add_argument("--n_res", type=int_list, default=[256, 512], help="residue counts, e.g. 256,512")
     parser.add_argument("--blocks", type=int, default=4, help="Evoformer blocks (the released model has 48)")
     parser.add_argument("--extra_blocks", type=int, default=1, help="extra-MSA blocks (released: 4)")
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows (cluster centres)")
@@ -59,11 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed full-size passes before the timed ones")
     parser.add_argument("--multimer", action="store_true",
                         help="AlphaFold-Multimer (model_1_multimer_v3 widths) on a complex of --chains; DAP rows too")
-    parser.add_argument("--chains", type=_int_list, default=[256, 256],
+    parser.add_argument("--chains", type=int_list, default=[256, 256],
                         help="--multimer: chain lengths of the complex, e.g. 256,256")
     parser.add_argument("--n_templ", type=int, default=4, help="--multimer: templates")
     parser.add_argument("--template_blocks", type=int, default=2, help="--multimer: template pair blocks (released: 2)")
-    parser.add_argument("--dap_ranks", type=_int_list, default=[1, 2],
+    parser.add_argument("--dap_ranks", type=int_list, default=[1, 2],
                         help="--multimer: DAP rank counts, the first the baseline (one count: no DAP rows)")
     parser.add_argument("--parts", choices=["all", "chunk", "dap"], default="all",
                         help="--multimer: which comparisons to run")
@@ -91,7 +82,7 @@ def _rss_baseline() -> int:
     """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
     import gc
 
-    from .common import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
+    from .memory import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
     gc.collect()
     malloc_trim()
@@ -132,7 +123,8 @@ def _child(args: argparse.Namespace) -> int:
 
     from ...fastfold.model import AlphaFold, config
     from ...fastfold.model.testing import random_batch
-    from .common import fix_malloc, hwm_bytes, time_fn
+    from .harness import time_fn
+    from .memory import fix_malloc, hwm_bytes
 
     fix_malloc(2**20)
     n_res, variant = args._child.split(":")
@@ -173,49 +165,27 @@ def _child(args: argparse.Namespace) -> int:
 
     seconds = time_fn(one_pass, warmup=args.warmup, repeat=args.repeat, sync=sync)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
-    print(
-        json.dumps(
-            {
-                "n_res": int(n_res),
-                "variant": variant,
-                "seconds": seconds,
-                "peak_bytes": peak - base,
-                "device": device.type,
-            }
-        )
-    )
+    print(json.dumps({"n_res": int(n_res), "variant": variant, "seconds": seconds, "peak_bytes": peak - base,
+                      "device": device.type}))
     return 0
 
 
 def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
-    suite_module = __package__.rpartition(".")[0]
-    argv = [sys.executable, "-m", suite_module, "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
-    for flag in (
-        "blocks",
-        "extra_blocks",
-        "n_seq",
-        "n_extra",
-        "chunk_size",
-        "memory_budget_mb",
-        "dtype",
-        "device",
-        "repeat",
-        "warmup",
-    ):
+    from .harness import SUITE, Side, run_side, safe_env
+
+    argv = [sys.executable, "-m", SUITE, "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
+    for flag in ("blocks", "extra_blocks", "n_seq", "n_extra", "chunk_size", "memory_budget_mb", "dtype", "device",
+                 "repeat", "warmup"):
         argv += [f"--{flag}", str(getattr(args, flag))]
     if args.multimer:
         argv += ["--multimer", "--chains", ",".join(map(str, args.chains)), "--n_templ", str(args.n_templ),
                  "--template_blocks", str(args.template_blocks)]
-    # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"})
-    if done.returncode != 0:
-        raise RuntimeError(f"fold-model benchmark n_res={n_res} {variant} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_side(Side(f"fold-model benchmark n_res={n_res} {variant}", argv, env=safe_env(), measure=False)).result()
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import publish
 
     if args._child:
         return _child(args)
@@ -239,58 +209,37 @@ def run(args: argparse.Namespace) -> int:
     for n_res in args.n_res:
         result = {v: _run_child(args, n_res, v) for v in ("unchunked", "chunked")}
         u, c = result["unchunked"], result["chunked"]
-        rows.append(
-            {
-                "n_res": n_res,
-                "device": u["device"],
-                "unchunked_s": u["seconds"],
-                "chunked_s": c["seconds"],
-                "time_ratio": c["seconds"] / u["seconds"],
-                "unchunked_peak_mib": u["peak_bytes"] / 2**20,
-                "chunked_peak_mib": c["peak_bytes"] / 2**20,
-                "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1),
-            }
-        )
-    title = (
-        f"AlphaFold2 pass, {args.blocks} Evoformer + {args.extra_blocks} extra-MSA blocks, released channels, "
-        f"{args.n_seq} MSA rows, {args.n_extra} extra rows, {args.dtype}; chunk_size={args.chunk_size}"
-    )
-    print_table(rows, title=title)
-    write_json(
-        args.json,
-        {
-            "benchmark": "fold-model",
-            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-            "rows": rows,
-        },
-    )
+        rows.append({"n_res": n_res, "device": u["device"], "unchunked_s": u["seconds"], "chunked_s": c["seconds"],
+                     "time_ratio": c["seconds"] / u["seconds"], "unchunked_peak_mib": u["peak_bytes"] / 2**20,
+                     "chunked_peak_mib": c["peak_bytes"] / 2**20,
+                     "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1)})
+    title = (f"AlphaFold2 pass, {args.blocks} Evoformer + {args.extra_blocks} extra-MSA blocks, released channels, "
+             f"{args.n_seq} MSA rows, {args.n_extra} extra rows, {args.dtype}; chunk_size={args.chunk_size}")
+    publish(args, {"benchmark": "fold-model", "args": _args(args), "rows": rows}, [(title, rows, None)])
     return 0
+
+
+def _args(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
 def _dap_rank(rank: int, world: int, opts: dict) -> dict:
     """One DAP rank of the multimer comparison: the model and batch built alike on every rank (seed 0), split
     across the group when there is more than one rank; peak of one pass, then the time per pass."""
-    import argparse as _argparse
     import time
 
     import torch
     import torch.distributed as dist
 
-    from ...core_parallel import Axis, Topology
-    from ...fastfold.dap import parallelize_dap
     from ...fastfold.model import InferenceOptions
-    from .common import hwm_bytes, reset_peak_rss, rss_bytes
-    from .dap import _pin
+    from .dap import dap_group
+    from .harness import pin_to_core
+    from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
     device = torch.device("cpu")
-    core = _pin(rank, world) if opts["affinity"] == "pin" else None
-    args = _argparse.Namespace(**opts)
-    model, batch_of = _multimer_model(args, device, getattr(torch, opts["dtype"]))
-    topo = group = None
-    if world > 1:
-        topo = Topology(world_size=world, rank=rank, dap=world, backend="gloo")
-        group = topo.init().group(Axis.DAP)
-        parallelize_dap(model, group)
+    core = pin_to_core(rank, world) if opts["affinity"] == "pin" else None
+    model, batch_of = _multimer_model(argparse.Namespace(**opts), device, getattr(torch, opts["dtype"]))
+    topo, group = dap_group(rank, world, model, device)
     options = InferenceOptions()
 
     def run(batch) -> None:
@@ -320,25 +269,29 @@ def _dap_rank(rank: int, world: int, opts: dict) -> dict:
 
 def _run_dap(args: argparse.Namespace, world: int) -> dict:
     from ...core_parallel import run_on_ranks
-    from .common import fixed_mmap_threshold
+    from .memory import fixed_mmap_threshold
 
     opts = {k: getattr(args, k) for k in ("blocks", "extra_blocks", "n_seq", "n_extra", "n_templ", "template_blocks",
                                           "chains", "dtype", "repeat", "warmup")}
     opts["affinity"] = "pin"
     with fixed_mmap_threshold():  # freed large tensors leave the resident set (as bench dap)
         per_rank = run_on_ranks(_dap_rank, world, opts, timeout=3600.0, backend="none")
-    return {
-        "seconds": max(r["seconds"] for r in per_rank),
-        "peak_mib": max(r["peak_mib"] for r in per_rank),
-        "cores": ",".join(str(r["core"]) for r in per_rank),
-    }
+    return {"seconds": max(r["seconds"] for r in per_rank), "peak_mib": max(r["peak_mib"] for r in per_rank),
+            "cores": ",".join(str(r["core"]) for r in per_rank)}
+
+
+def _compared(name: str, base: dict, got: dict, **extra) -> dict:
+    """A multimer row: `got` against `base` (seconds and peak MiB of each)."""
+    return {"comparison": name, **extra, "baseline_s": base["seconds"], "s": got["seconds"],
+            "time_ratio": got["seconds"] / base["seconds"], "baseline_peak_mib": base["peak_mib"],
+            "peak_mib": got["peak_mib"], "memory_ratio": got["peak_mib"] / max(base["peak_mib"], 1e-9)}
 
 
 def _run_multimer(args: argparse.Namespace) -> int:
     import datetime
 
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import publish
 
     if args.n_templ <= 0 or args.template_blocks < 0:
         raise UsageError("fold-model --multimer: --n_templ must be positive and --template_blocks not negative")
@@ -349,51 +302,22 @@ def _run_multimer(args: argparse.Namespace) -> int:
     complex_ = "+".join(map(str, args.chains))
     rows = []
     if args.parts in ("all", "chunk"):
-        result = {v: _run_child(args, sum(args.chains), v) for v in ("unchunked", "chunked")}
-        u, c = result["unchunked"], result["chunked"]
-        rows.append({
-            "comparison": "chunked vs unchunked",
-            "complex": complex_,
-            "device": u["device"],
-            "baseline_s": u["seconds"],
-            "s": c["seconds"],
-            "time_ratio": c["seconds"] / u["seconds"],
-            "baseline_peak_mib": u["peak_bytes"] / 2**20,
-            "peak_mib": c["peak_bytes"] / 2**20,
-            "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1),
-            "settings": f"chunk_size={args.chunk_size}, in_place",
-        })
+        u, c = ({**r, "peak_mib": r["peak_bytes"] / 2**20} for r in
+                (_run_child(args, sum(args.chains), v) for v in ("unchunked", "chunked")))
+        rows.append({**_compared("chunked vs unchunked", u, c, complex=complex_, device=u["device"]),
+                     "memory_ratio": c["peak_bytes"] / max(u["peak_bytes"], 1),
+                     "settings": f"chunk_size={args.chunk_size}, in_place"})
     if args.parts in ("all", "dap") and len(args.dap_ranks) > 1:
-        if args.device == "cuda":
-            raise UsageError("fold-model --multimer: the DAP rows run on CPU (gloo)")
         base = _run_dap(args, args.dap_ranks[0])
         for world in args.dap_ranks[1:]:
             got = _run_dap(args, world)
-            rows.append({
-                "comparison": f"DAP {world} ranks vs {args.dap_ranks[0]}",
-                "complex": complex_,
-                "device": "cpu",
-                "baseline_s": base["seconds"],
-                "s": got["seconds"],
-                "time_ratio": got["seconds"] / base["seconds"],
-                "baseline_peak_mib": base["peak_mib"],
-                "peak_mib": got["peak_mib"],
-                "memory_ratio": got["peak_mib"] / max(base["peak_mib"], 1e-9),
-                "settings": f"unchunked, 1 thread per rank, cores {base['cores']} / {got['cores']}",
-            })
-    title = (
-        f"AlphaFold-Multimer pass (model_1_multimer_v3 widths), complex {complex_}, {args.blocks} Evoformer + "
-        f"{args.extra_blocks} extra-MSA + {args.template_blocks} template blocks, {args.n_seq} MSA rows, "
-        f"{args.n_extra} extra rows, {args.n_templ} templates, {args.dtype}"
-    )
-    print_table(rows, title=title)
-    write_json(
-        args.json,
-        {
-            "benchmark": "fold-model --multimer",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-            "rows": rows,
-        },
-    )
+            rows.append({**_compared(f"DAP {world} ranks vs {args.dap_ranks[0]}", base, got, complex=complex_,
+                                     device="cpu"),
+                         "settings": f"unchunked, 1 thread per rank, cores {base['cores']} / {got['cores']}"})
+    title = (f"AlphaFold-Multimer pass (model_1_multimer_v3 widths), complex {complex_}, {args.blocks} Evoformer + "
+             f"{args.extra_blocks} extra-MSA + {args.template_blocks} template blocks, {args.n_seq} MSA rows, "
+             f"{args.n_extra} extra rows, {args.n_templ} templates, {args.dtype}")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    publish(args, {"benchmark": "fold-model --multimer", "date": date, "args": _args(args), "rows": rows},
+            [(title, rows, None)])
     return 0

@@ -34,20 +34,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-__all__ = [
-    "PLDDT_TOLERANCE",
-    "PlddtMismatch",
-    "check_args",
-    "compare",
-    "run",
-    "run_side",
-    "standin_softmax_",
-    "write_inputs",
-]
+from .harness import Side, run_side, safe_env
+
+__all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
+           "write_inputs"]
 
 PLDDT_TOLERANCE = 1e-3
 N_TEMPL = 2
@@ -163,19 +156,12 @@ def _device(name: str):
 def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
     import torch
 
-    from .common import hwm_bytes
+    from .memory import hwm_bytes
 
-    result = {
-        "side": side,
-        "load_s": t_ready - _T_START,
-        "forward_s": forward_s,
-        "plddt": float(plddt.float().mean().item()),
-        "device": device.type,
-        "threads": torch.get_num_threads(),
-        # VmHWM, this process's own: ru_maxrss would carry the bench's peak across fork and exec
-        "child_maxrss_bytes": hwm_bytes(),
-        **extra,
-    }
+    # VmHWM, this process's own: ru_maxrss would carry the bench's peak across fork and exec
+    result = {"side": side, "load_s": t_ready - _T_START, "forward_s": forward_s,
+              "plddt": float(plddt.float().mean().item()), "device": device.type, "threads": torch.get_num_threads(),
+              "child_maxrss_bytes": hwm_bytes(), **extra}
     if device.type == "cuda":
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     print(json.dumps(result), flush=True)
@@ -307,38 +293,12 @@ def _child_argv(side: str, **opts) -> list[str]:
     return argv
 
 
-def _env() -> dict[str, str]:
-    # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
-    return {**os.environ, "PYTHONSAFEPATH": "1"}
-
-
-def run_side(side: str, *, timeout: float | None = None, use_cgroup: bool = True, **opts) -> dict:
-    """Run one side's child to its exit, measured as a whole process (`run_command`); its JSON line plus
+def run_one(side: str, *, timeout: float | None = None, use_cgroup: bool = True, **opts) -> dict:
+    """Run one side's child to its exit, measured as a whole process (`harness.run_side`); its JSON line plus
     `wall_s`, `peak_bytes` and `method`. A crash is a RuntimeError with the end of its stderr."""
-    import tempfile
-
-    from .memory import run_command
-
-    argv = _child_argv(side, **opts)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        done = run_command(argv, env=_env(), timeout=timeout, use_cgroup=use_cgroup, stdout=out, stderr=err)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = stdout.strip().splitlines()
-    if done["returncode"] != 0 or not lines:
-        raise RuntimeError(f"fold-model --openfold: the {side} side failed (exit {done['returncode']}):\n"
-                           f"{stderr[-2000:]}")
-    try:
-        result = json.loads(lines[-1])
-    except ValueError:
-        raise RuntimeError(f"fold-model --openfold: the {side} side printed no result line:\n{stdout[-1000:]}\n"
-                           f"{stderr[-1000:]}") from None
-    return {**result, "wall_s": done["wall_s"], "peak_bytes": done["peak_bytes"], "method": done["method"]}
-
-
-def _median(values) -> float:
-    return float(statistics.median(values))
+    got = run_side(Side(f"fold-model --openfold: the {side} side", _child_argv(side, **opts), timeout=timeout,
+                        env=safe_env(), use_cgroup=use_cgroup))
+    return {**got.result(), "wall_s": got.wall_s, "peak_bytes": got.peak_bytes, "method": got.method}
 
 
 def compare(runs: list[dict], tolerance: float = PLDDT_TOLERANCE) -> list[dict]:
@@ -357,27 +317,16 @@ def compare(runs: list[dict], tolerance: float = PLDDT_TOLERANCE) -> list[dict]:
             raise PlddtMismatch(
                 f"n_res {n_res}: mean pLDDT ours {side['ours'][0]['plddt']:.4f} vs OpenFold "
                 f"{side['openfold'][0]['plddt']:.4f} (|diff| {diff:.3g} >= {tolerance:g})")
-        med = {s: {k: _median([r[k] for r in rs]) for k in ("wall_s", "forward_s", "load_s", "peak_bytes")}
+        med = {s: {k: float(statistics.median([r[k] for r in rs])) for k in ("wall_s", "forward_s", "load_s",
+                                                                           "peak_bytes")}
                for s, rs in side.items()}
         o, f = med["ours"], med["openfold"]
-        rows.append({
-            "n_res": n_res,
-            "runs": len(side["ours"]),
-            "ours_wall_s": o["wall_s"],
-            "openfold_wall_s": f["wall_s"],
-            "wall_ratio": o["wall_s"] / f["wall_s"],
-            "ours_forward_s": o["forward_s"],
-            "openfold_forward_s": f["forward_s"],
-            "forward_ratio": o["forward_s"] / f["forward_s"],
-            "ours_load_s": o["load_s"],
-            "openfold_load_s": f["load_s"],
-            "load_ratio": o["load_s"] / f["load_s"],
-            "ours_peak_mib": o["peak_bytes"] / 2**20,
-            "openfold_peak_mib": f["peak_bytes"] / 2**20,
-            "peak_ratio": o["peak_bytes"] / f["peak_bytes"],
-            "plddt": side["ours"][0]["plddt"],
-            "plddt_diff": diff,
-        })
+        row = {"n_res": n_res, "runs": len(side["ours"])}
+        for key, name in (("wall_s", "wall"), ("forward_s", "forward"), ("load_s", "load")):
+            row.update({f"ours_{key}": o[key], f"openfold_{key}": f[key], f"{name}_ratio": o[key] / f[key]})
+        rows.append({**row, "ours_peak_mib": o["peak_bytes"] / 2**20, "openfold_peak_mib": f["peak_bytes"] / 2**20,
+                     "peak_ratio": o["peak_bytes"] / f["peak_bytes"], "plddt": side["ours"][0]["plddt"],
+                     "plddt_diff": diff})
     return rows
 
 
@@ -418,11 +367,8 @@ def _pythonpath(args: argparse.Namespace) -> list[str]:
 def _probe(args: argparse.Namespace, paths: list[str]) -> dict:
     from ..errors import UsageError
 
-    done = subprocess.run(_child_argv("probe", path=paths), capture_output=True, text=True, check=False, env=_env())
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"fold-model --openfold: importing openfold failed:\n{done.stderr[-2000:]}")
-    probe = json.loads(lines[-1])
+    probe = run_side(Side("fold-model --openfold: importing openfold", _child_argv("probe", path=paths),
+                          env=safe_env(), measure=False)).result()
     if not probe["ok"]:
         missing = probe.get("missing") or ""
         if missing.split(".")[0] == "openfold":
@@ -446,7 +392,7 @@ def _blocks(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .common import print_table, write_json
+    from .harness import publish, write_json
     from .memory import cgroup_method
 
     check_args(args)
@@ -465,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.repeat):
                 for side in ("ours", "openfold"):
                     extra = {"path": paths} if side == "openfold" else {}
-                    got = run_side(side, **common, **extra)
+                    got = run_one(side, **common, **extra)
                     runs.append({"n_res": n_res, "run": i + 1, **got})
                     print(f"  n_res {n_res} run {i + 1} {side}: wall {got['wall_s']:.1f} s, forward "
                           f"{got['forward_s']:.1f} s, peak {got['peak_bytes'] / 2**20:.0f} MiB, "
@@ -475,8 +421,8 @@ def run(args: argparse.Namespace) -> int:
             tmp.cleanup()
     softmax = next((r["softmax"] for r in runs if "softmax" in r), probe["softmax"])
     method = runs[0]["method"] if runs else cgroup_method()
-    payload = {"benchmark": "fold-model --openfold",
-               "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    payload = {"benchmark": "fold-model --openfold", "args": {k: v for k, v in vars(args).items()
+                                                             if not k.startswith("_")},
                "openfold": probe["openfold"], "softmax": softmax, "method": method, "runs": runs}
     try:
         summary = compare(runs)
@@ -486,15 +432,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     title = (f"whole process, ours vs OpenFold ({probe['openfold']}): {args.preset} at full size ({_blocks(args)}), "
              f"{args.n_seq} MSA rows, {args.n_extra} extra rows, chunk_size={chunk}, {args.threads} threads, "
-             f"device {runs[0]['device']}; peak: {method}; "
-             f"OpenFold's softmax: {softmax}")
-    columns = ["n_res", "run", "side", "wall_s", "forward_s", "load_s", "peak_mib", "plddt"]
-    print_table([{**r, "peak_mib": r["peak_bytes"] / 2**20} for r in runs], columns, title=title)
-    print_table(summary, ["n_res", "runs", "ours_wall_s", "openfold_wall_s", "wall_ratio", "ours_forward_s",
-                          "openfold_forward_s", "forward_ratio", "ours_peak_mib", "openfold_peak_mib", "peak_ratio",
-                          "plddt_diff"],
-                title="medians; ratios ours / OpenFold (wall and peak: the whole process)")
-    write_json(args.json, {**payload, "summary": summary})
+             f"device {runs[0]['device']}; peak: {method}; OpenFold's softmax: {softmax}")
+    publish(args, {**payload, "summary": summary}, [
+        (title, [{**r, "peak_mib": r["peak_bytes"] / 2**20} for r in runs],
+         ["n_res", "run", "side", "wall_s", "forward_s", "load_s", "peak_mib", "plddt"]),
+        ("medians; ratios ours / OpenFold (wall and peak: the whole process)", summary,
+         ["n_res", "runs", "ours_wall_s", "openfold_wall_s", "wall_ratio", "ours_forward_s", "openfold_forward_s",
+          "forward_ratio", "ours_peak_mib", "openfold_peak_mib", "peak_ratio", "plddt_diff"])])
     return 0
 
 

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
     import numpy as np
 
-    from ...fastfold.pipeline import read_targets
+    from ...fastfold.run import read_targets
     from .fold_dbs import LETTERS
 
     rng = np.random.default_rng(args.seed)
@@ -81,7 +81,7 @@ def _features(targets, cfg, ray_session: bool) -> tuple[float, list]:
     """Seconds of every target's features through `feature_stream`, and the results (raising a failure)."""
     import time
 
-    from ...fastfold.pipeline import feature_stream
+    from ...fastfold.run import feature_stream
 
     t0 = time.perf_counter()
     got = []
@@ -97,7 +97,7 @@ def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
 
     import ray
 
-    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec
+    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec
     from ...utils.ray_cluster import init_local_ray
 
     base = FoldConfig(output_dir="", models=[ModelSpec(tiny=True)], alignment=AlignmentConfig(**dbs, cpus=args.cpus))
@@ -141,7 +141,7 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
     import torch
     from ray.cluster_utils import Cluster
 
-    from ...fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
+    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
     from ...utils.ray_cluster import join_ray
     from .fold_dbs import LETTERS
 
@@ -188,7 +188,7 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
 
 
 def _positions(folder: Path, target):
-    from ...fastfold.pipeline import Prediction
+    from ...fastfold.run import Prediction
 
     return Prediction.load(folder / target.name / f"{target.name}_model_1_ptm_prediction.npz").positions
 
@@ -199,9 +199,9 @@ def run(args: argparse.Namespace) -> int:
 
     from ...fastfold.data import tools as fold_tools
     from ...fastfold.data.tools import ToolError, find_binary
-    from ...fastfold.pipeline import Target
+    from ...fastfold.run import Target
     from ..errors import UsageError
-    from .common import machine_info, print_table, write_json
+    from .harness import machine_info, publish
 
     if min(args.targets, args.num_workers, args.cpus, args.per_family, args.raylet_cpus) < 1 or args.decoys < 0:
         raise UsageError("--targets, --num_workers, --cpus, --per_family, --raylet_cpus must be >= 1, --decoys >= 0")
@@ -218,15 +218,15 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_fold_workflow_"))
     try:
         features = _feature_rows(args, targets, dbs, tmp)
-        print_table(features, title=f"feature generation ({', '.join(k.split('_')[0] for k in dbs)}), "
-                                    f"{len(queries[0][1])} residues per target")
         fold = _fold_rows(args, tmp) if args.fold_targets else []
+        tables = [(f"feature generation ({', '.join(k.split('_')[0] for k in dbs)}), {len(queries[0][1])} residues "
+                   "per target", features, None)]
         if fold:
-            print_table(fold, list(dict.fromkeys(k for r in fold for k in r)),
-                        title=f"fold of {args.fold_targets} targets of {args.fold_n_res} residues, tiny model")
-        write_json(args.json, {"benchmark": "fold-workflow", "machine": machine_info(), "databases": dbs,
-                               "args": {k: v for k, v in vars(args).items() if k != "func"},
-                               "features": features, "fold": fold})
+            tables.append((f"fold of {args.fold_targets} targets of {args.fold_n_res} residues, tiny model", fold,
+                           None))
+        publish(args, {"benchmark": "fold-workflow", "machine": machine_info(), "databases": dbs,
+                       "args": {k: v for k, v in vars(args).items() if k != "func"}, "features": features,
+                       "fold": fold}, tables)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = all(r["done"] == args.fold_targets and r.get("equal to local", True) for r in fold)

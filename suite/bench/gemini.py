@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 
-from .common import ddp_options, fast_optimizer, fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+from .harness import count, ddp_options, fast_optimizer, names
+from .memory import fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+
+__all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 
 STRATEGIES = ("gemini", "fsdp2", "ddp", "zero2")
 
@@ -32,24 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP stack")
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " +
-                        ",".join(STRATEGIES))
+    parser.add_argument("--strategies", type=names(STRATEGIES), default=list(STRATEGIES),
+                        help="comma-separated subset of " + ",".join(STRATEGIES))
     parser.add_argument("--ram-budget", default=None, help="instead: largest model trainable within this RAM, "
                         "e.g. 4GB (Gemini auto placement + NVMe tier)")
     parser.add_argument("--sizes", default="16M,32M,64M", help="--ram-budget: model sizes to try, ascending")
     parser.add_argument("--offload-dir", default=None, help="--ram-budget: NVMe folder (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned run")
-
-
-def _count(text: str) -> int:
-    from ..errors import UsageError
-
-    units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
-    t = text.strip().upper()
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except (KeyError, ValueError):
-        raise UsageError(f"--params/--sizes: {text!r} is not a parameter count like 200M") from None
 
 
 def _mlp(params: int, width: int):
@@ -60,12 +52,6 @@ def _mlp(params: int, width: int):
     for _ in range(layers):
         mods += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*mods)
-
-
-def _peak_bytes() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else hwm_bytes()
 
 
 def _wrap(strategy: str, model, opt, extra: dict):
@@ -88,8 +74,9 @@ def _wrap(strategy: str, model, opt, extra: dict):
     return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)[0]
 
 
-def _train(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
-    """Build the MLP, wrap it, train one step; returns (model, step function, setup_rss)."""
+def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
+    """The bench's model and step (also `suite bench gpu`'s): an MLP of `params` parameters of `width`, wrapped
+    by `strategy` (`extra`: GeminiConfig fields), one step taken; returns (model, step function, setup_rss)."""
     import torch
 
     model = _mlp(params, width).to(device)
@@ -114,10 +101,10 @@ def _train(strategy: str, device, params: int, width: int, batch: int, world: in
 def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
               extra: dict) -> dict:
     import gc
-    import time
 
     import torch
 
+    from .harness import optimizer_impl, step_times
     from .memory import SideMeter
 
     fix_malloc(128 * 1024, trim_threshold=128 * 1024)
@@ -127,14 +114,14 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         torch.cuda.set_device(device)
     # One step of a one-layer model on the same code path first: lazy imports (torch.optim pulls in dynamo,
     # FSDP2 its DTensor stack), gloo buffers and thread pools are then in the baseline, not in `peak`.
-    warm, _, _ = _train(strategy, device, width * width, width, batch, world, extra)
+    warm, _, _ = train_setup(strategy, device, width * width, width, batch, world, extra)
     if hasattr(warm, "gemini_manager"):
         warm.gemini_manager.close()
     del warm
     gc.collect()
     baseline = 0 if device.type == "cuda" else rss_bytes()
     meter = SideMeter([extra["offload_dir"]] if extra.get("offload_dir") else ()).start()
-    model, step, setup_rss = _train(strategy, device, params, width, batch, world, extra)
+    model, step, setup_rss = train_setup(strategy, device, params, width, batch, world, extra)
     # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
     # not) is not training memory; what Gemini itself holds is.
     after_setup = setup_rss if hasattr(model, "memory_report") and device.type == "cpu" else baseline
@@ -142,29 +129,16 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
     meter.reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = step_times(step, steps, sync=torch.cuda.synchronize if device.type == "cuda" else None)
     report = model.memory_report() if hasattr(model, "memory_report") else None
-    peak = _peak_bytes()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     charged = meter.peak()
     meter.close()
-    optimizer = "gemini fused Adam" if strategy == "gemini" else f"torch Adam {_adam_impl()}"
+    optimizer = "gemini fused Adam" if strategy == "gemini" else f"torch Adam {optimizer_impl()}"
     if strategy == "ddp":
         optimizer += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
     return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": sorted(times)[len(times) // 2],
             "report": report, "charged": charged, "memory_method": meter.method, "baseline": optimizer}
-
-
-def _adam_impl() -> str:
-    """Which torch Adam implementation the baselines run here (`fast_optimizer`'s choice)."""
-    import torch
-
-    return fast_optimizer(torch.optim.Adam, [torch.nn.Parameter(torch.zeros(1))])[1]
 
 
 def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, extra: dict) -> dict:
@@ -182,17 +156,23 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
             "baseline": outs[0]["baseline"]}
 
 
-def _compare(args: argparse.Namespace) -> dict:
+def _size(text: str) -> int:
     from ..errors import UsageError
-    from .common import print_table
 
-    wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in wanted if s not in STRATEGIES]
-    if bad:
-        raise UsageError(f"--strategies: unknown {bad}; choose from {list(STRATEGIES)}")
-    params = _count(args.params)
+    try:
+        return count(text)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"--params/--sizes: {exc}") from None
+
+
+def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
+    import torch
+
+    from .harness import ratio
+
+    params = _size(args.params)
     results = {}
-    for s in wanted:
+    for s in args.strategies:
         try:
             results[s] = _spawn(s, args.ranks, params, args, {})
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
@@ -206,32 +186,25 @@ def _compare(args: argparse.Namespace) -> dict:
         row = {"strategy": s, "train_peak_MiB": r["peak"] / 2**20, "charged_MiB": r["charged"] / 2**20,
                "step_s": r["step_s"]}
         if "peak" in base:
-            row["peak_vs_fsdp2"] = r["peak"] / base["peak"]
-            row["charged_vs_fsdp2"] = r["charged"] / base["charged"] if base["charged"] else float("nan")
-            row["time_vs_fsdp2"] = r["step_s"] / base["step_s"]
-        row["ran"] = r["baseline"]
-        row["memory_method"] = r["memory_method"]
-        rows.append(row)
+            row.update(peak_vs_fsdp2=r["peak"] / base["peak"], time_vs_fsdp2=r["step_s"] / base["step_s"],
+                       charged_vs_fsdp2=ratio(r["charged"], base["charged"], float("nan")))
+        rows.append({**row, "ran": r["baseline"], "memory_method": r["memory_method"]})
     columns = ["strategy", "train_peak_MiB", "charged_MiB", "step_s", "peak_vs_fsdp2", "charged_vs_fsdp2",
                "time_vs_fsdp2", "ran", "note"]
-    print_table(rows, [c for c in columns if any(c in r for r in rows)],
-                title=f"gemini vs baselines: {params / 1e6:.1f}M params, {args.ranks} ranks, per-rank peak")
     methods = sorted({r["memory_method"] for r in rows if "memory_method" in r})
-    import torch
-
     peak = ("torch.cuda.max_memory_allocated over the steps (device memory)" if torch.cuda.is_available() else
             "peak RSS (VmHWM) over the steps minus RSS before the model was built")
-    print(f"train_peak: {peak}; charged: {methods} (host memory) from before the model was built, over the steps "
-          "(page cache included)")
-    return {"params": params, "ranks": args.ranks, "rows": rows}
+    note = (f"train_peak: {peak}; charged: {methods} (host memory) from before the model was built, over the steps "
+            "(page cache included)")
+    title = f"gemini vs baselines: {params / 1e6:.1f}M params, {args.ranks} ranks, per-rank peak"
+    return {"params": params, "ranks": args.ranks, "rows": rows}, [(title, rows, columns)], [note]
 
 
-def _ram_budget(args: argparse.Namespace) -> dict:
+def _ram_budget(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
     import tempfile
 
     from ...core_parallel.gemini import parse_bytes
     from ..errors import UsageError
-    from .common import print_table
 
     try:
         budget = parse_bytes(args.ram_budget, "--ram-budget")
@@ -239,7 +212,7 @@ def _ram_budget(args: argparse.Namespace) -> dict:
         raise UsageError(str(exc)) from None
     rows, best = [], None
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
-        for size in (_count(s) for s in args.sizes.split(",")):
+        for size in (_size(s) for s in args.sizes.split(",")):
             extra = {"placement": "auto", "offload_tier": "nvme", "offload_dir": folder,
                      "device_memory_budget": budget // 2}
             try:
@@ -252,22 +225,20 @@ def _ram_budget(args: argparse.Namespace) -> dict:
             rows.append({"params_M": size / 1e6, "model_states_GiB": states / 2**30,
                          "states_vs_budget": states / budget, "train_peak_GiB": r["peak_since_setup"] / 2**30,
                          "charged_GiB": r["charged"] / 2**30, "step_s": r["step_s"], "within_budget": ok,
-                         "charged_within_budget": r["charged"] <= budget,
-                         "memory_method": r["memory_method"]})
+                         "charged_within_budget": r["charged"] <= budget, "memory_method": r["memory_method"]})
             if not ok:
                 break
             best = rows[-1]
-    print_table(rows, title=f"largest model within --ram-budget {args.ram_budget} (Gemini auto + NVMe), per rank")
-    return {"budget_bytes": budget, "rows": rows, "largest": best}
+    title = f"largest model within --ram-budget {args.ram_budget} (Gemini auto + NVMe), per rank"
+    return {"budget_bytes": budget, "rows": rows, "largest": best}, [(title, rows, None)], []
 
 
 def run(args: argparse.Namespace) -> int:
-    from .common import write_json
+    from ..errors import UsageError
+    from .harness import publish
 
     if args.ranks < 1:
-        from ..errors import UsageError
-
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
-    payload = _ram_budget(args) if args.ram_budget else _compare(args)
-    write_json(args.json, {"benchmark": "gemini", **payload})
+    payload, tables, notes = _ram_budget(args) if args.ram_budget else _compare(args)
+    publish(args, {"benchmark": "gemini", **payload}, tables, notes)
     return 0

@@ -175,7 +175,8 @@ def _run_stage(stage: Stage, args: argparse.Namespace, work: Path, out: Path, sl
             "--out", str(out)] + (["--smoke"] if args.smoke else [])
     if args._inject:
         argv += ["--_inject", ",".join(f"{k}={v}" for k, v in args._inject.items())]
-    from .gpu_stages import child_env, kill_group
+    from .gpu_stages import child_env
+    from .harness import kill_group
 
     log.write(f"\n===== stage {stage.name} (slice {slice_s:.0f} s) =====\n")
     log.flush()
@@ -269,45 +270,35 @@ def _stage_main(args: argparse.Namespace) -> int:
 
 
 def _write(out: Path, payload: dict, args: argparse.Namespace) -> None:
+    from .harness import write_json, write_text
+
     payload["targets"] = [{"stage": s["name"], **t} for s in payload["stages"] for t in s.get("targets", [])]
-    texts = {"gpu.json": json.dumps(payload, indent=1, default=str), "gpu.md": markdown(payload)}
-    for name, text in texts.items():
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / name)
+    write_text(out / "gpu.json", json.dumps(payload, indent=1, default=str) + "\n")
+    write_text(out / "gpu.md", markdown(payload) + "\n")
     if getattr(args, "json", None):
-        from .common import write_json
-
         write_json(args.json, payload)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "**no**"
-    if isinstance(value, float):
-        return f"{value:.3f}" if value == 0 or 1e-3 <= abs(value) < 1e5 else f"{value:.3e}"
-    if isinstance(value, (dict, list)):
-        value = json.dumps(value, default=str)
-    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(rows: list[dict], columns: list[str] | None = None) -> list[str]:
-    if not rows:
-        return ["(no rows)"]
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-    return lines
 
 
 def _met(value: bool | None) -> str:
     return {True: "met", False: "**missed**", None: "n/a"}[value]
 
 
+def _overview(payload: dict) -> list[str]:
+    """The stages (status, time) and the targets, as Markdown tables."""
+    from .harness import markdown_table
+
+    lines = ["## Stages", ""] + markdown_table([
+        {"stage": s["name"], "status": s["status"], "seconds": s["seconds"], "slice s": s["slice_s"],
+         "reason": s.get("reason", ""), "what": s["what"]} for s in payload["stages"]])
+    return lines + ["", "## Targets", ""] + markdown_table([
+        {"stage": t["stage"], "target": t["target"], "measured": t["measured"], "met": _met(t["met"])}
+        for t in payload.get("targets", [])])
+
+
 def markdown(payload: dict) -> str:
     """The report: machine, stages (status, time), targets, then each stage's tables and notes."""
+    from .harness import markdown_table
+
     m = payload.get("machine", {})
     lines = [f"# suite bench gpu: {m.get('date', '')}", "",
              f"- command: `{payload.get('command', '')}`; device {payload['device']}"
@@ -315,28 +306,17 @@ def markdown(payload: dict) -> str:
              f"- machine: {', '.join(m.get('gpus', []) or ['no GPU'])}; torch {m.get('torch')} (CUDA {m.get('cuda')}), "
              f"Triton {m.get('triton')}, diffusers {m.get('diffusers')}, Python {m.get('python')}",
              f"- budget {payload['budget_s']:.0f} s, used {payload.get('elapsed_s', 0):.0f} s"
-             + ("" if payload.get("finished") else " (not finished: " + payload.get("stopped", "running") + ")"), "",
-             "## Stages", ""]
-    lines += _table([{"stage": s["name"], "status": s["status"], "seconds": s["seconds"], "slice s": s["slice_s"],
-                      "reason": s.get("reason", ""), "what": s["what"]} for s in payload["stages"]])
-    lines += ["", "## Targets", ""]
-    lines += _table([{"stage": t["stage"], "target": t["target"], "measured": t["measured"], "met": _met(t["met"])}
-                     for t in payload.get("targets", [])])
+             + ("" if payload.get("finished") else " (not finished: " + payload.get("stopped", "running") + ")"), ""]
+    lines += _overview(payload)
     for s in payload["stages"]:
         if not s.get("tables") and not s.get("notes"):
             continue
         lines += ["", f"## {s['name']}: {s['status']}", ""]
         for table in s.get("tables", {}).values():
-            lines += [table["title"], ""] + _table(table["rows"]) + [""]
+            lines += [table["title"], ""] + markdown_table(table["rows"]) + [""]
         lines += [f"- {note}" for note in s.get("notes", [])]
     return "\n".join(lines)
 
 
 def _summary(payload: dict) -> str:
-    lines = ["", "suite bench gpu: stages"]
-    lines += _table([{"stage": s["name"], "status": s["status"], "seconds": s["seconds"], "slice s": s["slice_s"],
-                      "reason": s.get("reason", "")} for s in payload["stages"]])
-    lines += ["", "targets"]
-    lines += _table([{"stage": t["stage"], "target": t["target"], "measured": t["measured"], "met": _met(t["met"])}
-                     for t in payload.get("targets", [])])
-    return "\n".join(lines)
+    return "\n".join(["", "suite bench gpu"] + _overview(payload))

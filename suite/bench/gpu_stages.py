@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Child", "Recorder", "StageContext", "checks", "kernels", "parse_pytest_summary", "run_child"]
+from .harness import SUITE, Side, SideRun, run_side
 
-SUITE = __package__.rpartition(".")[0]
-"""The suite's import name (`lowmem.suite`), for `python -m`."""
+__all__ = ["Recorder", "StageContext", "checks", "child_env", "kernels", "parse_pytest_summary", "run_child"]
+
 WORKERS = f"{__package__}.gpu_workers"
 
 
@@ -63,41 +61,6 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
-@dataclass
-class Child:
-    """What a child process left: exit code (None: killed at its time limit), stdout, the end of stderr, seconds."""
-
-    returncode: int | None
-    stdout: str
-    seconds: float
-    stderr_tail: str = ""
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-    def json_lines(self) -> list[dict]:
-        rows = []
-        for line in self.stdout.splitlines():
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return rows
-
-    def outcome(self) -> str:
-        if self.timed_out:
-            return f"killed at its time limit after {self.seconds:.0f} s"
-        if self.returncode == 0:
-            return "ok"
-        if "OutOfMemoryError" in self.stderr_tail or "out of memory" in self.stderr_tail:
-            return "OOM"
-        last = self.stderr_tail.strip().splitlines()[-1:] or [""]
-        return f"exit code {self.returncode}: {last[0][:160]}".rstrip(": ")
-
-
 def child_env(device: str) -> dict[str, str]:
     """The environment of every child: unbuffered output, the installed package first (no working directory on
     sys.path), and on CUDA compiled Triton (no interpreter left over from a CPU test run)."""
@@ -107,37 +70,15 @@ def child_env(device: str) -> dict[str, str]:
     return env
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """End a child started in its own session and everything it started (ranks, per-case processes)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_child(argv: list[str], timeout: float, *, device: str, cwd: str | None = None) -> Child:
-    """Run `argv` in its own session with a time limit; its stdout and stderr are captured, then copied to ours
-    (the log). On the limit the whole process group is ended and what it printed is kept."""
+def run_child(argv: list[str], timeout: float, *, device: str, cwd: str | None = None) -> SideRun:
+    """Run `argv` as a side in its own session with a time limit; its stdout and stderr are captured, then copied
+    to ours (the log). On the limit the whole process group is ended and what it printed is kept."""
     print(f"[gpu] $ {' '.join(argv)}  (limit {timeout:.0f} s)", flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=child_env(device), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=max(1.0, timeout))
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        code = None
-    print(out or "", end="", flush=True)
-    print(err or "", end="", file=sys.stderr, flush=True)
-    return Child(code, out or "", time.monotonic() - t0, (err or "")[-4000:])
+    child = run_side(Side(argv[2] if len(argv) > 2 else argv[0], argv, timeout=max(1.0, timeout), cwd=cwd,
+                          env=child_env(device), measure=False))
+    print(child.stdout, end="", flush=True)
+    print(child.stderr, end="", file=sys.stderr, flush=True)
+    return child
 
 
 @dataclass
@@ -166,7 +107,7 @@ class StageContext:
         return limit if limit >= 5 else None
 
     def run(self, argv: list[str], want: float, reserve: float = 0.0, cwd: str | None = None,
-            what: str = "") -> Child | None:
+            what: str = "") -> SideRun | None:
         """`argv` within `limit(want, reserve)`; None, with a note, when there is no time left for it."""
         limit = self.limit(want, reserve)
         if limit is None:
@@ -174,9 +115,9 @@ class StageContext:
             return None
         return run_child(argv, limit, device=self.device, cwd=cwd or str(self.work))
 
-    def run_batch(self, jobs: list[tuple[str, dict]], want: float, what: str = "") -> list[Child | None]:
+    def run_batch(self, jobs: list[tuple[str, dict]], want: float, what: str = "") -> list[SideRun | None]:
         """Several `gpu_workers` jobs in one process (smoke runs: one interpreter start instead of several), split
-        back into one `Child` per job (a job that did not start: None)."""
+        back into one `SideRun` per job (a job that did not start: None)."""
         limit = self.limit(want)
         if limit is None:
             self.rec.note(f"not run, the stage's time slice is spent: {what}")
@@ -192,15 +133,15 @@ class StageContext:
                 parts.append([])
             elif parts:
                 parts[-1].append(line)
-        children: list[Child | None] = []
+        children: list[SideRun | None] = []
         for i in range(len(jobs)):
             last = i == len(parts) - 1
-            code = (whole.returncode if last else 0) if i < len(parts) else None
-            children.append(Child(code, "\n".join(parts[i]), whole.seconds, whole.stderr_tail if last else "")
-                            if i < len(parts) else None)
+            children.append(SideRun(whole.side, whole.returncode if last else 0, whole.wall_s, stdout="\n".join(
+                parts[i]), stderr=whole.stderr[-4000:] if last else "") if i < len(parts) else None)
         return children
 
-    def run_worker(self, job: str, want: float, reserve: float = 0.0, what: str = "", **spec: Any) -> Child | None:
+    def run_worker(self, job: str, want: float, reserve: float = 0.0, what: str = "",
+                   **spec: Any) -> SideRun | None:
         """A `gpu_workers` job within `limit(want, reserve)`; the job learns its own deadline (`spec["deadline"]`)
         to stop trying larger sizes in time."""
         limit = self.limit(want, reserve)
@@ -242,7 +183,7 @@ def _pytest(ctx: StageContext) -> None:
     failing = [ln.strip() for ln in child.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     ok = child.returncode == 0 and counts["failed"] == 0 and counts["errors"] == 0
     rec.add("pytest", {"command": f"pytest -m gpu {target}", "outcome": child.outcome(), **counts,
-                       "seconds": child.seconds, "ok": ok, "failing": "; ".join(failing[:20])})
+                       "seconds": child.wall_s, "ok": ok, "failing": "; ".join(failing[:20])})
     ran = counts["passed"] + counts["failed"]
     rec.target("pytest -m gpu passes", f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} "
                f"errors, {counts['skipped']} skipped", (ok and ran > 0) if ctx.device == "cuda" else None)

@@ -262,7 +262,7 @@ def _sd_model(variant: str, cfg: dict, device) -> tuple[Any, Callable]:
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    from .common import fast_optimizer
+    from .harness import fast_optimizer
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -314,7 +314,7 @@ def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) 
     the peak memory in bytes over warm-up and steps (CUDA: max_memory_allocated; CPU: VmHWM)."""
     import torch
 
-    from .common import hwm_bytes, reset_peak_rss
+    from .memory import hwm_bytes, reset_peak_rss
 
     cuda = device.type == "cuda"
     if cuda:
@@ -343,7 +343,7 @@ def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) 
 def _allocated(device) -> int:
     import torch
 
-    from .common import rss_bytes
+    from .memory import rss_bytes
 
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
 
@@ -408,30 +408,25 @@ def _sd(spec: dict) -> None:
 
 
 def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
-    """`suite bench gemini`'s model and step (its `_train`) on one device: peak and median step over `steps`."""
+    """`suite bench gemini`'s model and step (`gemini.train_setup`) on one device: peak and median step over `steps`."""
     import torch
 
-    from .common import hwm_bytes, reset_peak_rss
-    from .gemini import _count, _train
+    from .gemini import train_setup
+    from .harness import count, step_times
+    from .memory import hwm_bytes, reset_peak_rss
 
     device = _device(spec["device"])
     cuda = device.type == "cuda"
     if record and cuda:
         torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=spec["max_entries"])
     t0 = time.perf_counter()
-    model, step, _ = _train("gemini", device, _count(spec["params"]), spec["width"], spec["batch"], 1, extra)
+    model, step, _ = train_setup("gemini", device, count(spec["params"]), spec["width"], spec["batch"], 1, extra)
     setup_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     reset_peak_rss()
-    times = []
-    for _ in range(spec["steps"]):
-        t1 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t1)
+    times = step_times(step, spec["steps"], sync=torch.cuda.synchronize if cuda else None)
     peak = torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
     row = {"params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s,
            "step_s": statistics.median(times), "peak_mib": peak / 2**20, "host_peak_mib": hwm_bytes() / 2**20}

@@ -21,13 +21,12 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-from .common import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
+from .harness import Side, int_list, names, publish, run_side, safe_env
+from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,39 +35,18 @@ BASELINES = {"layer_norm": ("F.layer_norm",), "softmax": ("naive",), "attention"
 MODES = ("fwd", "fwd+bwd")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _choices(allowed: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text!r}")
-        return values
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default: cpu)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--ops", type=_choices(OPS), default=list(OPS), help="comma list (default: all)")
-    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="fwd,fwd+bwd (default both)")
-    parser.add_argument("--n-res", type=_ints, default=None,
+    parser.add_argument("--ops", type=names(OPS), default=list(OPS), help="comma list (default: all)")
+    parser.add_argument("--modes", type=names(MODES), default=list(MODES), help="fwd,fwd+bwd (default both)")
+    parser.add_argument("--n-res", type=int_list, default=None,
                         help="Evoformer N_res sizes (default: 256 on cpu, 256,768 on cuda)")
-    parser.add_argument("--heads", type=_ints, default=[4, 8], help="Evoformer head counts (default: 4,8)")
-    parser.add_argument("--seq", type=_ints, default=[4096], help="diffusion sequence lengths L (default: 4096)")
+    parser.add_argument("--heads", type=int_list, default=[4, 8], help="Evoformer head counts (default: 4,8)")
+    parser.add_argument("--seq", type=int_list, default=[4096], help="diffusion sequence lengths L (default: 4096)")
     parser.add_argument("--diffusion-heads", type=int, default=8, help="heads in the diffusion cases (default: 8)")
-    parser.add_argument("--suites", type=_choices(("evoformer", "diffusion")), default=["evoformer", "diffusion"],
+    parser.add_argument("--suites", type=names(("evoformer", "diffusion")), default=["evoformer", "diffusion"],
                         help="which size families to run (default: evoformer,diffusion)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per case (median; default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case before giving up")
@@ -230,13 +208,12 @@ def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> di
         # memory: freed blocks go back to the OS instead of being reused from a heap the warm-up made resident,
         # which would hide them from the peak resident set; time: the default allocator users get
         with fixed_mmap_threshold() if measure == "memory" else contextlib.nullcontext():
-            # the installed package, never a checkout's folders: no working directory first on sys.path (3.11+)
-            proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True,
-                                  text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, timeout=args.timeout)
-        if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            return {"error": tail[0]}
-        result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+            got = run_side(Side(f"{case['op']} {impl}", [sys.executable, "-m", __name__, json.dumps(spec)],
+                                timeout=args.timeout, env=safe_env(), measure=False))
+        if got.returncode != 0:
+            return {"error": got.outcome() if got.timed_out else (got.stderr.strip().splitlines()[-1:]
+                                                                  or ["(no output)"])[0]}
+        result.update(got.result())
     return result
 
 
@@ -258,7 +235,6 @@ def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from .common import print_table, write_json
 
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
@@ -277,12 +253,13 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
     columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "cpu-time ratio", "ours MiB",
                "base MiB", "mem ratio", "error"]
-    print_table(rows, [c for c in columns if any(c in r for r in rows)],
-                title=f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call "
-                      f"({'VmHWM, fresh process per case' if args.device == 'cpu' else 'max_memory_allocated'})")
-    write_json(args.json, {"benchmark": "kernels", "device": args.device, "dtype": dtype, "rows": rows,
-                           "memory_method": "peak RSS growth (VmHWM reset via clear_refs), one subprocess per case"
-                           if args.device == "cpu" else "torch.cuda.max_memory_allocated growth"})
+    cpu = args.device == "cpu"
+    title = (f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call "
+             f"({'VmHWM, fresh process per case' if cpu else 'max_memory_allocated'})")
+    method = ("peak RSS growth (VmHWM reset via clear_refs), one subprocess per case" if cpu
+              else "torch.cuda.max_memory_allocated growth")
+    publish(args, {"benchmark": "kernels", "device": args.device, "dtype": dtype, "rows": rows,
+                   "memory_method": method}, [(title, rows, columns)])
     return 0
 
 

@@ -1,49 +1,126 @@
-"""Memory as the kernel charges it: each measured side in its own memory cgroup (page cache included), or, where
-no cgroup can be made, resident memory plus the page-cache pages of the files a side writes (mincore).
+"""Memory as the kernel charges it, and this process's resident memory.
 
-RSS leaves out the page cache, and the NVMe tier writes through it: under a container or Slurm memory limit those
-pages are charged to the job. So every figure here says how it was taken (`method`):
-
-- `cgroup2:memory.peak` / `cgroup1:memory.max_usage_in_bytes`: a fresh child of this process's memory cgroup;
-  what the kernel charges to it (anonymous memory, page cache, kernel memory of its tasks) at its highest. Only
-  pages first touched inside the group are charged to it: shared libraries already in the page cache stay
-  charged where they were first read, as they would under a container limit started on a warm machine.
-- `rss+mincore`: without a usable cgroup, peak RSS plus the resident page-cache pages of the offload files
-  (found with mincore(2) on a read-only mapping). The two peaks need not coincide and a file mapped into the
-  process is counted twice, so this is an upper bound.
-
-For whole commands (`run_command`), the cgroup holds the process tree from its first instruction to its exit,
-the figure a container limit would see; without one, the tree's summed RSS is sampled and compared with the
-children's `ru_maxrss` (what `/usr/bin/time -v` prints), plus the offload files' resident pages.
+Each measured side runs in its own memory cgroup (page cache included) or, where none can be made, is measured as
+resident memory plus the page-cache pages of the files it writes (mincore). Every figure says how it was taken
+(`method`): `cgroup2:memory.peak` / `cgroup1:memory.max_usage_in_bytes` (a fresh child of this process's memory
+cgroup: anonymous memory, page cache and kernel memory of its tasks at their highest; shared libraries already
+cached stay charged where they were first read, as under a container limit started on a warm machine), or
+`rss+mincore` (peak RSS plus the offload files' resident pages: the peaks need not coincide and a mapped file
+counts twice, so an upper bound). For whole commands (`run_command`) the cgroup holds the process tree from its
+first instruction to its exit; without one, the tree's summed RSS is sampled and compared with the children's
+`ru_maxrss` (what `/usr/bin/time -v` prints), plus the offload files' resident pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
 import mmap
 import os
+import resource
+import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from .common import hwm_bytes, peak_rss_bytes
-
-__all__ = [
-    "Cgroup",
-    "SideMeter",
-    "cgroup_method",
-    "file_resident_bytes",
-    "files_resident_bytes",
-    "run_command",
-    "tree_rss_bytes",
-]
+__all__ = ["MMAP_THRESHOLD", "Cgroup", "SideMeter", "cgroup_method", "file_resident_bytes", "files_resident_bytes",
+           "fix_malloc", "fixed_mmap_threshold", "hwm_bytes", "malloc_trim", "peak_rss_bytes", "reset_peak_rss",
+           "rss_bytes", "run_command", "tree_rss_bytes"]
 
 _counter = itertools.count()
 _FALLBACK = "rss+mincore"
+
+
+# ---- this process's resident memory ---------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def hwm_bytes() -> int:
+    """Peak resident set since start or since the last `reset_peak_rss()` (Linux VmHWM); the unresettable
+    `peak_rss_bytes()` where /proc has no VmHWM. A child's own peak: its `ru_maxrss` starts at its parent's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak resident set size (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _glibc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def fix_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
+    """Fix glibc's mmap threshold (no dynamic growth), so freed large tensors leave the resident set and RSS
+    follows live data; optionally its trim threshold. Does nothing without glibc."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+    if trim_threshold is not None:
+        libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD
+
+
+def malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc); does nothing elsewhere."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+MMAP_THRESHOLD = 65536
+"""glibc's mmap threshold (bytes) in the processes of a memory pass."""
+
+
+@contextlib.contextmanager
+def fixed_mmap_threshold() -> Iterator[None]:
+    """Processes started inside this block run with glibc's mmap threshold fixed at `MMAP_THRESHOLD`: large
+    blocks come straight from mmap and go back to the system when freed, so the peak resident set follows the
+    peak of live tensors instead of the heap's high-water mark. glibc reads `MALLOC_MMAP_THRESHOLD_` once when a
+    process starts, so the setting travels in this process's environment (spawned ranks and subprocesses inherit
+    it); this process's own allocator is unchanged (`fix_malloc` changes it), and the environment is restored
+    on exit. Timing passes run outside it: the default allocator's block reuse is what users get."""
+    name = "MALLOC_MMAP_THRESHOLD_"
+    saved = os.environ.get(name)
+    os.environ[name] = str(MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 # ---- cgroups -----------------------------------------------------------------------------------------------
@@ -149,9 +226,6 @@ class Cgroup:
         """Move this process back to the group it came from."""
         _write(os.path.join(self.home, "cgroup.procs"), str(os.getpid()))
 
-    def usage(self) -> int:
-        return _read_int(os.path.join(self.path, "memory.current" if self.version == 2 else "memory.usage_in_bytes"))
-
     def peak(self) -> int:
         """Highest charge since the group was made (or since `reset_peak`), bytes."""
         if self._peak_fd is not None:
@@ -205,12 +279,6 @@ class Cgroup:
                 return
             except OSError:
                 time.sleep(0.02)  # exiting tasks leave the group a moment after wait() returns
-
-    def __enter__(self) -> Cgroup:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
 
 _method_cache: list[str] = []
@@ -303,8 +371,6 @@ class SideMeter:
 
     def start(self) -> SideMeter:
         """Count from now: join the group, or take the resident set now as the base and start sampling files."""
-        from .common import rss_bytes
-
         if self.group:
             self.group.add()
             self.group.reset_peak()
@@ -322,8 +388,6 @@ class SideMeter:
 
     def reset(self) -> None:
         """Peak from the current usage on (after setup, say)."""
-        from .common import reset_peak_rss
-
         if self.group:
             self.group.reset_peak()
             return
@@ -332,8 +396,6 @@ class SideMeter:
 
     def peak(self) -> int:
         """Highest charge since `start`/`reset`, bytes (the cgroup's; else VmHWM - base + file pages)."""
-        from .common import hwm_bytes
-
         if self.group:
             return self.group.peak()
         if self.offload_paths:
@@ -404,7 +466,8 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
 
     `cap_bytes`: the cgroup's limit (page cache included; the kernel reclaims, then kills), reported back with
     `cap_enforced` (False without a cgroup: then only the measured peak can be held against the cap) and
-    `oom_kills`."""
+    `oom_kills`. Past `timeout` the command (its process group with `start_new_session=True`) is killed and
+    `subprocess.TimeoutExpired` raised."""
     group = Cgroup.create("cmd") if use_cgroup or cap_bytes else None
     capped: dict[str, Any] = {}
     if cap_bytes:
@@ -455,6 +518,9 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
                 "inherited_peak_bytes": inherited, "files_resident_bytes": files_max, **capped}
     finally:
         if proc.poll() is None:
+            if popen.get("start_new_session"):  # what the command started goes too (ranks, per-case processes)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             proc.kill()
             proc.wait()
         if group:

@@ -56,7 +56,7 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
             return nn.functional.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
-            from .common import fast_optimizer
+            from .harness import fast_optimizer
 
             opt, self.optimizer_impl = fast_optimizer(torch.optim.AdamW, self.parameters(), lr=1e-4)
             return opt
@@ -99,8 +99,8 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     import torch
 
     from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
-    from .common import ddp_options, hwm_bytes
-    from .memory import SideMeter
+    from .harness import ddp_options
+    from .memory import SideMeter, hwm_bytes
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
@@ -157,22 +157,13 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
     }
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    base = next((r for r in rows if r["strategy"] == "ddp" and r["status"] == "ok"), None)
-    for r in rows:
-        if base and r["status"] == "ok":
-            r["mem_vs_ddp"] = r["peak_mb_max"] / base["peak_mb_max"] if base["peak_mb_max"] else float("nan")
-            r["time_vs_ddp"] = r["step_ms"] / base["step_ms"]
-            charged = base["charged_mb_max"]
-            r["charged_vs_ddp"] = r["charged_mb_max"] / charged if charged else float("nan")
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import add_ratios, publish
 
+    nan = float("nan")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.ranks < 1 or args.steps < 1 or args.hidden < 1 or args.layers < 1 or args.batch < 1:
         raise UsageError("--ranks, --steps, --hidden, --layers and --batch must be >= 1")
@@ -185,14 +176,15 @@ def run(args: argparse.Namespace) -> int:
     shared["accelerator"] = accelerator
     params = args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * (args.hidden + 1)
     rows = [_run_strategy(name, args, shared) for name in names]
-    _add_ratios(rows)
+    base = next((r for r in rows if r["strategy"] == "ddp" and r["status"] == "ok"), None)
+    add_ratios([r for r in rows if r["status"] == "ok"] if base else [], base,
+               {"mem_vs_ddp": "peak_mb_max", "time_vs_ddp": "step_ms", "charged_vs_ddp": "charged_mb_max"}, nan)
     columns = ["strategy", "status", "peak_mb_max", "peak_mb_per_rank", "charged_mb_max", "step_ms", "mem_vs_ddp",
                "charged_vs_ddp", "time_vs_ddp", "ran"]
     title = (f"Lightning strategies: {params / 1e6:.1f}M params, {args.ranks} ranks on {accelerator}, "
              f"batch {args.batch}/rank, {args.precision}")
-    print_table(rows, columns, title=title)
     methods = sorted({r["memory_method"] for r in rows if "memory_method" in r})
-    print(f"charged: {methods} from before the Trainer was built (page cache included)")
-    write_json(args.json, {"benchmark": "strategies", "params": params, "settings": {**shared, "ranks": args.ranks},
-                           "results": rows})
+    publish(args, {"benchmark": "strategies", "params": params, "settings": {**shared, "ranks": args.ranks},
+                   "results": rows}, [(title, rows, columns)],
+            [f"charged: {methods} from before the Trainer was built (page cache included)"])
     return 0

@@ -19,28 +19,22 @@ from __future__ import annotations
 
 import argparse
 
+from .harness import count, names
+
 __all__ = ["add_arguments", "run"]
 
 VARIANTS = ("ddp", "fsdp2", "zero1", "zero2")
 
 
-def _parse_count(text: str) -> int:
-    units = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
-    t = text.strip().upper()
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(float(t))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--params: {text!r} is not a count like 20M or 1.5B") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="number of local processes (default 2)")
-    parser.add_argument("--params", type=_parse_count, default=_parse_count("20M"),
+    parser.add_argument("--params", type=count, default=count("20M"),
                         help="model size, e.g. 20M or 200M (default 20M, quick on a laptop CPU)")
     parser.add_argument("--width", type=int, default=None, help="hidden size of the Linear stack (default: chosen)")
     parser.add_argument("--batch", type=int, default=8, help="rows per rank per step (default 8)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list out of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", type=names(VARIANTS), default=list(VARIANTS),
+                        help=f"comma list out of {','.join(VARIANTS)}")
     parser.add_argument("--bucket_mb", type=float, default=25.0, help="ZeRO bucket size in MiB (default 25)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before giving up")
 
@@ -60,7 +54,7 @@ def _wrap(variant: str, model, bucket_mb: float):
     import torch
 
     from ... import core_parallel
-    from .common import ddp_options, fast_optimizer
+    from .harness import ddp_options, fast_optimizer
 
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -81,43 +75,38 @@ def _wrap(variant: str, model, bucket_mb: float):
 
 
 def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int, cuda: bool) -> list[float]:
-    import time
-
+    """Seconds of `n` steps, each between two barriers (the slowest rank's step)."""
     import torch
     import torch.distributed as dist
 
+    from .harness import step_times
+
     model, opt = _wrap(variant, model, bucket_mb)
     x = torch.randn(batch, width, device=next(model.parameters()).device)
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(x).pow(2).mean()
-        if hasattr(opt, "backward"):
-            opt.backward(loss)
-        else:
-            loss.backward()
+    backward = getattr(opt, "backward", lambda loss: loss.backward())
+
+    def step() -> None:
+        backward(model(x).pow(2).mean())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times
+
+    return step_times(step, n, before=dist.barrier)
 
 
-def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
-                 bucket_mb: float) -> dict:
+def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
+          bucket_mb: float) -> dict:
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
 
-    from .common import fast_optimizer, fix_malloc, hwm_bytes, rss_bytes
-    from .memory import SideMeter
+    from .harness import optimizer_impl
+    from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
     # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
     # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
     fix_malloc(1 << 20)
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -126,13 +115,11 @@ def bench_worker(rank: int, world: int, variant: str, width: int, layers: int, b
     _steps(variant, _build(8, 1, device), 8, 1, bucket_mb, batch, cuda)
     base = torch.cuda.memory_allocated() if cuda else rss_bytes()
     meter = SideMeter().start()
-    times = _steps(variant, _build(width, layers, device), width, steps + 1, bucket_mb, batch, cuda)[1:]
+    times = sorted(_steps(variant, _build(width, layers, device), width, steps + 1, bucket_mb, batch, cuda)[1:])
     peak = torch.cuda.max_memory_allocated() if cuda else hwm_bytes()  # own peak: ru_maxrss inherits the parent's
     charged = meter.peak()
     meter.close()
-    times.sort()
-    impl = fast_optimizer(torch.optim.Adam, [torch.nn.Parameter(torch.zeros(1))])[1]
-    ran = f"torch Adam {impl}" + (", DDP(gradient_as_bucket_view=True)" if variant == "ddp" else "")
+    ran = f"torch Adam {optimizer_impl()}" + (", DDP(gradient_as_bucket_view=True)" if variant == "ddp" else "")
     return {"peak_bytes": peak, "base_bytes": base, "step_s": times[len(times) // 2], "charged_bytes": charged,
             "memory_method": meter.method, "ran": ran}
 
@@ -149,42 +136,30 @@ def run(args: argparse.Namespace) -> int:
 
     from ...core_parallel import run_on_ranks
     from ..errors import UsageError
-    from .common import print_table, write_json
+    from .harness import add_ratios, publish
 
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad or not variants:
-        raise UsageError(f"--variants: unknown {bad or args.variants!r}; choose from {','.join(VARIANTS)}")
     if args.ranks < 1 or args.batch < 1 or args.steps < 1:
         raise UsageError("--ranks, --batch and --steps must be >= 1")
     width, layers = _shape(args.params, args.width)
     n_params = layers * (width * width + width)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rows = []
-    for variant in variants:
-        res = run_on_ranks(bench_worker, args.ranks, variant, width, layers, args.batch, args.steps, args.bucket_mb,
+    for variant in args.variants:
+        res = run_on_ranks(_rank, args.ranks, variant, width, layers, args.batch, args.steps, args.bucket_mb,
                            timeout=args.timeout, backend=backend, env={"OMP_NUM_THREADS": "1"})
         states = max(r["peak_bytes"] - r["base_bytes"] for r in res)
-        rows.append({
-            "variant": variant,
-            "peak_MiB": max(r["peak_bytes"] for r in res) / 2**20,
-            "states_MiB": states / 2**20,
-            "bytes_per_param": states / n_params,
-            "charged_MiB": max(r["charged_bytes"] for r in res) / 2**20,
-            "step_s": max(r["step_s"] for r in res),
-            "ran": res[0]["ran"],
-            "memory_method": res[0]["memory_method"],
-        })
-    ddp = next((r for r in rows if r["variant"] == "ddp"), None)
-    for r in rows:
-        r["mem_vs_ddp"] = r["states_MiB"] / ddp["states_MiB"] if ddp else float("nan")
-        r["charged_vs_ddp"] = r["charged_MiB"] / ddp["charged_MiB"] if ddp and ddp["charged_MiB"] else float("nan")
-        r["time_vs_ddp"] = r["step_s"] / ddp["step_s"] if ddp else float("nan")
+        rows.append({"variant": variant, "peak_MiB": max(r["peak_bytes"] for r in res) / 2**20,
+                     "states_MiB": states / 2**20, "bytes_per_param": states / n_params,
+                     "charged_MiB": max(r["charged_bytes"] for r in res) / 2**20,
+                     "step_s": max(r["step_s"] for r in res), "ran": res[0]["ran"],
+                     "memory_method": res[0]["memory_method"]})
+    add_ratios(rows, next((r for r in rows if r["variant"] == "ddp"), None),
+               {"mem_vs_ddp": "states_MiB", "charged_vs_ddp": "charged_MiB", "time_vs_ddp": "step_s"}, float("nan"))
     title = (f"zero bench: {args.ranks} ranks ({backend}), {n_params / 1e6:.1f}M params ({layers} x Linear({width})), "
              f"batch {args.batch}/rank, Adam fp32; per-rank maxima")
-    print_table(rows, ["variant", "peak_MiB", "states_MiB", "bytes_per_param", "mem_vs_ddp", "charged_MiB",
-                       "charged_vs_ddp", "step_s", "time_vs_ddp", "ran"], title=title)
-    print(f"charged: {rows[0]['memory_method']} from before the model was built (page cache included)")
-    write_json(args.json, {"benchmark": "zero", "ranks": args.ranks, "params": n_params, "width": width,
-                           "layers": layers, "batch": args.batch, "steps": args.steps, "rows": rows})
+    columns = ["variant", "peak_MiB", "states_MiB", "bytes_per_param", "mem_vs_ddp", "charged_MiB", "charged_vs_ddp",
+               "step_s", "time_vs_ddp", "ran"]
+    publish(args, {"benchmark": "zero", "ranks": args.ranks, "params": n_params, "width": width, "layers": layers,
+                   "batch": args.batch, "steps": args.steps, "rows": rows}, [(title, rows, columns)],
+            [f"charged: {rows[0]['memory_method']} from before the model was built (page cache included)"])
     return 0

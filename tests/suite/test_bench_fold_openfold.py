@@ -150,7 +150,7 @@ def fake_children(monkeypatch, tmp_path):
                 f.write(b"x")
         return paths
 
-    def run_side(side, **opts):
+    def run_one(side, **opts):
         calls.append((side, opts))
         return {"side": side, "load_s": 1.0, "forward_s": 2.0 if side == "ours" else 4.0, "wall_s": 3.0,
                 "peak_bytes": 2**20 * (50 if side == "ours" else 100), "plddt": answers["plddt"][side],
@@ -158,7 +158,7 @@ def fake_children(monkeypatch, tmp_path):
 
     monkeypatch.setattr(fo, "_probe", lambda args, paths: {"ok": True, "softmax": "stand-in", "openfold": "x"})
     monkeypatch.setattr(fo, "write_inputs", write_inputs)
-    monkeypatch.setattr(fo, "run_side", run_side)
+    monkeypatch.setattr(fo, "run_one", run_one)
     return calls, answers
 
 
@@ -205,7 +205,7 @@ def test_our_child_on_the_tiny_model(tmp_path):
     from lowmem.fastfold.params import from_params
 
     inputs = fo.write_inputs(str(tmp_path), preset="model_1_ptm", n_res=10, n_seq=3, n_extra=4, tiny=True)
-    got = fo.run_side("ours", **inputs, chunk_size=4, threads=1, device="cpu", tiny=True)
+    got = fo.run_one("ours", **inputs, chunk_size=4, threads=1, device="cpu", tiny=True)
     assert got["side"] == "ours" and got["device"] == "cpu" and got["threads"] == 1
     assert got["peak_bytes"] > 0 and got["wall_s"] > 0 and got["forward_s"] > 0 and got["load_s"] > 0
     assert got["method"].startswith(("cgroup", "rss+mincore"))
@@ -222,7 +222,7 @@ def test_our_child_on_the_tiny_model(tmp_path):
 
 def test_child_crash_is_runtime_error_with_stderr(tmp_path):
     with pytest.raises(RuntimeError, match="the ours side failed(.|\n)*no such parameter file"):
-        fo.run_side("ours", params=str(tmp_path / "missing.npz"), features=str(tmp_path / "f.pt"), chunk_size=4,
+        fo.run_one("ours", params=str(tmp_path / "missing.npz"), features=str(tmp_path / "f.pt"), chunk_size=4,
                     threads=1, device="cpu", tiny=True)
 
 
@@ -306,7 +306,7 @@ def test_child_peak_is_its_own_not_the_parents():
         pytest.skip("needs Linux /proc")
     ballast = bytearray(400 << 20)  # the parent's resident set grows by 400 MiB
     ballast[:: 4096] = b"x" * len(range(0, len(ballast), 4096))
-    code = ("import json, resource; from lowmem.suite.bench.common import hwm_bytes; "
+    code = ("import json, resource; from lowmem.suite.bench.memory import hwm_bytes; "
             "print(json.dumps([hwm_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     own, inherited = json.loads(done.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lowmem.suite.bench import memory
-from lowmem.suite.bench.common import fast_optimizer
+from lowmem.suite.bench.harness import fast_optimizer
 from lowmem.suite.bench.dap import fit_longest, search_longest
 
 MIB = 2**20
@@ -247,7 +247,7 @@ def test_a_capped_command_keeps_page_cache_under_the_cap_and_is_killed_past_it(t
 
 
 def test_step_seconds_reads_the_plain_loops_log(tmp_path):
-    from lowmem.suite.bench.diffusion_whole import step_seconds
+    from lowmem.suite.bench.harness import step_seconds
 
     plain = tmp_path / "plain.log"
     plain.write_text("noise\nplain step 1/3 s 10.5 loss 0.1\nplain step 2/3 s 4.25 loss 0.1\nplain step 3/3 s 4.75\n")
@@ -255,7 +255,7 @@ def test_step_seconds_reads_the_plain_loops_log(tmp_path):
 
 
 def test_csv_step_seconds_reads_the_runs_metrics(tmp_path):
-    from lowmem.suite.bench.diffusion_whole import csv_step_seconds
+    from lowmem.suite.bench.harness import csv_step_seconds
 
     assert csv_step_seconds(str(tmp_path), 1) == []
     (tmp_path / "logs" / "csv").mkdir(parents=True)

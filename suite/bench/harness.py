@@ -1,0 +1,499 @@
+"""The one bench harness: a bench is its rows and its sides; this module runs the sides and publishes the rows.
+
+- Sides run as processes of their own (`Side`, `run_side`): start to exit inside an optional memory cgroup with a
+  cap (page cache charged, the kernel kills past it; `suite.bench.memory`), the peak and wall time collected,
+  stdout/stderr to a log or captured, the JSON lines a side prints and its per-step times read back
+  (`SideRun`). Sides that run as ranks (`core_parallel.run_on_ranks`) time their steps with `step_times` and
+  measure memory with `memory.SideMeter`.
+- Baselines at their best as users run them: `fast_optimizer` (fused, else foreach), `ddp_options`.
+- Rows are dicts; `ratio` and `add_ratios` compare a side with its baseline; `publish` prints every table, writes
+  the JSON (`--json`, machine info added), the Markdown tables (`--markdown`) and a plot of the ratios (`--plot`).
+- Flag parsers shared by the benches: `int_list`, `count`, `names`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+__all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
+           "csv_step_seconds", "ddp_options", "drop_cached", "fast_optimizer", "int_list", "kill_group", "log_step",
+           "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "pin_to_core", "plot",
+           "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds", "step_times", "text_table",
+           "time_fn", "write_json"]
+
+SUITE = __package__.rpartition(".")[0]
+"""The suite's import name (`lowmem.suite`), for `python -m`."""
+
+
+# ---- flags ----------------------------------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    """`256,512` -> [256, 512]: positive integers, comma-separated."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def count(text: str) -> int:
+    """A parameter count: `20M`, `1.5B`, `100K` or a plain number."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+    t = text.strip().upper()
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count like 20M or 1.5B") from None
+
+
+def names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """A flag type: a comma-separated, non-empty subset of `allowed`."""
+
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text!r}")
+        return values
+
+    return parse
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every bench writes besides its printed tables."""
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON to FILE")
+    parser.add_argument("--markdown", metavar="FILE", default=None, help="also write the tables as Markdown to FILE")
+    parser.add_argument("--plot", metavar="FILE", default=None, help="also plot the first table's ratios to FILE")
+
+
+# ---- timing and baselines -------------------------------------------------------------------------------------
+
+
+def step_times(step: Callable[[], Any], steps: int, *, warmup: int = 0, sync: Callable[[], None] | None = None,
+               before: Callable[[], Any] | None = None) -> list[float]:
+    """Seconds of each of `steps` calls of `step()` after `warmup` untimed ones (`sync` after each on a GPU;
+    `before` each, untimed: a barrier between ranks)."""
+    times = []
+    for i in range(warmup + steps):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        step()
+        if sync:
+            sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3,
+            sync: Callable[[], None] | None = None) -> float:
+    """Median wall time of `fn()` in seconds over `repeat` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times = step_times(fn, repeat, sync=sync)
+    return sorted(times)[len(times) // 2]
+
+
+def fast_optimizer(cls: type, params: Any, **kwargs: Any) -> tuple[Any, str]:
+    """`cls(params, fused=True, **kwargs)` where this build and device have the fused kernel, else `foreach=True`,
+    else the per-tensor loop: a baseline at its best, as its users would run it. Returns (optimizer, which ran:
+    "fused", "foreach" or "for-loop")."""
+    params = list(params)
+    for flag in ("fused", "foreach"):
+        try:
+            return cls(params, **{flag: True}, **kwargs), flag
+        except (RuntimeError, ValueError, TypeError):
+            continue  # this optimizer, device or dtype has no such implementation here
+    return cls(params, **kwargs), "for-loop"
+
+
+def optimizer_impl(cls: type | None = None) -> str:
+    """Which implementation `fast_optimizer` picks here for `cls` (default torch's Adam)."""
+    import torch
+
+    return fast_optimizer(cls or torch.optim.Adam, [torch.nn.Parameter(torch.zeros(1))])[1]
+
+
+def ddp_options() -> dict[str, Any]:
+    """Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
+    return {"gradient_as_bucket_view": True}
+
+
+def pin_to_core(rank: int, world: int) -> int | None:
+    """Pin this process to its own core (the rank-th allowed one) when every rank can have one; which core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        print(f"affinity: {world} ranks but {len(cores)} cores allowed; not pinning", file=sys.stderr)
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
+
+
+# ---- per-step times written by a side -------------------------------------------------------------------------
+
+_STEP = re.compile(r"plain step \d+/\d+ s ([0-9.]+)")
+
+
+def log_step(step: int, steps: int, seconds: float, loss: float) -> None:
+    """The line a plain loop prints after each optimizer step, which `step_seconds` reads back."""
+    print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {loss:.4f}", flush=True)
+
+
+def step_seconds(log: str) -> list[float]:
+    """Seconds of each step a plain loop's log reports (its `log_step` lines), in order."""
+    with open(log, errors="replace") as f:
+        return [float(m.group(1)) for line in f if (m := _STEP.match(line))]
+
+
+def csv_metric(folder: str, column: str) -> list[float]:
+    """The values of `column` in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`), in order, rows
+    without it skipped; [] without the file."""
+    import csv
+
+    path = os.path.join(folder, "logs", "csv", "metrics.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return [float(r[column]) for r in csv.DictReader(f) if r.get(column)]
+
+
+def csv_step_seconds(folder: str, batch: int) -> list[float]:
+    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder`: the `images_per_s` logged at
+    step k is the batch over step k-1's duration; [] without the file."""
+    return [batch / r for r in csv_metric(folder, "images_per_s") if r > 0]
+
+
+def drop_cached(folder: str) -> None:
+    """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
+    from ...utils.fileio import drop_page_cache
+
+    for top, _, files in os.walk(folder):
+        for name in files:
+            drop_page_cache(os.path.join(top, name), write_back=True)
+
+
+# ---- sides as processes ---------------------------------------------------------------------------------------
+
+
+def safe_env(**extra: str) -> dict[str, str]:
+    """A child's environment: the installed package, never a checkout's folders first on sys.path (3.11+)."""
+    return {**os.environ, "PYTHONSAFEPATH": "1", **extra}
+
+
+@dataclass
+class Side:
+    """One side of a row as a process of its own: its command and how it is held.
+
+    `cap_bytes`: a memory cgroup limit (page cache included). `measure`: False runs it without a memory figure
+    (a side that measures itself inside). `log`: a file for stdout and stderr (else both are captured, or with
+    `capture` False left on this process's own)."""
+
+    name: str
+    argv: list[str]
+    cap_bytes: int | None = None
+    timeout: float | None = None
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    log: str | None = None
+    offload_paths: Sequence[str] = ()
+    use_cgroup: bool = True
+    measure: bool = True
+    capture: bool = True
+
+
+@dataclass
+class SideRun:
+    """What a side left: exit code (None: killed at its time limit), the process tree's peak and how it was
+    taken, wall seconds, whether the kernel killed it for memory, and what it printed."""
+
+    side: Side
+    returncode: int | None
+    wall_s: float
+    peak_bytes: int | None = None
+    method: str | None = None
+    oom_killed: bool = False
+    stdout: str = ""
+    stderr: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def json_lines(self) -> list[dict]:
+        """Every stdout line that is a JSON object, in order."""
+        rows = []
+        for line in self.stdout.splitlines():
+            if line.strip().startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
+
+    def result(self) -> dict:
+        """The side's last JSON line; RuntimeError naming the side, with the end of its stderr, when it failed."""
+        lines = self.json_lines()
+        if self.returncode != 0 or not lines:
+            raise RuntimeError(f"{self.side.name} failed (exit {self.returncode}): {' '.join(self.side.argv)}\n"
+                               f"{(self.stderr or self.stdout)[-2000:]}")
+        return lines[-1]
+
+    def step_times(self, csv_folder: str | None = None, batch: int = 1) -> list[float]:
+        """Per-step seconds: the `suite diffusion` CSV log in `csv_folder`, else the side's `log_step` lines."""
+        if csv_folder:
+            return csv_step_seconds(csv_folder, batch)
+        return step_seconds(self.side.log) if self.side.log else [float(m.group(1)) for line in
+                                                                   self.stdout.splitlines()
+                                                                   if (m := _STEP.match(line))]
+
+    def outcome(self) -> str:
+        if self.timed_out:
+            return f"killed at its time limit after {self.wall_s:.0f} s"
+        if self.oom_killed:
+            return "killed for memory"
+        if self.returncode == 0:
+            return "ok"
+        if "OutOfMemoryError" in self.stderr or "out of memory" in self.stderr:
+            return "OOM"
+        last = self.stderr.strip().splitlines()[-1:] or [""]
+        return f"exit code {self.returncode}: {last[0][:160]}".rstrip(": ")
+
+    def row(self) -> dict:
+        """The side's row as the whole-command benches publish it."""
+        out = {"returncode": self.returncode, "peak_mib": mib(self.peak_bytes), "wall_s": self.wall_s,
+               "method": self.method, "oom_killed": self.oom_killed}
+        if self.side.cap_bytes:
+            out["cap_mib"] = self.side.cap_bytes / 2**20
+        return out
+
+
+def mib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a child started in its own session and everything it started (ranks, per-case processes)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_side(side: Side) -> SideRun:
+    """Run `side` to its exit (or its time limit: then its whole process group is ended and what it printed is
+    kept). Measured: in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
+    from .memory import run_command
+
+    log = open(side.log, "w") if side.log else None  # noqa: SIM115 - closed below
+    captured = log is None and side.capture
+    out = log or (tempfile.TemporaryFile("w+") if captured else None)
+    err = log or (tempfile.TemporaryFile("w+") if captured else None)
+    t0 = time.perf_counter()
+    try:
+        if side.measure:
+            try:
+                    got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup,
+                                  cap_bytes=side.cap_bytes,
+                                  offload_paths=side.offload_paths, env=side.env, cwd=side.cwd, stdout=out,
+                                  stderr=subprocess.STDOUT if log else err, start_new_session=True)
+            except subprocess.TimeoutExpired:
+                got = {"returncode": None, "wall_s": time.perf_counter() - t0, "peak_bytes": None, "method": None}
+            run = SideRun(side, got["returncode"], got["wall_s"], got["peak_bytes"], got["method"],
+                          bool(got.get("oom_kills")), extra=got)
+        else:
+            proc = subprocess.Popen(side.argv, stdout=out, stderr=subprocess.STDOUT if log else err, cwd=side.cwd,
+                                    env=side.env, start_new_session=True)
+            try:
+                code: int | None = proc.wait(timeout=side.timeout)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                code = None
+            run = SideRun(side, code, time.perf_counter() - t0)
+        if captured:
+            out.seek(0)
+            err.seek(0)
+            run.stdout, run.stderr = out.read(), err.read()
+        return run
+    finally:
+        for f in {id(out): out, id(err): err}.values():
+            if f is not None:
+                f.close()
+
+
+# ---- rows -----------------------------------------------------------------------------------------------------
+
+
+def ratio(a: Any, b: Any, default: Any = None) -> Any:
+    """a / b, `default` when either is missing (None, a string) or b is 0."""
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
+        return default
+    return a / b
+
+
+def add_ratios(rows: Iterable[dict], base: dict | None, pairs: dict[str, str], default: Any = None) -> None:
+    """For every row, `row[out] = row[key] / base[key]` for each `out: key` of `pairs` (`default` without a base)."""
+    for r in rows:
+        for out, key in pairs.items():
+            r[out] = ratio(r.get(key), base.get(key), default) if base else default
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e5:
+            return f"{value:.3f}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def _present(rows: Sequence[dict], columns: Sequence[str] | None) -> list[str]:
+    """The columns to show: those given that some row has, or every key in order of first appearance."""
+    if columns is None:
+        return list(dict.fromkeys(k for r in rows for k in r))
+    return [c for c in columns if any(c in r for r in rows)]
+
+
+def text_table(rows: Sequence[dict], columns: Sequence[str] | None = None, title: str | None = None) -> str:
+    """Rows as an aligned text table (columns that no row has are left out)."""
+    if not rows:
+        return f"{title or ''}\n(no rows)\n"
+    columns = _present(rows, columns)
+    cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = [title] if title else []
+    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None, title: str | None = None) -> str:
+    """Print `text_table` and return the text."""
+    text = text_table(rows, columns, title)
+    print(text, end="", flush=True)
+    return text
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> list[str]:
+    """Rows as Markdown table lines: booleans yes / **no**, numbers as in the text table, `|` escaped."""
+    if not rows:
+        return ["(no rows)"]
+    columns = _present(rows, columns)
+
+    def cell(value: Any) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "**no**"
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+        return "" if value is None else _cell(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, host and devices, recorded with every JSON result."""
+    import torch
+
+    info: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            "python": platform.python_version(), "torch": torch.__version__,
+                            "cpu_count": os.cpu_count(), "machine": platform.machine()}
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (a reader never sees half a file), world-readable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """Write `payload` (plus machine info) to `path` atomically; nothing when `path` is None."""
+    if path:
+        write_text(path, json.dumps({"machine": machine_info(), **payload}, indent=2, default=str))
+
+
+def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
+    """A bar chart of the rows' ratio columns (`*ratio*`, `*_vs_*`; every numeric column where there are none),
+    one group per row labelled by its first column, to `path` (PNG, SVG, PDF by its suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numeric = [c for c in _present(rows, None) if any(isinstance(r.get(c), (int, float)) and not isinstance(
+        r.get(c), bool) for r in rows)]
+    ys = [c for c in numeric if "ratio" in c or "_vs_" in c] or numeric
+    label = _present(rows, None)[0] if rows else ""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) * max(1, len(ys))), 4))
+    width = 0.8 / max(1, len(ys))
+    for i, col in enumerate(ys):
+        values = [r.get(col) if isinstance(r.get(col), (int, float)) else 0.0 for r in rows]
+        ax.bar([k + i * width for k in range(len(rows))], values, width, label=col)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], [str(r.get(label, "")) for r in rows],
+                  rotation=20, ha="right", fontsize=8)
+    if any("ratio" in c or "_vs_" in c for c in ys):
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_title(title[:120], fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def publish(args: argparse.Namespace, payload: dict[str, Any],
+            tables: Sequence[tuple[str | None, Sequence[dict], Sequence[str] | None]] = (),
+            notes: Sequence[str] = ()) -> None:
+    """A bench's output: each (title, rows, columns) table printed, then the notes; `payload` to `--json`, the
+    tables to `--markdown` and the first table's ratios to `--plot`."""
+    for title, rows, columns in tables:
+        print_table(rows, columns, title)
+    for note in notes:
+        print(note, flush=True)
+    write_json(getattr(args, "json", None), payload)
+    if getattr(args, "markdown", None):
+        lines = [f"# suite bench {payload.get('benchmark', '')}", ""]
+        for title, rows, columns in tables:
+            lines += ([title, ""] if title else []) + markdown_table(rows, columns) + [""]
+        write_text(args.markdown, "\n".join(lines + [f"- {n}" for n in notes]) + "\n")
+    if getattr(args, "plot", None) and tables and tables[0][1]:
+        plot(tables[0][1], args.plot, tables[0][0] or "")
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median, None for no values."""
+    return statistics.median(values) if values else None
