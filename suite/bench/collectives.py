@@ -8,6 +8,10 @@ calls, each timed call starting after a barrier. The table shows the slowest ran
 from __future__ import annotations
 
 import argparse
+import statistics
+
+from ..errors import UsageError
+from .harness import publish, step_times
 
 __all__ = ["add_arguments", "run"]
 
@@ -20,13 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -> dict:
-    import statistics
-
     import torch
     import torch.distributed as dist
 
     from ...core_parallel.host_comm import HostCollectives
-    from .harness import step_times
 
     largest = max(int(mb * 2**20) // 4 // world for mb in sizes)
     host = HostCollectives.create(None, slot_bytes=largest * 4)
@@ -54,8 +55,6 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
 def run(args: argparse.Namespace) -> int:
     from ...core_parallel import run_on_ranks
     from ...core_parallel.host_comm import host_collectives_supported
-    from ..errors import UsageError
-    from .harness import publish
 
     try:
         sizes = [float(x) for x in args.mb.split(",") if x.strip()]

@@ -11,6 +11,10 @@ offload folders' resident page-cache pages are added (`suite.bench.memory`; the 
 from __future__ import annotations
 
 import argparse
+import shlex
+
+from ..errors import UsageError
+from .harness import Side, add_ratios, mib, publish, run_side
 
 __all__ = ["add_arguments", "run"]
 
@@ -25,11 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import shlex
-
-    from ..errors import UsageError
-    from .harness import Side, add_ratios, mib, publish, run_side
-
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("suite bench command: give the command after --")

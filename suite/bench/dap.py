@@ -16,8 +16,11 @@ residues, so the answer is measured rather than extrapolated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from .harness import int_list
+from ..errors import UsageError
+from .harness import int_list, pin_to_core, publish, time_fn
+from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "dap_group", "fit_longest", "run", "search_longest"]
 
@@ -102,16 +105,12 @@ def search_longest(peak_mb, budget_mb: float, guess: int, tol: int, known: dict[
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     """One rank: build the stack and inputs (same seed everywhere), measure the peak of one pass, time passes,
     then (with a budget) search the longest N_res that fits. Every rank takes the same decisions."""
-    import dataclasses
-
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from ...fastfold.model import InferenceOptions, config
     from ...fastfold.model.evoformer import EvoformerStack
-    from .harness import pin_to_core, time_fn
-    from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
     device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
     core = pin_to_core(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
@@ -178,7 +177,6 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
 
 def _measure(world: int, opts: dict, timeout: float) -> dict:
     from ...core_parallel import run_on_ranks
-    from .memory import fixed_mmap_threshold
 
     with fixed_mmap_threshold():
         per_rank = run_on_ranks(_bench_rank, world, opts, timeout=timeout, backend="none")
@@ -193,9 +191,6 @@ def _measure(world: int, opts: dict, timeout: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from .harness import publish
-
     if args.device == "cuda":
         import torch
 

@@ -40,8 +40,17 @@ same code path (imports, thread pools, kernel caches).
 from __future__ import annotations
 
 import argparse
+import gc
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+from ..errors import UsageError
 from .diffusion_whole import add_shape_arguments, add_whole_arguments, encoder_models, unet_model
+from .harness import ddp_options, fast_optimizer, optimizer_impl, publish, time_fn
+from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -88,8 +97,6 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
     """(unet, optimizer, gemini optimizer or None, vae, text encoder, offload folder or None) of a variant."""
     import torch
 
-    from .harness import ddp_options, fast_optimizer
-
     torch.manual_seed(0)
     model = unet_model(opts)
     vae, text = encoder_models(opts)
@@ -121,8 +128,6 @@ def _setup(variant: str, opts: dict, rank: int, world: int, device):
 
 
 def _gemini(model, optimizer, opts: dict):
-    import tempfile
-
     from ... import core_parallel
 
     offload = opts["gemini_offload"]
@@ -190,8 +195,6 @@ def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[fl
     """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes: all
     meet at `turns` (a barrier), one variant steps while the other waits at the next meeting, then the other
     steps. Plain goes first in even rounds and ours in odd ones, so neither always runs right after the other."""
-    import time
-
     times = []
     try:
         for i in range(warmup + repeat):
@@ -215,13 +218,8 @@ def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[fl
 def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=None) -> dict:
     """One variant on this rank. mode `memory`: peak training memory; `time`: median step seconds (per-step
     seconds when `turns` is given; see `_taking_turns`); `both`."""
-    import gc
-
     import torch
     from diffusers.utils import logging as diffusers_logging
-
-    from .harness import time_fn
-    from .memory import SideMeter, hwm_bytes, reset_peak_rss, rss_bytes
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
     device = _device(rank, opts)
@@ -275,8 +273,6 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
 
 
 def _cleanup(parts) -> None:
-    import shutil
-
     folder = parts[-1]
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
@@ -294,8 +290,6 @@ def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float 
     """Run one side's ranks with all their processes in one memory cgroup from start to exit: (per-rank results,
     the cgroup's peak in MiB, or None where no cgroup can be made). This process joins the group only while it
     spawns and waits (its own new pages, a few MiB of results, are charged too)."""
-    from .memory import Cgroup
-
     group = Cgroup.create(f"side-{variant}")
     if group is None:
         return _ranks(variant, opts, mode), None
@@ -314,10 +308,6 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     """(plain row, ours row, per-step time ratios). CUDA: one run of each measures both. CPU: a memory pass
     each, then both variants at once, taking turns step by step."""
     import multiprocessing as mp
-    import statistics
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .memory import fixed_mmap_threshold
 
     whole: dict = {}
     if opts["device"] == "cuda":
@@ -361,8 +351,6 @@ def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
 
 
 def _defaults(args: argparse.Namespace) -> dict:
-    from ..errors import UsageError
-
     if args.resolution % 8 or args.resolution < 16:
         raise UsageError(f"--resolution must be a multiple of 8 and >= 16, got {args.resolution}")
     if args.device == "cuda":
@@ -384,7 +372,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .diffusion_whole import run_whole
-    from .harness import optimizer_impl, publish
 
     opts = _defaults(args)
     if opts.get("whole_command"):

@@ -22,7 +22,18 @@ with the released configs of SDXL base 1.0 (UNet, VAE, CLIP ViT-L and OpenCLIP b
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import math
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from ..errors import UsageError
+from .harness import Side, csv_metric, drop_cached, median, mib, publish, ratio, run_side
+from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
 
@@ -61,8 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def write_pipeline(folder: str, seed: int = 0) -> str:
     """The SDXL base 1.0 pipeline's shapes with random weights (seed), safetensors; `folder/.complete` last, so a
     half-written folder is written again."""
-    import shutil
-
     import torch
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -146,8 +155,6 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
     UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
     does), peft LoRA (r = alpha = rank, gaussian init, to_k/q/v/out.0) in fp32, AdamW, SDPA, bf16 autocast,
     `steps` steps on random images with the script's `time_ids`, then the LoRA file written."""
-    import gc
-
     import torch
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
@@ -184,8 +191,6 @@ def plain_full(base: str, out: str, *, steps: int, batch: int, resolution: int, 
     latents computed first and the encoders and VAE deleted (the script's `dataset.map` pre-computation), then the
     UNet trained in fp32 with AdamW (torch's default, as the script builds it) under bf16 autocast, SDPA; the UNet
     saved in the end. On a machine smaller than its 16 bytes per parameter it is killed for memory."""
-    import gc
-
     import torch
 
     torch.manual_seed(0)
@@ -205,8 +210,6 @@ def plain_full(base: str, out: str, *, steps: int, batch: int, resolution: int, 
 
 def _sides(opts: dict, base: str, data: str) -> list[dict]:
     """The rows' commands: (row, side, argv, note)."""
-    import sys
-
     py, work = sys.executable, opts["work"]
     common = ["--pretrained_model_name_or_path", base, "--resolution", str(opts["resolution"]),
               "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
@@ -262,14 +265,6 @@ def _plain_full_note() -> dict:
 def _full_checks(out: str) -> dict:
     """What the full row must show besides its peak: the logged losses are finite and the exported pipeline
     loads in diffusers with a finite UNet of the released size (checked in a process of its own)."""
-    import json
-    import math
-    import subprocess
-    import sys
-    import tempfile
-
-    from .harness import csv_metric
-
     losses = csv_metric(out, "train_loss")
     # its own empty working folder: `-m` puts the working folder first on sys.path, and a checkout's `kernels/`
     # there would shadow Hugging Face's, which diffusers imports
@@ -285,8 +280,6 @@ def _full_checks(out: str) -> dict:
 
 def check_pipeline(out: str) -> None:
     """Print (JSON) whether `StableDiffusionXLPipeline.from_pretrained(out)` loads, its UNet's size and finiteness."""
-    import json
-
     import torch
     from diffusers import StableDiffusionXLPipeline
 
@@ -297,13 +290,7 @@ def check_pipeline(out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import subprocess
-    import sys
-
     from ...diffusion.sample_data import write_sample_data
-    from ..errors import UsageError
-    from .harness import Side, drop_cached, median, mib, publish, ratio, run_side
-    from .memory import cgroup_method
 
     opts = {k: getattr(args, k) for k in ("cache", "rows", "sides", "resolution", "batch", "steps", "rank",
                                           "lora_strategy", "cap_gib", "work", "timeout")}

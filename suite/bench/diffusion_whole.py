@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import sys
+import tempfile
+import time
+
+from .harness import Side, drop_cached, fast_optimizer, log_step, median, mib, publish, ratio, run_side
 
 __all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
            "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
@@ -105,10 +111,6 @@ def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
 def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
     """One step of a plain loop: `loss_of()`, backward, the optimizer's step, and the `harness.log_step` line its
     per-step time is read back from (the time covers all of it)."""
-    import time
-
-    from .harness import log_step
-
     t0 = time.perf_counter()
     loss = loss_of()
     loss.backward()
@@ -122,10 +124,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
     whole process tree in its own memory cgroup; ours under `--cap_mib` when given), on a pipeline folder of
     `opts`' shapes written in `work`. Every input file is dropped from the page cache before each side, so each
     reads (and is charged for) its own. Step time: the median of the steps after the first."""
-    import sys
-
     from ...diffusion.sample_data import write_sample_data
-    from .harness import Side, drop_cached, median, mib, ratio, run_side
 
     base, data = os.path.join(work, "base"), os.path.join(work, "data")
     write_pipeline(base, opts)
@@ -167,12 +166,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
 
 
 def run_whole(opts: dict, args: argparse.Namespace) -> int:
-    import shutil
-    import tempfile
-
     import torch
-
-    from .harness import publish
 
     work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
     try:
@@ -219,8 +213,6 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
-
-    from .harness import fast_optimizer
 
     torch.manual_seed(0)
     scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")

@@ -8,6 +8,14 @@ random decoys), so the alignment stage does real work; without jackhmmer the tar
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+from .harness import publish
 
 __all__ = ["add_arguments", "run"]
 
@@ -48,9 +56,6 @@ def _database(path, targets, size: int, seed: int) -> None:
 
 
 def _stage_rows(target, cfg):
-    import time
-    from pathlib import Path
-
     from ...fastfold import run as fp
     from ...fastfold.relax import relax_protein
 
@@ -73,16 +78,8 @@ def _stage_rows(target, cfg):
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-    import shutil
-    import tempfile
-    import time
-    from pathlib import Path
-
-    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
     from ...fastfold.relax import RelaxConfig
-    from ..errors import UsageError
-    from .harness import publish
+    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")

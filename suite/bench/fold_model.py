@@ -27,11 +27,17 @@ same parameters and features at the same chunk size (`suite.bench.fold_openfold`
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import gc
 import json
 import os
 import sys
+import time
 
-from .harness import int_list
+from ..errors import UsageError
+from .harness import SUITE, Side, int_list, pin_to_core, publish, run_side, safe_env, time_fn
+from .memory import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,10 +86,6 @@ def _options(variant: str, args: argparse.Namespace):
 
 def _rss_baseline() -> int:
     """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
-    import gc
-
-    from .memory import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
-
     gc.collect()
     malloc_trim()
     if not reset_peak_rss():
@@ -94,8 +96,6 @@ def _rss_baseline() -> int:
 def _multimer_model(args: argparse.Namespace, device, dtype):
     """AlphaFold-Multimer at model_1_multimer_v3 widths (blocks from the flags, random weights, seed 0, no early
     stop) and a function chain lengths -> one-pass batch (seed 0) on `device`."""
-    import dataclasses
-
     import torch
 
     from ...fastfold.model.multimer import AlphaFoldMultimer, multimer_preset
@@ -117,14 +117,10 @@ def _multimer_model(args: argparse.Namespace, device, dtype):
 
 
 def _child(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
     from ...fastfold.model import AlphaFold, config
     from ...fastfold.model.testing import random_batch
-    from .harness import time_fn
-    from .memory import fix_malloc, hwm_bytes
 
     fix_malloc(2**20)
     n_res, variant = args._child.split(":")
@@ -171,8 +167,6 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
-    from .harness import SUITE, Side, run_side, safe_env
-
     argv = [sys.executable, "-m", SUITE, "bench", "fold-model", "--_child", f"{n_res}:{variant}"]
     for flag in ("blocks", "extra_blocks", "n_seq", "n_extra", "chunk_size", "memory_budget_mb", "dtype", "device",
                  "repeat", "warmup"):
@@ -184,9 +178,6 @@ def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from .harness import publish
-
     if args._child:
         return _child(args)
     if args.blocks <= 0 or args.n_seq <= 0 or args.n_extra <= 0 or args.repeat <= 0:
@@ -226,15 +217,11 @@ def _args(args: argparse.Namespace) -> dict:
 def _dap_rank(rank: int, world: int, opts: dict) -> dict:
     """One DAP rank of the multimer comparison: the model and batch built alike on every rank (seed 0), split
     across the group when there is more than one rank; peak of one pass, then the time per pass."""
-    import time
-
     import torch
     import torch.distributed as dist
 
     from ...fastfold.model import InferenceOptions
     from .dap import dap_group
-    from .harness import pin_to_core
-    from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
     device = torch.device("cpu")
     core = pin_to_core(rank, world) if opts["affinity"] == "pin" else None
@@ -269,7 +256,6 @@ def _dap_rank(rank: int, world: int, opts: dict) -> dict:
 
 def _run_dap(args: argparse.Namespace, world: int) -> dict:
     from ...core_parallel import run_on_ranks
-    from .memory import fixed_mmap_threshold
 
     opts = {k: getattr(args, k) for k in ("blocks", "extra_blocks", "n_seq", "n_extra", "n_templ", "template_blocks",
                                           "chains", "dtype", "repeat", "warmup")}
@@ -288,11 +274,6 @@ def _compared(name: str, base: dict, got: dict, **extra) -> dict:
 
 
 def _run_multimer(args: argparse.Namespace) -> int:
-    import datetime
-
-    from ..errors import UsageError
-    from .harness import publish
-
     if args.n_templ <= 0 or args.template_blocks < 0:
         raise UsageError("fold-model --multimer: --n_templ must be positive and --template_blocks not negative")
     if args.parts == "dap" and len(args.dap_ranks) < 2:

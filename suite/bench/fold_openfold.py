@@ -31,13 +31,19 @@ module before importing `openfold`; the table's title says which one ran.
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.machinery
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+import types
 
-from .harness import Side, run_side, safe_env
+from ..errors import UsageError
+from .harness import Side, publish, run_side, safe_env, write_json
+from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
            "write_inputs"]
@@ -72,8 +78,6 @@ def standin_softmax_(a, rows: int, cols: int) -> None:
 def _install_softmax() -> str:
     """Make `import attn_core_inplace_cuda` work: the real extension where it imports, else the stand-in.
     Returns which one."""
-    import types
-
     try:
         import attn_core_inplace_cuda  # noqa: F401
         return "attn_core_inplace_cuda (OpenFold's CUDA extension)"
@@ -99,8 +103,6 @@ def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: i
                  seed: int = 0) -> dict[str, str]:
     """Random parameters (AlphaFold's `.npz` layout) and a feature batch (`torch.save`) for one n_res in `folder`;
     reused when a previous call wrote the same settings there. Returns {"params": path, "features": path}."""
-    import gc
-
     import torch
 
     from ...fastfold.model import AlphaFold, config
@@ -155,8 +157,6 @@ def _device(name: str):
 
 def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
     import torch
-
-    from .memory import hwm_bytes
 
     # VmHWM, this process's own: ru_maxrss would carry the bench's peak across fork and exec
     result = {"side": side, "load_s": t_ready - _T_START, "forward_s": forward_s,
@@ -332,10 +332,7 @@ def compare(runs: list[dict], tolerance: float = PLDDT_TOLERANCE) -> list[dict]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse what this comparison cannot do, one line naming the flag (UsageError, exit 2)."""
-    import importlib.machinery
-
     from ...fastfold.model.config import model_names
-    from ..errors import UsageError
 
     folder = args.openfold
     if not os.path.isdir(folder):
@@ -365,8 +362,6 @@ def _pythonpath(args: argparse.Namespace) -> list[str]:
 
 
 def _probe(args: argparse.Namespace, paths: list[str]) -> dict:
-    from ..errors import UsageError
-
     probe = run_side(Side("fold-model --openfold: importing openfold", _child_argv("probe", path=paths),
                           env=safe_env(), measure=False)).result()
     if not probe["ok"]:
@@ -390,11 +385,6 @@ def _blocks(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from .harness import publish, write_json
-    from .memory import cgroup_method
-
     check_args(args)
     chunk = int(args.chunk_size)
     paths = [os.path.abspath(args.openfold), *(os.path.abspath(p) for p in _pythonpath(args))]

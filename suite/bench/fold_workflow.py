@@ -18,7 +18,17 @@ own alignment files, random decoys; FASTA for jackhmmer, HH-suite ffindex databa
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
 from pathlib import Path
+
+from ..errors import UsageError
+from .harness import machine_info, publish
 
 __all__ = ["add_arguments", "run"]
 
@@ -54,10 +64,6 @@ def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
     """The cached databases for these queries and sizes (built on the first run)."""
-    import hashlib
-    import json
-    import shutil
-
     from .fold_dbs import build_databases, hhsuite_missing, repository_hits
 
     hits = sorted((ASSETS / "alignments" / "query").glob("*_hits.*"))
@@ -79,8 +85,6 @@ def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
 
 def _features(targets, cfg, ray_session: bool) -> tuple[float, list]:
     """Seconds of every target's features through `feature_stream`, and the results (raising a failure)."""
-    import time
-
     from ...fastfold.run import feature_stream
 
     t0 = time.perf_counter()
@@ -93,8 +97,6 @@ def _features(targets, cfg, ray_session: bool) -> tuple[float, list]:
 
 
 def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
-    import dataclasses
-
     import ray
 
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec
@@ -134,8 +136,6 @@ def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
 
 
 def _fold_rows(args, tmp: Path) -> list[dict]:
-    import time
-
     import numpy as np
     import ray
     import torch
@@ -194,14 +194,9 @@ def _positions(folder: Path, target):
 
 
 def run(args: argparse.Namespace) -> int:
-    import shutil
-    import tempfile
-
     from ...fastfold.data import tools as fold_tools
     from ...fastfold.data.tools import ToolError, find_binary
     from ...fastfold.run import Target
-    from ..errors import UsageError
-    from .harness import machine_info, publish
 
     if min(args.targets, args.num_workers, args.cpus, args.per_family, args.raylet_cpus) < 1 or args.decoys < 0:
         raise UsageError("--targets, --num_workers, --cpus, --per_family, --raylet_cpus must be >= 1, --decoys >= 0")
@@ -209,7 +204,6 @@ def run(args: argparse.Namespace) -> int:
         find_binary(None, "jackhmmer")
     except ToolError as exc:
         raise UsageError(f"suite bench fold-workflow needs jackhmmer: {exc}") from None
-    import logging
 
     fold_tools.logger.setLevel(logging.WARNING)  # one line per tool run otherwise
     queries = _queries(args)

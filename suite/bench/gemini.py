@@ -20,9 +20,12 @@ meta-device init avoids, is not counted. On a GPU the same code reports CUDA pea
 from __future__ import annotations
 
 import argparse
+import gc
+import tempfile
 
-from .harness import count, ddp_options, fast_optimizer, names
-from .memory import fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+from ..errors import UsageError
+from .harness import count, ddp_options, fast_optimizer, names, optimizer_impl, publish, ratio, step_times
+from .memory import SideMeter, fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 
@@ -100,12 +103,7 @@ def train_setup(strategy: str, device, params: int, width: int, batch: int, worl
 
 def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
               extra: dict) -> dict:
-    import gc
-
     import torch
-
-    from .harness import optimizer_impl, step_times
-    from .memory import SideMeter
 
     fix_malloc(128 * 1024, trim_threshold=128 * 1024)
     torch.manual_seed(0)
@@ -157,8 +155,6 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
 
 
 def _size(text: str) -> int:
-    from ..errors import UsageError
-
     try:
         return count(text)
     except argparse.ArgumentTypeError as exc:
@@ -167,8 +163,6 @@ def _size(text: str) -> int:
 
 def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
     import torch
-
-    from .harness import ratio
 
     params = _size(args.params)
     results = {}
@@ -201,10 +195,7 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
 
 
 def _ram_budget(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
-    import tempfile
-
     from ...core_parallel.gemini import parse_bytes
-    from ..errors import UsageError
 
     try:
         budget = parse_bytes(args.ram_budget, "--ram-budget")
@@ -234,9 +225,6 @@ def _ram_budget(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from .harness import publish
-
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     payload, tables, notes = _ram_budget(args) if args.ram_budget else _compare(args)

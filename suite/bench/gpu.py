@@ -27,8 +27,10 @@ completed (whatever the measurements say: read the targets), 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -36,8 +38,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ..errors import UsageError
+from .harness import kill_group, markdown_table, write_json, write_text
 
 __all__ = ["STAGES", "Stage", "add_arguments", "markdown", "run"]
 
@@ -112,8 +118,6 @@ def _on_sigterm(signum, frame):
 
 
 def _check(args: argparse.Namespace) -> None:
-    from ..errors import UsageError
-
     if args.budget_s <= 0:
         raise UsageError(f"--budget-s must be positive, got {args.budget_s}")
     if args.device == "cpu" and not args.smoke:
@@ -176,7 +180,6 @@ def _run_stage(stage: Stage, args: argparse.Namespace, work: Path, out: Path, sl
     if args._inject:
         argv += ["--_inject", ",".join(f"{k}={v}" for k, v in args._inject.items())]
     from .gpu_stages import child_env
-    from .harness import kill_group
 
     log.write(f"\n===== stage {stage.name} (slice {slice_s:.0f} s) =====\n")
     log.flush()
@@ -214,10 +217,6 @@ def _recorded(path: Path) -> dict:
 def _machine(device: str) -> dict[str, Any]:
     """Versions and the card, without a CUDA context in this process (it would hold device memory for the
     whole run): the card's name, memory and driver come from nvidia-smi."""
-    import importlib.metadata
-    import platform
-    from datetime import datetime, timezone
-
     info: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             "host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
     if device == "cuda":
@@ -270,8 +269,6 @@ def _stage_main(args: argparse.Namespace) -> int:
 
 
 def _write(out: Path, payload: dict, args: argparse.Namespace) -> None:
-    from .harness import write_json, write_text
-
     payload["targets"] = [{"stage": s["name"], **t} for s in payload["stages"] for t in s.get("targets", [])]
     write_text(out / "gpu.json", json.dumps(payload, indent=1, default=str) + "\n")
     write_text(out / "gpu.md", markdown(payload) + "\n")
@@ -285,8 +282,6 @@ def _met(value: bool | None) -> str:
 
 def _overview(payload: dict) -> list[str]:
     """The stages (status, time) and the targets, as Markdown tables."""
-    from .harness import markdown_table
-
     lines = ["## Stages", ""] + markdown_table([
         {"stage": s["name"], "status": s["status"], "seconds": s["seconds"], "slice s": s["slice_s"],
          "reason": s.get("reason", ""), "what": s["what"]} for s in payload["stages"]])
@@ -297,8 +292,6 @@ def _overview(payload: dict) -> list[str]:
 
 def markdown(payload: dict) -> str:
     """The report: machine, stages (status, time), targets, then each stage's tables and notes."""
-    from .harness import markdown_table
-
     m = payload.get("machine", {})
     lines = [f"# suite bench gpu: {m.get('date', '')}", "",
              f"- command: `{payload.get('command', '')}`; device {payload['device']}"

@@ -27,13 +27,19 @@ smaller card.
 from __future__ import annotations
 
 import gc
+import gzip
 import json
 import logging
+import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from .harness import count, fast_optimizer, step_times
+from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
 
@@ -156,8 +162,6 @@ def _errors(fn, ref, tensors64, kwargs, dtype, device, backend) -> list[tuple[fl
 def kernel_parity(device_name: str, dtype_name: str) -> Iterator[dict]:
     """One row per case, as each is done: worst error over output and gradients as a fraction of the rule's bound
     (<= 1 passes), and which implementation ran (a Triton fallback is named)."""
-    import os
-
     import torch
 
     from ... import kernels
@@ -262,8 +266,6 @@ def _sd_model(variant: str, cfg: dict, device) -> tuple[Any, Callable]:
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    from .harness import fast_optimizer
-
     torch.manual_seed(0)
     with torch.device(device):
         unet = UNet2DConditionModel(**cfg)
@@ -314,8 +316,6 @@ def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) 
     the peak memory in bytes over warm-up and steps (CUDA: max_memory_allocated; CPU: VmHWM)."""
     import torch
 
-    from .memory import hwm_bytes, reset_peak_rss
-
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -342,8 +342,6 @@ def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) 
 
 def _allocated(device) -> int:
     import torch
-
-    from .memory import rss_bytes
 
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
 
@@ -412,8 +410,6 @@ def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
     import torch
 
     from .gemini import train_setup
-    from .harness import count, step_times
-    from .memory import hwm_bytes, reset_peak_rss
 
     device = _device(spec["device"])
     cuda = device.type == "cuda"
@@ -443,10 +439,6 @@ def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
 
 def _shrink(path: str, max_mib: float) -> str:
     """The snapshot file, gzipped when it is over `max_mib` (what comes back from the device has a size limit)."""
-    import gzip
-    import os
-    import shutil
-
     if os.path.getsize(path) <= max_mib * 2**20:
         return path
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=6) as dst:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+
+from .memory import run_command
 
 __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
            "csv_step_seconds", "ddp_options", "drop_cached", "fast_optimizer", "int_list", "kill_group", "log_step",
@@ -168,8 +171,6 @@ def step_seconds(log: str) -> list[float]:
 def csv_metric(folder: str, column: str) -> list[float]:
     """The values of `column` in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`), in order, rows
     without it skipped; [] without the file."""
-    import csv
-
     path = os.path.join(folder, "logs", "csv", "metrics.csv")
     if not os.path.exists(path):
         return []
@@ -309,8 +310,6 @@ def kill_group(proc: subprocess.Popen) -> None:
 def run_side(side: Side) -> SideRun:
     """Run `side` to its exit (or its time limit: then its whole process group is ended and what it printed is
     kept). Measured: in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
-    from .memory import run_command
-
     log = open(side.log, "w") if side.log else None  # noqa: SIM115 - closed below
     captured = log is None and side.capture
     out = log or (tempfile.TemporaryFile("w+") if captured else None)

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 
+from ..errors import UsageError
 from .harness import Side, int_list, names, publish, run_side, safe_env
 from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
@@ -234,8 +235,6 @@ def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1, got {args.repeat}")
     import torch

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+
+from ..errors import UsageError
+from .harness import add_ratios, ddp_options, fast_optimizer, publish
+from .memory import SideMeter, hwm_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -56,8 +61,6 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
             return nn.functional.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
-            from .harness import fast_optimizer
-
             opt, self.optimizer_impl = fast_optimizer(torch.optim.AdamW, self.parameters(), lr=1e-4)
             return opt
 
@@ -70,8 +73,6 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
 
 
 def _timer(cuda: bool):
-    import time
-
     import lightning.pytorch as pl
     import torch
 
@@ -99,8 +100,6 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     import torch
 
     from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
-    from .harness import ddp_options
-    from .memory import SideMeter, hwm_bytes
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
@@ -159,9 +158,6 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from ..errors import UsageError
-    from .harness import add_ratios, publish
 
     nan = float("nan")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]

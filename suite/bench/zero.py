@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 
-from .harness import count, names
+from ..errors import UsageError
+from .harness import add_ratios, count, ddp_options, fast_optimizer, names, optimizer_impl, publish, step_times
+from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -54,7 +56,6 @@ def _wrap(variant: str, model, bucket_mb: float):
     import torch
 
     from ... import core_parallel
-    from .harness import ddp_options, fast_optimizer
 
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -79,8 +80,6 @@ def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int
     import torch
     import torch.distributed as dist
 
-    from .harness import step_times
-
     model, opt = _wrap(variant, model, bucket_mb)
     x = torch.randn(batch, width, device=next(model.parameters()).device)
     backward = getattr(opt, "backward", lambda loss: loss.backward())
@@ -100,9 +99,6 @@ def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: i
           bucket_mb: float) -> dict:
     """One variant on one rank: returns peak memory and the median step time."""
     import torch
-
-    from .harness import optimizer_impl
-    from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
     # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
     # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
@@ -135,8 +131,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ...core_parallel import run_on_ranks
-    from ..errors import UsageError
-    from .harness import add_ratios, publish
 
     if args.ranks < 1 or args.batch < 1 or args.steps < 1:
         raise UsageError("--ranks, --batch and --steps must be >= 1")
