@@ -8,6 +8,12 @@
 | `callbacks` | validation images, progress lines, the end of a run (`ValidateEvery`, `PlainProgress`, `FinishRun`) |
 | `export` | the trained weights gathered and written (`materialize`, `write_component`, `export`) |
 | `launch` | one run: checks, the Trainer holding `cfg.parallel`, local and Ray fit (`fit_finetune`, `fit_with_ray`) |
+| `accelerate_checkpoint` | resuming from accelerate's checkpoint-N/ of diffusers' own scripts |
+| `sdxl`, `sdxl_data`, `sdxl_precompute` | SDXL: its LightningModule and `fit_sdxl`; its data; `--precompute` |
+
+The modules import downwards only: `module` and `datamodule` import none of the others; `export`,
+`accelerate_checkpoint`, `callbacks`, `checkpoints` and `launch` build on them, in that order; the SDXL modules
+on all of these.
 
     from lowmem.recipes import StableDiffusionFineTune, ImageCaptionData
     cfg = FineTuneConfig(rank=4, max_train_steps=100, output_dir="out")

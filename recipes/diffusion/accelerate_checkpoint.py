@@ -12,7 +12,7 @@ writes it with the scripts' save hooks (v0.40.0):
 
 Everything is read with `torch.load(weights_only=True)` or safetensors. The pieces become a Lightning checkpoint
 (`lightning_checkpoint`) that the run resumes like its own `checkpoint-N` (the loops restart at the scripts'
-epoch through `checkpoints.restart_at_epoch`).
+epoch through `module.restart_at_epoch`).
 """
 
 from __future__ import annotations

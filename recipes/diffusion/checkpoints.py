@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from ...diffusion.errors import InputError
+from .accelerate_checkpoint import is_accelerate_checkpoint
 from .callbacks import at_step_boundary
 from .export import write_weights
 
 if TYPE_CHECKING:
     from .module import StableDiffusionFineTune
 
-__all__ = ["CKPT_FILE", "CheckpointEvery", "checkpoint_step", "find_checkpoint", "restart_at_epoch"]
+__all__ = ["CKPT_FILE", "CheckpointEvery", "checkpoint_step", "find_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 def _is_checkpoint(path: Path) -> bool:
     """Ours (Lightning's state inside) or accelerate's (`save_state` of diffusers' scripts)."""
-    from .accelerate_checkpoint import is_accelerate_checkpoint
-
     return (path / CKPT_FILE).exists() or is_accelerate_checkpoint(path)
 
 
@@ -59,28 +58,6 @@ def checkpoint_step(path: Path) -> int | None:
     """N of a checkpoint-N folder (None for a folder of another name)."""
     m = _CKPT_RE.match(path.name)
     return int(m.group(1)) if m else None
-
-
-def restart_at_epoch(checkpoint: dict[str, Any], epoch: int, step: int) -> None:
-    """Make a Lightning checkpoint's loop state start `epoch` from its first batch at optimizer step `step` (what
-    diffusers' scripts do on resume: `first_epoch = global_step // num_update_steps_per_epoch`, the epoch's
-    batches from the first), whatever batch of which epoch it was written at."""
-    fit = checkpoint["loops"]["fit_loop"]
-
-    def put(progress: dict[str, Any], total: int, current: int) -> None:
-        for name in progress["total"]:
-            progress["total"][name] = total
-        for name in progress["current"]:
-            progress["current"][name] = current
-
-    put(fit["epoch_progress"], epoch, epoch)  # `epoch` epochs done, none begun
-    put(fit["epoch_loop.batch_progress"], 0, 0)
-    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
-    put(fit["epoch_loop.scheduler_progress"], step, 0)
-    optimizer = fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
-    put(optimizer["step"], step, 0)  # Trainer.global_step
-    put(optimizer["zero_grad"], step, 0)
-    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step
 
 
 class CheckpointEvery(pl.Callback):

@@ -25,6 +25,7 @@ from ...diffusion.config import MIXED_PRECISION, FineTuneConfig
 from ...diffusion.errors import InputError
 from ...diffusion.schedule import RunLength, run_length
 from ..strategies import STRATEGY_NAMES, strategy_from_config
+from .accelerate_checkpoint import check_files, lightning_checkpoint
 from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
 from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
 from .datamodule import ImageCaptionData
@@ -108,8 +109,6 @@ def _prepare(cfg: FineTuneConfig, world: int, data_cls: type[ImageCaptionData] =
                              "checkpoint-N (as diffusers' scripts read it)")
         start = found
         if not (ckpt / CKPT_FILE).exists():  # accelerate's, from diffusers' scripts: its files, before any model
-            from .accelerate_checkpoint import check_files
-
             check_files(ckpt, cfg)
     data = data_cls(cfg, tokenizer=None)
     samples = len(data.scan())
@@ -237,7 +236,6 @@ def _from_accelerate(ckpt: Path, module: StableDiffusionFineTune, trainer: pl.Tr
     """accelerate's checkpoint-N of diffusers' scripts as a Lightning checkpoint file beside it in output_dir
     (each process writes its own, atomically, and removes it after the fit)."""
     from ...utils.fileio import atomic_write
-    from .accelerate_checkpoint import lightning_checkpoint
 
     state = lightning_checkpoint(ckpt, module, trainer, step)
     path = Path(module.config.output_dir) / f".resume-{ckpt.name}-{os.getpid()}.ckpt"

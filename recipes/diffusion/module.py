@@ -20,7 +20,7 @@ from ...diffusion.config import FineTuneConfig
 from ...diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 from ..strategies import GeminiStrategy
 
-__all__ = ["StableDiffusionFineTune"]
+__all__ = ["StableDiffusionFineTune", "restart_at_epoch", "stream_unet"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,8 +249,6 @@ class StableDiffusionFineTune(pl.LightningModule):
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
         if self.length is not None and "loops" in checkpoint:
-            from .checkpoints import restart_at_epoch
-
             restart_at_epoch(checkpoint, self.length.first_epoch, self.length.start_step)
 
     # -- inference and export -------------------------------------------------------------------------------
@@ -322,3 +320,25 @@ def _is_gemini(cfg: FineTuneConfig) -> bool:
     from ...core_parallel import GeminiConfig
 
     return isinstance(cfg.parallel, GeminiConfig)
+
+
+def restart_at_epoch(checkpoint: dict[str, Any], epoch: int, step: int) -> None:
+    """Make a Lightning checkpoint's loop state start `epoch` from its first batch at optimizer step `step` (what
+    diffusers' scripts do on resume: `first_epoch = global_step // num_update_steps_per_epoch`, the epoch's
+    batches from the first), whatever batch of which epoch it was written at."""
+    fit = checkpoint["loops"]["fit_loop"]
+
+    def put(progress: dict[str, Any], total: int, current: int) -> None:
+        for name in progress["total"]:
+            progress["total"][name] = total
+        for name in progress["current"]:
+            progress["current"][name] = current
+
+    put(fit["epoch_progress"], epoch, epoch)  # `epoch` epochs done, none begun
+    put(fit["epoch_loop.batch_progress"], 0, 0)
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    put(fit["epoch_loop.scheduler_progress"], step, 0)
+    optimizer = fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    put(optimizer["step"], step, 0)  # Trainer.global_step
+    put(optimizer["zero_grad"], step, 0)
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step

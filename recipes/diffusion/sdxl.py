@@ -1,6 +1,7 @@
 """The SDXL fine-tuning recipe: `StableDiffusionXLFineTune` (the SD recipe's LightningModule with SDXL's second
-text encoder, micro-conditioning and pipeline), `SDXLData` (its data: both tokenizers' ids, original sizes and
-crop corners), and `fit_sdxl` (one run, as `suite diffusion train_*_sdxl` runs it).
+text encoder, micro-conditioning and pipeline), `SDXLData` (its data, from `sdxl_data`: both tokenizers' ids,
+original sizes and crop corners), and `fit_sdxl` (one run, as `suite diffusion train_*_sdxl` runs it);
+`sdxl_precompute` computes the embeddings and latents of `--precompute` for it.
 
 Everything else is the SD recipe's, unchanged: checks, Trainer, strategies (Gemini shards, NVMe tier, a UNet
 streamed into them), checkpoints and exact resume, validation images, export. The run's `SDXLSettings` travel in
@@ -18,130 +19,16 @@ from typing import Any
 import torch
 
 from ...diffusion.config import FineTuneConfig
-from ...diffusion.data import CaptionedImages, ImageRecord, load_rgb, preprocess
-from ...diffusion.errors import InputError
 from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
-from ...diffusion.sdxl_scripts import SDXLSettings
 from ...diffusion.training import diffusion_loss, encode_latents
-from .datamodule import ImageCaptionData
+from .launch import fit_finetune
 from .module import StableDiffusionFineTune, stream_unet
+from .sdxl_data import SDXLCaptionedImages, SDXLData, sdxl_settings
+from .sdxl_precompute import frozen_component, precompute, release_stores
 
 __all__ = ["SDXLCaptionedImages", "SDXLData", "StableDiffusionXLFineTune", "fit_sdxl", "sdxl_settings"]
 
 logger = logging.getLogger(__name__)
-
-
-def sdxl_settings(cfg: FineTuneConfig) -> SDXLSettings:
-    """The run's SDXL settings (`cfg.extra["sdxl"]`, defaults when absent)."""
-    return cfg.extra.get("sdxl") or SDXLSettings()
-
-
-# -- data -------------------------------------------------------------------------------------------------------
-class SDXLCaptionedImages(CaptionedImages):
-    """`CaptionedImages` for SDXL: token ids of both tokenizers (`input_ids`, `input_ids_2`), the image's
-    original size `[2]` (h, w) and the crop's top-left corner `[2]` (y, x) on the resized image, as the SDXL
-    scripts condition on them; a share `empty_prompts` of captions is the empty prompt."""
-
-    def __init__(self, records: list[ImageRecord], tokenizers: tuple[Any, Any], cfg: Any,
-                 class_records: list[ImageRecord] | None = None, empty_prompts: float = 0.0) -> None:
-        super().__init__(records, tokenizers[0], cfg, class_records)
-        self.tokenizer_2, self.empty_prompts = tokenizers[1], empty_prompts
-
-    def _crop_corner(self, size: tuple[int, int], generator: torch.Generator) -> tuple[int, int]:
-        """The (top, left) corner `preprocess` crops at from an image of `size` (w, h), given the generator state
-        it will start from (its draws, replayed)."""
-        r, (w, h) = self.cfg.resolution, size
-        scale = r / min(w, h)
-        nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
-        if self.cfg.center_crop:
-            return (nh - r) // 2, (nw - r) // 2
-        draws = torch.rand(3, generator=generator).tolist()
-        return int(draws[1] * (nh - r + 1)), int(draws[0] * (nw - r + 1))
-
-    def _sample(self, record: ImageRecord, generator: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
-        try:
-            img = load_rgb(record.path)
-        except Exception as exc:  # noqa: BLE001 - the file changed after the scan
-            raise InputError(f"{record.path}: unreadable image ({type(exc).__name__}: {exc})") from exc
-        replay = torch.Generator().set_state(generator.get_state())
-        corner = self._crop_corner(img.size, replay)
-        pixels = preprocess(img, self.cfg, generator)
-        ids = self.caption_ids(record, generator)
-        return {f"{prefix}pixel_values": pixels, f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1],
-                f"{prefix}original_size": torch.tensor([img.height, img.width]),
-                f"{prefix}crop_top_left": torch.tensor(corner)}
-
-    def caption_ids(self, record: ImageRecord, generator: torch.Generator) -> list[torch.Tensor]:
-        """Both tokenizers' ids `[L]` of the record's caption for this sample: one of several drawn, or (a share
-        `empty_prompts` of samples) the empty prompt."""
-        caption = record.caption
-        if not isinstance(caption, str):  # several captions: one per sample, drawn after the crop and flip
-            caption = caption[int(torch.randint(len(caption), (1,), generator=generator))]
-        if self.empty_prompts and float(torch.rand(1, generator=generator)) < self.empty_prompts:
-            caption = ""
-        return self.tokenize(caption)
-
-    def tokenize(self, caption: str) -> list[torch.Tensor]:
-        """Both tokenizers' ids `[L]` of `caption`, padded to the model length as the scripts tokenize."""
-        return [tok(caption, padding="max_length", truncation=True, max_length=tok.model_max_length,
-                    return_tensors="pt").input_ids[0] for tok in (self.tokenizer, self.tokenizer_2)]
-
-    def prompts(self) -> list[str]:
-        """Every prompt a sample can carry (each record's captions, the empty prompt when drawn)."""
-        out: list[str] = [""] if self.empty_prompts else []
-        for r in (*self.records, *self.class_records):
-            out.extend([r.caption] if isinstance(r.caption, str) else r.caption)
-        return out
-
-    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
-        index, seed = key if isinstance(key, tuple) else (key, key)
-        generator = torch.Generator().manual_seed(seed)
-        item = self._sample(self.records[index % len(self.records)], generator, "")
-        if self.class_records:
-            item.update(self._sample(self.class_records[index % len(self.class_records)], generator, "class_"))
-        return item
-
-
-class SDXLCachedLatents(SDXLCaptionedImages):
-    """`SDXLCaptionedImages` whose images were encoded once (`precompute_latents`): an item holds the record's
-    stored `latents` with the original size and crop corner they were made with (one crop and flip per image, as
-    train_text_to_image_sdxl.py's `dataset.map` fixes them); the caption is still drawn per sample."""
-
-    def __init__(self, base: SDXLCaptionedImages, stores: tuple[Any, Any | None]) -> None:
-        super().__init__(base.records, (base.tokenizer, base.tokenizer_2), base.cfg, base.class_records,
-                         base.empty_prompts)
-        self.stores = stores
-
-    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
-        index, seed = key if isinstance(key, tuple) else (key, key)
-        generator = torch.Generator().manual_seed(seed)
-        item: dict[str, torch.Tensor] = {}
-        for prefix, records, store in (("", self.records, self.stores[0]), ("class_", self.class_records,
-                                                                            self.stores[1])):
-            if not records:
-                continue
-            row = index % len(records)
-            ids = self.caption_ids(records[row], generator)
-            item.update({f"{prefix}{k}": v for k, v in store.get(row).items()})
-            item.update({f"{prefix}input_ids": ids[0], f"{prefix}input_ids_2": ids[1]})
-        return item
-
-
-class SDXLData(ImageCaptionData):
-    """`ImageCaptionData` giving SDXL samples; DreamBooth's instance images repeated `--repeats` times."""
-
-    def scan(self) -> list[ImageRecord]:
-        if self.records is None:
-            records = super().scan()
-            self.records = records * sdxl_settings(self.config).repeats
-        return self.records
-
-    def dataset(self) -> CaptionedImages:
-        module = self.trainer.lightning_module
-        ds = SDXLCaptionedImages(self.scan(), (module.tokenizer, module.tokenizer_2), self.config.data_config(),
-                                 self.class_records, sdxl_settings(self.config).proportion_empty_prompts)
-        stores = getattr(module, "latent_stores", None)
-        return ds if stores is None else SDXLCachedLatents(ds, stores)
 
 
 # -- the LightningModule ----------------------------------------------------------------------------------------
@@ -179,13 +66,9 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit" and self.text_embeddings is None and self.latent_stores is None:
-            from .sdxl_precompute import precompute
-
             precompute(self, self.trainer.datamodule)
 
     def teardown(self, stage: str) -> None:
-        from .sdxl_precompute import release_stores
-
         release_stores(self)
 
     def _freeze_and_cast(self) -> None:
@@ -273,7 +156,6 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
 
         from ...diffusion.sdxl import make_sdxl_pipeline
         from ...diffusion.streaming import gemini_of
-        from .sdxl_precompute import frozen_component
 
         if gemini_of(self.unet) is None:
             self.fill_hollow()
@@ -319,6 +201,4 @@ def _conditioned(unet: Any, cond: dict[str, torch.Tensor], sample: torch.Tensor,
 
 def fit_sdxl(cfg: FineTuneConfig, callbacks: list[Any] | None = None, **trainer_overrides: Any) -> Any:
     """Run one SDXL fine-tuning as `suite diffusion train_*_sdxl` does; returns the finished module."""
-    from .launch import fit_finetune
-
     return fit_finetune(cfg, callbacks, module_cls=StableDiffusionXLFineTune, data_cls=SDXLData, **trainer_overrides)

@@ -22,6 +22,7 @@ import torch
 from ...diffusion.precompute import FeatureStore, TextEmbeddings, remove_store
 from ...diffusion.sdxl import encode_prompt_sdxl
 from ...diffusion.training import encode_latents, latent_shape, step_generator
+from .sdxl_data import SDXLCaptionedImages, sdxl_settings
 
 __all__ = ["frozen_component", "precompute", "release_stores"]
 
@@ -33,8 +34,6 @@ _STREAM = {"text": -1, "class": -2}  # step_generator's `step` of the latents' d
 def precompute(module: Any, data: Any) -> None:
     """Compute what `sdxl_settings(cfg).precompute` names for `data`'s records (an `SDXLData`, set up), keep it in
     `module.text_embeddings` / `module.latent_stores`, and drop the text encoders / the VAE from `module`."""
-    from .sdxl import SDXLCaptionedImages, sdxl_settings
-
     mode = sdxl_settings(module.config).precompute
     if mode not in ("text", "latents", "both"):
         return
@@ -75,7 +74,7 @@ def _latents(module: Any, ds: Any, records: list[Any], folder: Path, stream: int
     vae = module.vae
     for i, record in enumerate(records):
         g = step_generator(module.config.seed, stream, i)
-        item = ds._sample(record, g, "")
+        item = ds.sample(record, g, "")
         pixels = item["pixel_values"][None].to(module.device)
         eps = torch.randn(latent_shape(vae, pixels), generator=g)
         latents = encode_latents(vae, pixels, eps).float()[0]
@@ -88,7 +87,6 @@ def frozen_component(module: Any, name: str) -> Any:
     """`module.<name>` (vae, text_encoder, text_encoder_2), or, where `precompute` dropped it, the component loaded
     again from the base folder in the dtype the run holds it in (for one pipeline; not kept)."""
     from ...diffusion.sdxl import load_sdxl_frozen
-    from .sdxl import sdxl_settings
 
     part = getattr(module, name)
     if part is not None:
