@@ -13,40 +13,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from .diffusion_sdxl import add_sdxl_scripts, run_sdxl
+from .diffusion_shared import LAUNCH_SETTINGS, add_script_parser, run_summary
+
 __all__ = ["LAUNCH_SETTINGS", "add_arguments", "build_config", "run"]
-
-# The launcher's settings a script command adds to the script's own flags (what `accelerate launch` and its
-# config would set): FineTuneConfig settings, flags generated from the config like `finetune`'s.
-LAUNCH_SETTINGS = ("strategy", "devices", "num_nodes", "offload_dir", "attention_backend")
-
-
-def _add_script(sub: argparse._SubParsersAction, script: str) -> None:
-    from ...diffusion.config import FineTuneConfig
-    from ...diffusion.scripts import DIFFUSERS_VERSION, SCRIPT_FLAGS, SCRIPTS, flag_help
-    from ...utils.settings import add_flags
-
-    p = sub.add_parser(script, help=SCRIPTS[script],
-                       description=f"{SCRIPTS[script]}: the script's flags and defaults as in diffusers "
-                                   f"v{DIFFUSERS_VERSION}; flags that cannot apply here are refused with the "
-                                   "reason (see docs/diffusion.md).")
-    for f in SCRIPT_FLAGS[script]:
-        kw: dict = {"default": f.default, "help": flag_help(f)}
-        if f.required:
-            kw["required"] = True
-        if f.action:
-            kw["action"] = f.action
-        else:
-            kw.update(type=f.type, choices=f.choices, nargs=f.nargs)
-        p.add_argument(f"--{f.name}", **kw)
-    launch = p.add_argument_group("launcher settings (not flags of the diffusers script)")
-    add_flags(launch, FineTuneConfig, defaults=True, only=LAUNCH_SETTINGS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `finetune` subcommand (its flags generated from `FineTuneConfig`) and the three script
     subcommands with their flags."""
     from ...diffusion.config import FineTuneConfig
-    from ...diffusion.scripts import SCRIPTS
+    from ...diffusion.scripts import SCRIPT_FLAGS, SCRIPTS, flag_help
     from ...utils.settings import add_flags
 
     sub = parser.add_subparsers(dest="diffusion_command", metavar="SUBCOMMAND", required=True,
@@ -58,9 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # no defaults in the namespace: a flag is there only when given, so it beats the file (explicit > file > default)
     add_flags(p, FineTuneConfig, grouped=True)
     for script in SCRIPTS:
-        _add_script(sub, script)
-    from .diffusion_sdxl import add_sdxl_scripts
-
+        add_script_parser(sub, script, SCRIPTS[script], SCRIPT_FLAGS[script], flag_help)
     add_sdxl_scripts(sub)  # train_text_to_image_sdxl, train_text_to_image_lora_sdxl, train_dreambooth_lora_sdxl
 
 
@@ -98,24 +73,9 @@ def build_config(args: argparse.Namespace) -> object:
     return build(FineTuneConfig, values, origin)
 
 
-def _summary(cfg: object) -> str:
-    out = Path(cfg.output_dir)
-    what = out / "pytorch_lora_weights.safetensors" if cfg.lora else out / "model_index.json"
-    lines = [f"fine-tuning finished; result: {what}"]
-    ckpts = sorted(out.glob("checkpoint-*"))
-    if ckpts:
-        lines.append(f"  checkpoints: {', '.join(p.name for p in ckpts)}")
-    if (out / "validation").is_dir():
-        lines.append(f"  validation images: {out / 'validation'}")
-    lines.append(f"  logs: {out / 'logs'}")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run `suite diffusion finetune` or one of the script commands."""
     if args.diffusion_command.endswith("_sdxl"):
-        from .diffusion_sdxl import run_sdxl
-
         return run_sdxl(args)
     cfg = build_config(args)
     if cfg.ray_address:
@@ -126,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
         from ...recipes.diffusion import fit_finetune
 
         fit_finetune(cfg)
-    print(_summary(cfg), file=sys.stdout, flush=True)
+    print(run_summary(cfg), file=sys.stdout, flush=True)
     return 0

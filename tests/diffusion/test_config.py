@@ -31,6 +31,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_every_setting_has_one_generated_flag_with_its_docstring():
     from lowmem.suite.commands import diffusion as command
+    from lowmem.suite.commands import diffusion_shared as shared
 
     table = settings(FineTuneConfig)
     flags = {a.option_strings[0]: a for a in _finetune_parser()._actions if a.option_strings}
@@ -41,7 +42,7 @@ def test_every_setting_has_one_generated_flag_with_its_docstring():
         if s.flaggable:
             assert flags[f"--{name}"].help.startswith(s.help.rstrip(".").replace("%", "%%")), name
     assert not hasattr(command, "FLAGS") and not hasattr(command, "LAUNCH_FLAGS")  # no hand-written flag table
-    source = inspect.getsource(command)
+    source = inspect.getsource(command) + inspect.getsource(shared)
     assert source.count("add_argument(") == 2, "only --config and the scripts' frozen tables are written by hand"
     assert len(table) == 86 and FineTuneConfig.field_names() == list(table)
 
