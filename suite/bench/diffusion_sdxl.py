@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 from ..errors import UsageError
-from .harness import Side, csv_metric, drop_cached, median, mib, publish, ratio, run_side
+from .harness import Side, csv_metric, drop_cached, publish, ratio, run_side
 from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -312,12 +312,8 @@ def run(args: argparse.Namespace) -> int:
                     offload_paths=[os.path.join(opts["work"], d) for d in ("nvme-lora", "nvme-full")])
         got = run_side(side)
         out_dir = side.argv[side.argv.index("--output_dir") + 1] if spec["side"] == "ours" else None
-        times = got.step_times(out_dir, opts["batch"])
-        rows.append({"row": spec["row"], "side": spec["side"], "returncode": got.returncode,
-                     "peak_mib": mib(got.peak_bytes), "wall_s": got.wall_s, "method": got.method,
-                     "oom_killed": got.oom_killed, "step_times_s": times, "step_s": median(times[1:]),
-                     "command": " ".join(side.argv), "log": side.log,
-                     **({"cap_mib": side.cap_bytes / 2**20} if side.cap_bytes else {})})
+        rows.append({"row": spec["row"], "side": spec["side"], **got.row(got.step_times(out_dir, opts["batch"])),
+                     "log": side.log})
         if spec["row"] == "full" and spec["side"] == "ours" and got.returncode == 0:
             rows[-1].update(_full_checks(out_dir))
     if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from .harness import Side, drop_cached, fast_optimizer, log_step, median, mib, publish, ratio, run_side
+from .harness import Side, drop_cached, fast_optimizer, log_step, publish, ratio, run_side
 
 __all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
            "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
@@ -153,11 +153,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
                 raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n"
                                    f"{f.read()[-3000:]}")
         out_dir = None if side.name == "plain" else side.argv[side.argv.index("--output_dir") + 1]
-        times = got.step_times(out_dir, opts["batch"])
-        rows.append({"variant": side.name, "returncode": got.returncode, "peak_mib": mib(got.peak_bytes),
-                     "cap_mib": side.cap_bytes / 2**20 if side.cap_bytes else None, "oom_killed": got.oom_killed,
-                     "wall_s": got.wall_s, "step_s": median(times[1:]),  # step 1 (warm-up) skipped on both sides
-                     "step_times_s": times, "method": got.method, "command": " ".join(side.argv)})
+        rows.append({"variant": side.name, "cap_mib": None, **got.row(got.step_times(out_dir, opts["batch"]))})
     plain = rows[0]
     for r in rows[1:]:
         r.update(peak_ratio=r["peak_mib"] / plain["peak_mib"], wall_ratio=r["wall_s"] / plain["wall_s"],

@@ -2,16 +2,9 @@
 
     suite bench gpu --out DIR [--budget-s 420] [--device cuda|cpu] [--smoke] [--rows checks,kernels,...]
 
-Stages, in order of importance, each a process of its own with its own time slice (its share of `--budget-s`
-plus what earlier stages left unused), so a hang or an out-of-memory error in one stage costs that stage only:
-
-| stage | what | share of 420 s |
-|---|---|---|
-| checks | the kernels (Triton compiled) and Gemini against their references on the device; `pytest -m gpu` | 80 |
-| kernels | `suite bench kernels --floor`, fwd+bwd bf16, Evoformer and SD sizes | 85 |
-| sd | SD-1.5's UNet at 512 px: plain diffusers-style loop vs ours with Gemini, whole card and 8 GiB | 100 |
-| gemini | `suite bench gemini` at 1B (Gemini, FSDP2, DDP); memory snapshot; CPU tier beyond 24 GiB | 85 |
-| fold | AlphaFold model: auto chunks vs unchunked vs chunk 4, N_res 512-2048; largest N_res in 24 GiB | 70 |
+Stages (`STAGES`: checks, kernels, sd, gemini, fold), in order of importance, each a process of its own with its own
+time slice (its share of `--budget-s` plus what earlier stages left unused), so a hang or an out-of-memory error in
+one stage costs that stage only; docs/benchmarks.md ("GPU proof: how to run") says what each measures.
 
 A stage that would start with less than its minimum left is skipped and says so. After every stage `DIR/gpu.json`
 and `DIR/gpu.md` (a table per measurement, the targets of the issues, met or not) are rewritten, so a run cut

@@ -280,10 +280,12 @@ class SideRun:
         last = self.stderr.strip().splitlines()[-1:] or [""]
         return f"exit code {self.returncode}: {last[0][:160]}".rstrip(": ")
 
-    def row(self) -> dict:
-        """The side's row as the whole-command benches publish it."""
+    def row(self, times: Sequence[float] = ()) -> dict:
+        """The side's row as the whole-command benches publish it; `times`: its per-step seconds (the median is
+        taken over the steps after the first, a warm-up)."""
         out = {"returncode": self.returncode, "peak_mib": mib(self.peak_bytes), "wall_s": self.wall_s,
-               "method": self.method, "oom_killed": self.oom_killed}
+               "method": self.method, "oom_killed": self.oom_killed, "step_times_s": list(times),
+               "step_s": median(times[1:]), "command": " ".join(self.side.argv)}
         if self.side.cap_bytes:
             out["cap_mib"] = self.side.cap_bytes / 2**20
         return out
