@@ -32,28 +32,21 @@ from pathlib import Path
 import numpy as np
 
 from ..common import residue_constants as rc
+from .alignment_files import MAX_HITS, alignment_files, alignment_folder, read_text_file
 from .features import FeatureConfig, empty_template_features, make_msa_features, make_sequence_features
 from .msa_pairing import MultimerFeatureConfig, pair_and_merge, species_identifier
 from .parsers import (
     InputError,
     Msa,
     TemplateHit,
-    _fasta_records,
+    fasta_records,
     parse_a3m,
     parse_hhr,
     parse_stockholm,
     target_name,
     validate_sequence,
 )
-from .targets import (
-    FASTA_SUFFIXES,
-    MAX_HITS,
-    AlignmentConfig,
-    Target,
-    alignment_files,
-    read_text_file,
-    target_raw_features,
-)
+from .targets import FASTA_SUFFIXES, AlignmentConfig, Target, target_raw_features
 
 __all__ = [
     "CHAIN_IDS",
@@ -163,7 +156,7 @@ def parse_complex_fasta(text: str, source: str = "<fasta>", file_name: str | Non
     """The complex of one FASTA file (module docstring). `file_name` names an OpenFold-form complex (default:
     the stem of `source`)."""
     text = text.removeprefix("\ufeff")
-    records = _fasta_records(text, source)
+    records = fasta_records(text, source)
     if not records:
         raise InputError(f"{source}: no FASTA records (expected lines starting with '>')")
     located = []
@@ -302,8 +295,8 @@ def chain_raw_features(chain: Chain, cfg: AlignmentConfig, work_dir: str | Path,
     mcfg = mcfg or MultimerFeatureConfig()
     info = {} if info is None else info
     if cfg.precomputed_dir is not None:
-        return _chain_folder_features(chain, Path(cfg.precomputed_dir) / chain.name, cfg, mcfg, with_templates,
-                                      info)
+        folder = alignment_folder(cfg.precomputed_dir, chain.name)
+        return _chain_folder_features(chain, folder, cfg, mcfg, with_templates, info)
     chain_dir = Path(work_dir) / chain.name
     raw = target_raw_features(Target(chain.name, chain.sequence), cfg, chain_dir, with_templates, info)
     uniprot_path = chain_dir / "msas" / PAIRING_FILE

@@ -17,6 +17,7 @@ __all__ = [
     "InputError",
     "Msa",
     "TemplateHit",
+    "fasta_records",
     "parse_a3m",
     "parse_fasta",
     "parse_fasta_records",
@@ -67,8 +68,10 @@ class TemplateHit:
     indices_hit: list[int]
 
 
-def _fasta_records(text: str, source: str) -> list[tuple[str, str, int]]:
-    """(description, raw sequence, line number of the header) for each '>' record."""
+def fasta_records(text: str, source: str) -> list[tuple[str, str, int]]:
+    """(description, raw sequence, line number of the header) for each '>' record of FASTA `text` (`source` names
+    it in errors): the one record splitter of targets (`parse_fasta_records`) and complexes
+    (`fastfold.data.multimer`)."""
     records: list[tuple[str, str, int]] = []
     chunks: list[str] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -124,7 +127,7 @@ def parse_fasta_records(text: str, source: str = "<fasta>") -> list[tuple[str, s
     """Targets `(name, sequence, header)` of a FASTA file (see `parse_fasta`); a UTF-8 byte-order mark is
     ignored, and the whole header is kept for the outputs."""
     text = text.removeprefix("\ufeff")
-    records = _fasta_records(text, source)
+    records = fasta_records(text, source)
     if not records:
         raise InputError(f"{source}: no FASTA records (expected lines starting with '>')")
     seen: dict[str, int] = {}
@@ -169,7 +172,7 @@ def _sequence_line(text: str, header_line: int, pos: int) -> tuple[int, int]:
 
 def parse_a3m(text: str, source: str = "<a3m>") -> Msa:
     """An A3M alignment: lower-case letters are insertions (removed, counted in the deletion matrix)."""
-    records = _fasta_records(text, source)
+    records = fasta_records(text, source)
     if not records:
         raise InputError(f"{source}: no sequences in A3M file")
     sequences, deletions, descriptions = [], [], []

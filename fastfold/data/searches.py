@@ -1,5 +1,5 @@
 """One target's database searches as a list of jobs: what `run_alignment_tools` runs one after another and the
-feature workflow (`fastfold.workflow`) runs as parallel Ray tasks, so both paths run the same commands and write
+feature workflow (`fastfold.run.workflow`) runs as parallel Ray tasks, so both paths run the same commands and write
 the same files.
 
 Jobs (AlphaFold's monomer pipeline, plus the UniProt search of a complex's chains): jackhmmer on UniRef90 ->
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
+from .alignment_files import UNIPROT_HITS
 
 __all__ = ["SearchJob", "search_jobs", "tool_cpus"]
 
@@ -49,10 +51,10 @@ class SearchJob:
         elif self.tool == "hhblits":
             tools.run_hhblits(binary, self.sequence, list(self.databases), self.output, cpus)
         elif self.tool == "hhsearch":
-            from .targets import MAX_HITS, _read_msa
+            from .alignment_files import MAX_HITS, read_msa
 
             source = Path(self.output).with_name(self.after or "")
-            a3m = tools.msa_to_a3m(_read_msa(source).truncate(MAX_HITS[source.name]))
+            a3m = tools.msa_to_a3m(read_msa(source).truncate(MAX_HITS[source.name]))
             tools.run_hhsearch(binary, a3m, self.databases[0], self.output)
         else:
             raise ValueError(f"SearchJob.tool: unknown tool {self.tool!r}")
@@ -62,8 +64,6 @@ class SearchJob:
 def search_jobs(sequence: str, cfg, folder: str | Path) -> list[SearchJob]:
     """The searches `cfg` (an `AlignmentConfig`) asks for whose result is not in `folder` yet, independent ones
     first; HHsearch is listed when its input exists or is among the jobs."""
-    from .targets import UNIPROT_HITS
-
     folder = Path(folder)
     jobs = []
 

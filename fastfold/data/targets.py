@@ -11,17 +11,22 @@ from pathlib import Path
 
 import numpy as np
 
+from .alignment_files import (
+    MAX_HITS,
+    UNIPROT_HITS,
+    alignment_files,
+    alignment_folder,
+    base_name,
+    read_msa,
+    read_text_file,
+)
 from .features import empty_template_features, make_msa_features, make_sequence_features
-from .parsers import InputError, Msa, TemplateHit, parse_a3m, parse_fasta_records, parse_hhr, parse_stockholm
+from .parsers import InputError, Msa, TemplateHit, parse_fasta_records, parse_hhr
 
 __all__ = [
-    "MAX_HITS",
     "AlignmentConfig",
     "Target",
-    "alignment_files",
-    "check_text_file",
     "read_alignment_dir",
-    "read_text_file",
     "read_targets",
     "run_alignment_tools",
     "target_raw_features",
@@ -92,9 +97,6 @@ class AlignmentConfig:
         dbs = (self.uniref90_database_path, self.mgnify_database_path, self.bfd_database_path)
         return not self.single_sequence and self.precomputed_dir is None and any(dbs)
 
-UNIPROT_HITS = "uniprot_hits.sto"
-"""The UniProt search's result in a chain's `msas/` folder: the pairing MSA of a complex, not an unpaired MSA."""
-
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas", ".fsa")
 """Files read from a folder of FASTA files (OpenFold's first argument)."""
 
@@ -126,82 +128,6 @@ def read_targets(fasta_path: str | Path) -> list[Target]:
     return targets
 
 
-_MSA_FILES = ("uniref90_hits.sto", "mgnify_hits.sto", "bfd_uniref_hits.a3m", "bfd_uniclust_hits.a3m",
-              "small_bfd_hits.sto", "uniclust30_hits.a3m")
-"""OpenFold/AlphaFold per-target alignment file names, in the order their rows enter the MSA."""
-
-MAX_HITS = {"uniref90_hits.sto": 10_000, "mgnify_hits.sto": 501}
-"""Rows kept per search result, AlphaFold's caps (`uniref_max_hits`, `mgnify_max_hits`); query row included."""
-
-MSA_SUFFIXES = (".sto", ".a3m", ".sto.gz", ".a3m.gz")
-"""Alignment files read from a target's folder (gzip-compressed ones too)."""
-HIT_SUFFIXES = (".hhr", ".hhr.gz")
-"""Template-hit files read from a target's folder."""
-
-
-def _kind(path: Path) -> str:
-    """"msa", "hits" or "" (a file the reader does not use)."""
-    name = path.name
-    if name.endswith(MSA_SUFFIXES):
-        return "msa"
-    return "hits" if name.endswith(HIT_SUFFIXES) else ""
-
-
-def _base_name(path: Path) -> str:
-    return path.name[:-3] if path.name.endswith(".gz") else path.name
-
-
-def read_text_file(path: Path) -> str:
-    """A text file (gunzipped when it ends in .gz); `InputError` naming it when it is binary."""
-    import gzip
-
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                return f.read()
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not a text file (byte {exc.start} is not UTF-8: binary or compressed?)") from None
-    except (OSError, EOFError) as exc:
-        raise InputError(f"{path}: cannot be read ({exc})") from None
-    if "\0" in text[:65536]:
-        raise InputError(f"{path}: not a text file (holds NUL bytes: binary?)")
-    return text
-
-
-def check_text_file(path: Path, size: int = 65536) -> None:
-    """Cheap check before any work: the first `size` characters of `path` (gunzipped for .gz) are text;
-    `InputError` naming the file otherwise."""
-    import gzip
-
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                head = f.read(size)
-        else:
-            with open(path, encoding="utf-8") as f:
-                head = f.read(size)
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not a text file (byte {exc.start} is not UTF-8: binary or compressed?)") from None
-    except (OSError, EOFError) as exc:
-        raise InputError(f"{path}: cannot be read ({exc})") from None
-    if "\0" in head:
-        raise InputError(f"{path}: not a text file (holds NUL bytes: binary?)")
-
-
-def _read_msa(path: Path) -> Msa:
-    parse = parse_stockholm if _base_name(path).endswith(".sto") else parse_a3m
-    return parse(read_text_file(path), str(path))
-
-
-def alignment_files(folder: Path) -> tuple[list[Path], list[Path], list[Path]]:
-    """(alignment files in MSA order, template-hit files, files the reader ignores) of a target's folder."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    msas = [p for p in files if _kind(p) == "msa"]
-    msas.sort(key=lambda p: _MSA_FILES.index(_base_name(p)) if _base_name(p) in _MSA_FILES else len(_MSA_FILES))
-    return msas, [p for p in files if _kind(p) == "hits"], [p for p in files if not _kind(p)]
-
-
 def read_alignment_dir(
     folder: Path, sequence: str, info: dict | None = None, require_msa: bool = False, skip: tuple[str, ...] = ()
 ) -> tuple[list[Msa], list[TemplateHit]]:
@@ -225,10 +151,10 @@ def read_alignment_dir(
         logger.warning("%s: NO ALIGNMENT FILE (holds %s): this target's MSA is the query alone", folder, what)
     msas, read = [], []
     for p in msa_files:
-        msa = _read_msa(p)
+        msa = read_msa(p)
         if msa.sequences and len(msa.sequences[0]) != len(sequence):
             raise InputError(f"{p}: alignment has {len(msa.sequences[0])} columns, the target has {len(sequence)}")
-        cap = MAX_HITS.get(_base_name(p))
+        cap = MAX_HITS.get(base_name(p))
         kept = msa.truncate(cap) if cap is not None and len(msa) > cap else msa
         msas.append(kept)
         read.append({"file": p.name, "rows": len(msa), "rows_used": len(kept), **({"cap": cap} if cap else {})})
@@ -265,7 +191,7 @@ def target_raw_features(
     if cfg.precomputed_dir is not None:
         info["msa_mode"] = "single_sequence (templates from the alignment folder)" if cfg.single_sequence \
             else "precomputed"
-        msas, hits = read_alignment_dir(Path(cfg.precomputed_dir) / target.name, target.sequence, info,
+        msas, hits = read_alignment_dir(alignment_folder(cfg.precomputed_dir, target.name), target.sequence, info,
                                         require_msa=not cfg.single_sequence)
         if cfg.single_sequence:
             msas = []

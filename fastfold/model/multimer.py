@@ -8,9 +8,9 @@ Following the AlphaFold-Multimer paper (Evans et al. 2021, bioRxiv 2021.10.04.46
 public AlphaFold v2.3 `modules_multimer` description; the numbers equal OpenFold's multimer model in float64
 (tests/assets/multimer_model). The Evoformer and extra-MSA stacks are the monomer ones with the outer product
 mean first in each block (`opm_first`); v3 parameter files fuse the triangle multiplications' left/right
-projections (`fastfold.params_multimer` splits them into our two linears).
+projections (`fastfold.params.multimer` splits them into our two linears).
 
-Parameter files are read and written by `fastfold.params_multimer`.
+Parameter files are read and written by `fastfold.params.multimer`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ ChunkSize = int | Literal["auto"] | None
 
 def check_chunk_size(value: object) -> ChunkSize:
     """`value` when it is a `ChunkSize`, else `ValueError`: the one check of a chunk size, whichever holder it
-    passes through (`suite fold --chunk_size`, a config file's `chunk_size`, `fastfold.settings.ModelSettings`,
+    passes through (`suite fold --chunk_size`, a config file's `chunk_size`, `fastfold.run.settings.ModelSettings`,
     `ModelSpec`, `InferenceOptions`), so each refuses the same values with the same line. `True` is refused:
     a bool is an int to Python, not a chunk size."""
     if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):

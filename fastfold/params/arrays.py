@@ -1,7 +1,7 @@
-"""AlphaFold-named arrays <-> a model's parameters, through its table (`fastfold.params_table`).
+"""AlphaFold-named arrays <-> a model's parameters, through its table (`fastfold.params.table`).
 
 `ParamLayout` pairs a model class with its table and does, the same way for AlphaFold2 (`fastfold.params`) and
-AlphaFold-Multimer (`fastfold.params_multimer`): the one parameter check (every missing, mis-shaped and
+AlphaFold-Multimer (`fastfold.params.multimer`): the one parameter check (every missing, mis-shaped and
 unexpected array in one `ParamsError`, from shapes alone, before any parameter is written), streamed loading
 (each array read once, copied into its parameters, dropped), writing the `.npz` layout, the expected layout
 of a configuration, and models built without initialisation. `NpzArrays` reads an `.npz` member by member.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..utils.fileio import atomic_write
-from .params_table import (
+from ...utils.fileio import atomic_write
+from .table import (
     HALVES,
     HEADED,
     Leaf,

@@ -2,9 +2,9 @@
 
 `TABLE` lists, module by module, AlphaFold's released parameter name (`params_model_{1..5}[_ptm].npz`,
 keys `alphafold/alphafold_iteration/<module path>//<param>`) beside our module path and how the arrays
-differ in layout (the kinds and the row builders are in `fastfold.params_table`). The same table loads
+differ in layout (the kinds and the row builders are in `fastfold.params.table`). The same table loads
 (`load_npz`) and writes (`save_npz`) the `.npz` layout, so a round trip is exact; the checking, streaming and
-writing are `fastfold.params_io`'s, shared with `fastfold.params_multimer`. `from_params(path, preset)`
+writing are `fastfold.params.arrays`'s, shared with `fastfold.params.multimer`. `from_params(path, preset)`
 builds a model from a file and `save_params(model, path)` writes one; this module imports the model, never
 the other way round.
 
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import params_sizes as sizes
-from .model import config as cfgs
-from .model.alphafold import AlphaFold
-from .params_io import NpzArrays, ParamLayout, materialise_empty, problems_error
-from .params_table import (
+from ..model import config as cfgs
+from ..model.alphafold import AlphaFold
+from . import sizes
+from .arrays import NpzArrays, ParamLayout, materialise_empty, problems_error
+from .table import (
     FOLD,
     HEAD_ROWS,
     IPA,
@@ -127,8 +127,8 @@ def rows_for(config: cfgs.AlphaFoldConfig) -> list[Row]:
     return rows
 
 
-LAYOUT = ParamLayout(AlphaFold, rows_for, "fastfold.params")
-"""AlphaFold2's parameters <-> AlphaFold-named arrays (`fastfold.params_io`)."""
+LAYOUT = ParamLayout(AlphaFold, rows_for, "fastfold.params.monomer")
+"""AlphaFold2's parameters <-> AlphaFold-named arrays (`fastfold.params.arrays`)."""
 leaves_for, model_to_arrays, save_npz, load_npz, empty_model = (
     LAYOUT.leaves_for, LAYOUT.model_to_arrays, LAYOUT.save_npz, LAYOUT.load_npz, LAYOUT.empty_model
 )

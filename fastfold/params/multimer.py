@@ -1,7 +1,7 @@
 """AlphaFold-Multimer parameter files (`params_model_N_multimer[_v2|_v3].npz`) <-> `AlphaFoldMultimer`.
 
-The same declarative scheme as `fastfold.params` (rows from `fastfold.params_table`; checking, streaming and
-writing by `fastfold.params_io`), with the names where AlphaFold-Multimer's files differ from AlphaFold2's:
+The same declarative scheme as `fastfold.params` (rows from `fastfold.params.table`; checking, streaming and
+writing by `fastfold.params.arrays`), with the names where AlphaFold-Multimer's files differ from AlphaFold2's:
 - `evoformer/~_relative_encoding/position_activations`: the chain-aware relative encoding;
 - the template embedder: `single_template_embedding/template_pair_embedding_{0..8}` (distogram, pseudo-beta
   mask, aatype of j, aatype of i, unit vector x, y, z, backbone mask, query pair), `query_embedding_norm`,
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import params_sizes as sizes
-from .model import config as cfgs
-from .model.multimer import AlphaFoldMultimer, MultimerConfig, multimer_preset
-from .params_io import ParamLayout
-from .params_table import FOLD, HEAD_ROWS, IPA, TM_ROWS, ParamsError, Row, pair_rows, structure_rows, trunk_rows
+from ..model import config as cfgs
+from ..model.multimer import AlphaFoldMultimer, MultimerConfig, multimer_preset
+from . import sizes
+from .arrays import ParamLayout
+from .table import FOLD, HEAD_ROWS, IPA, TM_ROWS, ParamsError, Row, pair_rows, structure_rows, trunk_rows
 
 __all__ = [
     "config_from_arrays",
@@ -102,8 +102,8 @@ def rows_for(config: MultimerConfig) -> list[Row]:
     return rows + TM_ROWS
 
 
-LAYOUT = ParamLayout(AlphaFoldMultimer, rows_for, "fastfold.params_multimer")
-"""AlphaFold-Multimer's parameters <-> AlphaFold-Multimer-named arrays (`fastfold.params_io`)."""
+LAYOUT = ParamLayout(AlphaFoldMultimer, rows_for, "fastfold.params.multimer")
+"""AlphaFold-Multimer's parameters <-> AlphaFold-Multimer-named arrays (`fastfold.params.arrays`)."""
 leaves_for, model_to_arrays, save_npz, load_npz, empty_model, expected_layout = (
     LAYOUT.leaves_for, LAYOUT.model_to_arrays, LAYOUT.save_npz, LAYOUT.load_npz, LAYOUT.empty_model,
     LAYOUT.expected_layout,

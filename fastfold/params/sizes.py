@@ -1,7 +1,7 @@
 """A model's sizes from the shapes of AlphaFold-named arrays (a file's headers are enough, no data is read).
 
 The readers of what AlphaFold2 and AlphaFold-Multimer files name alike; each model's `config_from_arrays`
-(`fastfold.params`, `fastfold.params_multimer`) adds what its files name differently. A missing key raises
+(`fastfold.params`, `fastfold.params.multimer`) adds what its files name differently. A missing key raises
 KeyError, which `config_from_arrays` turns into a ParamsError naming it (`reading`).
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import config as cfgs
-from .params_table import FOLD, PREFIX, SIDECHAIN, ParamsError, suffix
+from ..model import config as cfgs
+from .table import FOLD, PREFIX, SIDECHAIN, ParamsError, suffix
 
 __all__ = [
     "count",

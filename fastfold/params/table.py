@@ -3,9 +3,9 @@
 A table is a list of rows, one per module: AlphaFold's haiku path (under `PREFIX`), our module path, the layout
 kind, and the stack the module repeats in (the Evoformer, extra-MSA and template pair stacks carry a leading
 block axis in AlphaFold's files and one module per block here; `{i}` in our path is the block). A row expands
-to leaves, one per parameter, each with the transform between the two layouts. `fastfold.params` holds the
-AlphaFold2 table, `fastfold.params_multimer` the AlphaFold-Multimer one; `fastfold.params_io` moves the arrays
-and `fastfold.params_sizes` reads a model's sizes from a file's names and shapes.
+to leaves, one per parameter, each with the transform between the two layouts. `fastfold.params.monomer` holds the
+AlphaFold2 table, `fastfold.params.multimer` the AlphaFold-Multimer one; `fastfold.params.arrays` moves the arrays
+and `fastfold.params.sizes` reads a model's sizes from a file's names and shapes.
 
 Layout kinds (AlphaFold -> ours):
 - `linear`: `weights [in, out]` -> `weight [out, in]`, `bias` as is; `T`: one transposed array; `id`: as is;
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..utils.errors import InputError
+from ...utils.errors import InputError
 
 __all__ = ["PREFIX", "Leaf", "ParamsError", "Row"]
 

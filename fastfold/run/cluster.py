@@ -1,13 +1,13 @@
 """Fold on a Ray cluster (`FoldConfig.ray_address`): features and model inference both scheduled across the nodes.
 
 - Features: each target's feature task (or, with `enable_workflow`, its searches and feature task:
-  `fastfold.workflow`) is a Ray task spread over the nodes (`SPREAD`).
+  `fastfold.run.workflow`) is a Ray task spread over the nodes (`SPREAD`).
 - Models: `FoldWorker` actors, one per GPU when the cluster has GPUs and the models may run on CUDA, else one per
   node (no CPU reserved, so feature tasks keep the node's CPUs); `FoldConfig.num_workers` > 0 asks for that many
   instead (CPU workers round-robin over the nodes). Each worker builds its models once.
 - A target whose features are ready goes to the least-loaded worker (one target at a time each), which predicts,
   relaxes and writes the outputs on its own node into `output_dir`: a folder every node and the driver see.
-  The fingerprints and resume are the run's (`fastfold.pipeline.fold_targets` decides what to do); a prediction
+  The fingerprints and resume are the run's (`fastfold.run.pipeline.fold_targets` decides what to do); a prediction
   cached in the folder by an interrupted run is reused by whichever worker gets the target.
 - A worker whose node is lost fails the target it held (the line names the node); the others go on without it.
 """
@@ -20,7 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..utils.errors import InputError
+from ...utils.errors import InputError
+from .config import FoldConfig, weights_remark
+from .ray_session import ray_cause, ray_session
+from .results import TargetResult, done_result, failed_result
+from .stages import FEATURE_INFO, Models, target_features
+from .target import outputs_job, predict_all
+from .workflow import largest_node_cpus, submit_target
 
 __all__ = ["FoldWorker", "fold_on_cluster", "start_workers"]
 
@@ -30,10 +36,8 @@ logger = logging.getLogger(__name__)
 class FoldWorker:
     """One model worker (a Ray actor): the run's models, built once, and one target at a time."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: FoldConfig) -> None:
         import ray
-
-        from .stages import Models
 
         self.cfg = cfg
         self.models = Models(cfg.models, cfg.num_recycle, None)
@@ -44,25 +48,22 @@ class FoldWorker:
 
     def fold(self, target: Any, features: tuple[dict[str, Any], float], target_fp: dict[str, Any]) -> tuple:
         """Predict, relax and write one target's outputs on this node; (files, timings, node id)."""
-        from .pipeline import _outputs_job, _predict_all, _remark
-        from .stages import FEATURE_INFO
-
         raw, seconds = features
         info = raw.pop(FEATURE_INFO, None)
         cfg = self.cfg
         timings = {"features": seconds}
-        predictions = _predict_all(target, raw, cfg, self.models, timings, target_fp)
+        predictions = predict_all(target, raw, cfg, self.models, timings, target_fp)
         folder = str(Path(cfg.output_dir) / target.name)
-        files, _ = _outputs_job(target, predictions, folder, cfg.relax, timings, _remark(cfg), info, target_fp,
+        files, _ = outputs_job(target, predictions, folder, cfg.relax, timings, weights_remark(cfg), info, target_fp,
                                 cfg.subtract_plddt, raw.get("msa"))
         return files, timings, self.node_id
 
 
-def _wants_gpu(cfg: Any) -> bool:
+def _wants_gpu(cfg: FoldConfig) -> bool:
     return any(s.device != "cpu" for s in cfg.models)
 
 
-def start_workers(ray, cfg: Any) -> list[Any]:
+def start_workers(ray, cfg: FoldConfig) -> list[Any]:
     """The model workers of the run (module docstring); `InputError` when the cluster cannot hold them."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -83,10 +84,7 @@ def start_workers(ray, cfg: Any) -> list[Any]:
         nodes[i % len(nodes)]["NodeID"], soft=False)).remote(cfg) for i in range(count)]
 
 
-def _submit_features(ray, todo: list, cfg: Any, with_templates: bool) -> dict[Any, Any]:
-    from .stages import target_features
-    from .workflow import largest_node_cpus, submit_target
-
+def _submit_features(ray, todo: list, cfg: FoldConfig, with_templates: bool) -> dict[Any, Any]:
     work_dir = {t.name: str(Path(cfg.output_dir) / t.name) for t in todo}
     if cfg.enable_workflow:
         cpus = largest_node_cpus(ray)
@@ -96,12 +94,10 @@ def _submit_features(ray, todo: list, cfg: Any, with_templates: bool) -> dict[An
     return {task.remote(t, cfg.alignment, work_dir[t.name], with_templates): t for t in todo}
 
 
-def fold_on_cluster(todo: list, cfg: Any, fingerprints: dict[str, dict], notes: dict[str, str],
-                    results: dict[str, Any], emit: Callable[[str, Any], None], with_templates: bool) -> None:
+def fold_on_cluster(todo: list, cfg: FoldConfig, fingerprints: dict[str, dict], notes: dict[str, str],
+                    results: dict[str, TargetResult], emit: Callable[[str, Any], None], with_templates: bool) -> None:
     """Features, predictions and outputs of the targets to do on the Ray cluster, into `results`."""
-    from .pipeline import _done, _failed, _ray_cause, _ray_session
-
-    with _ray_session(cfg) as ray:
+    with ray_session(cfg) as ray:
         workers = start_workers(ray, cfg)
         features = _submit_features(ray, todo, cfg, with_templates)
         ready: collections.deque = collections.deque()
@@ -115,7 +111,7 @@ def fold_on_cluster(todo: list, cfg: Any, fingerprints: dict[str, dict], notes: 
                 load[i] += 1
             if not load:  # every worker lost: the rest cannot be folded
                 for target, _ in ready:
-                    results[target.name] = _failed(target, RuntimeError("every model worker was lost"), emit)
+                    results[target.name] = failed_result(target, RuntimeError("every model worker was lost"), emit)
                 ready.clear()
             if not features and not running:
                 break
@@ -131,12 +127,12 @@ def fold_on_cluster(todo: list, cfg: Any, fingerprints: dict[str, dict], notes: 
             try:
                 files, timings, node = ray.get(ref)
                 emit("model", target)
-                results[target.name] = _done(target, folder, files, timings, notes.get(target.name, ""))
+                results[target.name] = done_result(target, folder, files, timings, notes.get(target.name, ""))
                 results[target.name].node = node
                 emit("outputs", target)
             except ray.exceptions.RayActorError as exc:
                 del load[i]
                 logger.error("model worker %d lost (%s); the run goes on with %d", i, exc, len(load))
-                results[target.name] = _failed(target, RuntimeError(f"its model worker was lost: {exc}"), emit)
+                results[target.name] = failed_result(target, RuntimeError(f"its model worker was lost: {exc}"), emit)
             except Exception as exc:  # noqa: BLE001 - one target's failure is reported, the others go on
-                results[target.name] = _failed(target, _ray_cause(exc), emit)
+                results[target.name] = failed_result(target, ray_cause(exc), emit)

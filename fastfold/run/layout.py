@@ -11,7 +11,7 @@ target `<tag>`:
 - `timings.json`, OpenFold's: `{"<tag>": {"inference": s, "relaxation": s}, ...}`, merged over targets.
 
 The files are hard links to (or, across file systems, copies of) the per-target folder's, which stay the
-record a rerun reads (`fastfold.resume`); a target that did not finish gets none.
+record a rerun reads (`fastfold.run.resume`); a target that did not finish gets none.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..utils.fileio import atomic_write
+from ...utils.fileio import atomic_write
 
 __all__ = ["model_folders", "write_openfold_layout"]
 

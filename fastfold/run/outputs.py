@@ -1,7 +1,7 @@
-"""One target's output files (the layout is `fastfold.pipeline`'s docstring): every model's PDB, mmCIF and
+"""One target's output files (the layout is `fastfold.run.pipeline`'s docstring): every model's PDB, mmCIF and
 confidence JSON, then for the best ranked model (AlphaFold's ranking) its structure, relaxed when asked, its
 confidence JSON and plots, `ranking.json`, `ranking_debug.json`, `features.json`, the MSA coverage plot and, written
-last, `timings.json` (the record `fastfold.resume` reads). pLDDT goes to the B-factor column (or 100 - pLDDT).
+last, `timings.json` (the record `fastfold.run.resume` reads). pLDDT goes to the B-factor column (or 100 - pLDDT).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..utils.fileio import atomic_write
-from .data.features import make_sequence_features
-from .data.targets import Target
-from .io.protein import Protein
+from ...utils.fileio import atomic_write
+from ..data.features import make_sequence_features
+from ..data.targets import Target
+from ..io.protein import Protein
 from .stages import ComplexTarget, GapTarget, Prediction
 
 __all__ = ["prediction_to_protein", "write_output_dict", "write_pae_json", "write_target_outputs"]
@@ -47,7 +47,7 @@ def _write_text(path: Path, text: str) -> None:
 def _write_structure(folder: Path, stem: str, protein: Protein, remark: str, pred: Prediction) -> list[str]:
     """PDB and ModelCIF; `pred.plddt` [N] goes to the ModelCIF QA metrics (the B-factors may hold 100 - pLDDT),
     with pTM and ipTM when the model gives them."""
-    from .io.protein import to_mmcif, to_pdb
+    from ..io.protein import to_mmcif, to_pdb
 
     scores = {k: v for k, v in (("pTM", pred.ptm), ("ipTM", pred.iptm)) if v is not None}
     method = "AlphaFold-Multimer" if pred.iptm is not None else "AlphaFold2 monomer"
@@ -68,7 +68,7 @@ def _write_confidence(folder: Path, name: str, pred: Prediction, mark: str = "",
                       chains: list[dict[str, Any]] | None = None) -> list[str]:
     """`<name>_confidence.json` (pLDDT, pTM, PAE; for a complex also ipTM, the ranking confidence, per-chain
     pLDDT and the chain-pair PAE) and, with `plots`, the pLDDT and PAE plots (chain boundaries drawn)."""
-    from .io.confidence import chain_confidences, confidence_dict, plot_pae, plot_plddt, write_confidence_json
+    from ..io.confidence import chain_confidences, confidence_dict, plot_pae, plot_plddt, write_confidence_json
 
     confidence = confidence_dict(pred.plddt, pred.ptm, pred.pae)
     if pred.iptm is not None:
@@ -94,7 +94,7 @@ def write_pae_json(path: Path, pred: Prediction) -> list[str]:
     "max_predicted_aligned_error": 31.75}]` (Å, two decimals), for a model with a PAE head; else nothing."""
     if pred.pae is None:
         return []
-    from .io.confidence import MAX_PAE
+    from ..io.confidence import MAX_PAE
 
     entry = {"predicted_aligned_error": np.round(pred.pae.astype(np.float64), 2).tolist(),
              "max_predicted_aligned_error": MAX_PAE}
@@ -187,7 +187,7 @@ def _relax_best(folder: Path, name: str, unrelaxed: Protein, best: Prediction, r
     summary (for `timings.json`) and the files written. Its seconds go to `timings["relax"]`."""
     import time
 
-    from . import relax
+    from .. import relax
 
     t0 = time.perf_counter()
     try:
@@ -237,7 +237,7 @@ def _write_inputs(folder: Path, name: str, features_info: dict[str, Any] | None,
         _write_text(folder / "features.json", json.dumps(features_info, indent=2))
         files.append("features.json")
     if msa is not None:
-        from .io.confidence import plot_msa_coverage
+        from ..io.confidence import plot_msa_coverage
 
         depth = f"{len(msa)} sequence{'s' if len(msa) != 1 else ''}"
         plot_msa_coverage(folder / f"{name}_coverage.png", msa, f"{name}: sequence coverage ({depth})")

@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .data import fingerprint as fp
-from .data.targets import AlignmentConfig, Target
+from ..data import fingerprint as fp
+from ..data.alignment_files import alignment_folder
+from ..data.targets import AlignmentConfig, Target
+from .config import FoldConfig
 from .stages import ComplexTarget, GapTarget, ModelSpec
-
-if TYPE_CHECKING:
-    from .pipeline import FoldConfig
 
 __all__ = ["forget_outputs", "is_complete", "model_fingerprint", "read_record", "target_fingerprint"]
 
@@ -56,11 +55,12 @@ def _alignment_entry(target: Target, a: AlignmentConfig) -> dict[str, Any]:
         mode = "precomputed, single sequence" if a.single_sequence else "precomputed"
         if isinstance(target, ComplexTarget):  # every chain's folder (uniprot_hits.sto included)
             folders = dict.fromkeys(c.name for c in target.complex.chains)
-            return {"mode": mode, "files": {n: fp.folder_digest(Path(a.precomputed_dir) / n) for n in folders}}
+            return {"mode": mode, "files": {n: fp.folder_digest(alignment_folder(a.precomputed_dir, n))
+                                            for n in folders}}
         if isinstance(target, GapTarget):  # every record's folder
-            return {"mode": mode, "files": {c.name: fp.folder_digest(Path(a.precomputed_dir) / c.name)
+            return {"mode": mode, "files": {c.name: fp.folder_digest(alignment_folder(a.precomputed_dir, c.name))
                                             for c in target.chains}}
-        return {"mode": mode, "files": fp.folder_digest(Path(a.precomputed_dir) / target.name)}
+        return {"mode": mode, "files": fp.folder_digest(alignment_folder(a.precomputed_dir, target.name))}
     if a.single_sequence or not a.runs_tools:
         return {"mode": "single_sequence"}
     dbs = {k: getattr(a, k) for k in ("uniref90_database_path", "mgnify_database_path", "bfd_database_path",

@@ -2,7 +2,7 @@
 keys (`recipes/configs/fold.yaml`) all come from `FoldSettings` (`utils.settings`: one merge rule, explicit
 flag > file > default; one-line errors naming the key and the file).
 
-`FoldSettings` is what the user types; `fastfold.pipeline.FoldConfig` (with its `ModelSpec`s, `AlignmentConfig` and
+`FoldSettings` is what the user types; `fastfold.run.pipeline.FoldConfig` (with its `ModelSpec`s, `AlignmentConfig` and
 `fastfold.relax.RelaxConfig`) is what the run needs: `suite fold` builds one from the other after checking the
 inputs the settings name (files, devices, the Ray cluster). The alignment section is `AlignmentConfig` itself; the
 model, relax and run sections are small CLI-facing ones, since their values differ in form from the owners' fields
@@ -20,8 +20,8 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal
 
-from ..utils.settings import checked, section
-from .data.targets import AlignmentConfig
+from ...utils.settings import checked, section
+from ..data.targets import AlignmentConfig
 
 __all__ = ["FLAGLESS", "AlignmentSettings", "FoldSettings", "ModelSettings", "RelaxSettings", "RunSettings"]
 
@@ -57,7 +57,7 @@ class ModelSettings:
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None:  # None needs no check, and the check's module imports torch
-            from .model.options import check_chunk_size
+            from ..model.options import check_chunk_size
 
             check_chunk_size(self.chunk_size)
 
@@ -115,7 +115,7 @@ class RelaxSettings:
 
     def config(self):
         """`fastfold.relax.RelaxConfig` of these settings (with relaxation off too: the recipe's writer takes both)."""
-        from .relax import RelaxConfig
+        from ..relax import RelaxConfig
 
         minutes = self.relax_max_minutes
         return RelaxConfig(platform=self.relax_platform, max_outer_iterations=self.relax_max_passes,

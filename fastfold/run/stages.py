@@ -3,7 +3,7 @@ model (`ModelSpec`, `load_model`, `Models`), the processed batch (`features_for_
 (`predict` -> `Prediction`), in this process or on every rank of a DAP runtime.
 
 Targets are `fastfold.data.targets.Target`s, or `ComplexTarget`s for AlphaFold-Multimer models
-(`read_complex_targets`). `fastfold.pipeline` schedules these stages over the targets of a run.
+(`read_complex_targets`). `fastfold.run.pipeline` schedules these stages over the targets of a run.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..utils.fileio import atomic_write
-from .data.features import FeatureConfig, process_features
-from .data.gap import GapTarget
-from .data.targets import AlignmentConfig, Target, target_raw_features
+from ...utils.fileio import atomic_write
+from ..data.features import FeatureConfig, process_features
+from ..data.gap import GapTarget
+from ..data.targets import AlignmentConfig, Target, target_raw_features
 
 __all__ = [
     "FEATURE_INFO",
@@ -70,7 +70,7 @@ class ModelSpec:
         if self.precision not in PRECISIONS:
             raise ValueError(f"ModelSpec.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.chunk_size is not None:  # None needs no check, and the check's module imports torch
-            from .model.options import check_chunk_size
+            from ..model.options import check_chunk_size
 
             check_chunk_size(self.chunk_size)
 
@@ -109,7 +109,7 @@ class ComplexTarget(Target):
 def read_complex_targets(fasta_path: str | Path) -> list[ComplexTarget]:
     """The complexes of a FASTA file or folder (`fastfold.data.multimer.read_complexes`: ColabFold's `A:B`
     records or OpenFold's one file per complex) as targets; bad input raises `InputError` (one line)."""
-    from .data.multimer import read_complexes
+    from ..data.multimer import read_complexes
 
     return [ComplexTarget.of(c) for c in read_complexes(fasta_path)]
 
@@ -184,15 +184,15 @@ FEATURE_INFO = "_feature_info"
 def target_features(target: Target, cfg: AlignmentConfig, work_dir: str,
                     with_templates: bool) -> tuple[dict[str, Any], float]:
     """One target's raw features (with their report under `FEATURE_INFO`) and the seconds they took: what one
-    Ray task runs (`fastfold.pipeline.feature_stream`). A complex's are `complex_raw_features`."""
+    Ray task runs (`fastfold.run.pipeline.feature_stream`). A complex's are `complex_raw_features`."""
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
     if isinstance(target, ComplexTarget):
-        from .data.multimer import complex_raw_features
+        from ..data.multimer import complex_raw_features
 
         raw = complex_raw_features(target.complex, cfg, work_dir, with_templates=with_templates, info=info)
     elif isinstance(target, GapTarget):  # several records of one file, a monomer model: AlphaFold-Gap
-        from .data.gap import gap_raw_features
+        from ..data.gap import gap_raw_features
 
         raw = gap_raw_features(target, cfg, work_dir, with_templates, info=info)
     else:
@@ -208,9 +208,9 @@ def load_model(spec: ModelSpec) -> tuple[Any, FeatureConfig]:
     """The model (eval mode, `spec.precision`, on `spec.device`) and the feature sizes its preset wants."""
     import torch
 
-    from .model import AlphaFold
-    from .model import config as model_config
-    from .params import from_params
+    from ..model import AlphaFold
+    from ..model import config as model_config
+    from ..params import from_params
 
     if spec.multimer:
         model = _multimer_model(spec)
@@ -240,8 +240,8 @@ def _multimer_model(spec: ModelSpec) -> Any:
     random weights (`multimer_tiny` when `spec.tiny`, else the preset's real widths); MSA sizes of the preset."""
     import torch
 
-    from .model.multimer import AlphaFoldMultimer, multimer_preset, multimer_tiny
-    from .params_multimer import load_model as load_multimer
+    from ..model.multimer import AlphaFoldMultimer, multimer_preset, multimer_tiny
+    from ..params.multimer import load_model as load_multimer
 
     if spec.param_path is not None:
         return load_multimer(spec.param_path, preset=spec.model_name)
@@ -254,7 +254,7 @@ def features_for_model(raw: dict[str, np.ndarray], feature_config: FeatureConfig
     """The processed batch for one model (see `fastfold.data.features`); a complex's raw features (with
     `asym_id`) get AlphaFold-Multimer's processing (`fastfold.data.multimer.process_multimer_features`)."""
     if "asym_id" in raw:
-        from .data.multimer import process_multimer_features
+        from ..data.multimer import process_multimer_features
 
         return process_multimer_features(raw, feature_config, seed=seed)
     return process_features(raw, feature_config, seed=seed)
@@ -263,7 +263,7 @@ def features_for_model(raw: dict[str, np.ndarray], feature_config: FeatureConfig
 def _inference_options(spec: ModelSpec, device: Any = None) -> Any:
     """The model's options; `chunk_size="auto"` fits the memory budget of `device` (where the model's
     parameters are: `InferenceOptions.for_device`, a share of the free CUDA memory, or the CPU budget)."""
-    from .model import InferenceOptions
+    from ..model import InferenceOptions
 
     residual = "in_place" if spec.inplace else "out_of_place"
     if spec.chunk_size == "auto":
@@ -298,7 +298,7 @@ def predict(model: Any, batch: dict[str, np.ndarray], spec: ModelSpec) -> Predic
     """Run `model` on one processed batch (no gradients) and collect the outputs."""
     import torch
 
-    from .data.features import to_torch
+    from ..data.features import to_torch
 
     param = next(model.parameters())
     # bf16 models get float32 features (coordinates and masks keep their precision; the model casts)
@@ -328,7 +328,7 @@ def _dap_model(runtime: Any, spec: ModelSpec, _source: Any = None) -> tuple[Any,
 
 def _dap_predict(runtime: Any, spec: ModelSpec, batch: dict[str, np.ndarray] | None) -> Prediction | None:
     """On every rank of a DAP runtime: `predict` with `spec`'s model on rank 0's `batch` (broadcast)."""
-    from .data.features import to_torch
+    from ..data.features import to_torch
 
     model, _ = _hold(runtime, spec)
     tensors = runtime.broadcast(None if batch is None else to_torch(batch))

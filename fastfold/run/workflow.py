@@ -5,7 +5,7 @@ Per target (and per distinct chain of a complex, each in its own `msas/` folder)
 `fastfold.data.searches.search_jobs` (jackhmmer on UniRef90 and MGnify, HHblits on BFD + UniRef30, jackhmmer on
 UniProt for a complex) start together, each with its share of `AlignmentConfig.cpus` as threads and as the Ray
 CPUs it reserves (`tool_cpus`: the CPUs divided among the concurrent tools, at least one each); HHsearch on PDB70
-starts when the UniRef90 result it reads exists. The feature task (`fastfold.stages.target_features`, the one the
+starts when the UniRef90 result it reads exists. The feature task (`fastfold.run.stages.target_features`, the one the
 per-target path runs) finds every result in place, so it reads them exactly as the serial path does and the raw
 features are the same arrays. A result already in the folder is not searched again (the serial path's rule). All
 targets' tasks are submitted at once, so the searches of many targets interleave on the cluster's CPUs.
@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .data.searches import SearchJob, search_jobs, tool_cpus
-from .data.targets import AlignmentConfig, Target
+from ..data.searches import SearchJob, search_jobs, tool_cpus
+from ..data.targets import AlignmentConfig, Target
+from .ray_session import ray_cause
 from .stages import ComplexTarget, target_features
 
 __all__ = ["largest_node_cpus", "search_folders", "submit_target", "workflow_stream"]
@@ -104,4 +105,4 @@ def workflow_stream(ray, targets: list[Target], cfg: AlignmentConfig, work_dirs:
             raw, seconds = ray.get(ref)
             yield target, raw, seconds
         except Exception as exc:  # noqa: BLE001 - one target's failure is reported, the others go on
-            yield target, getattr(exc, "cause", None) or exc, 0.0
+            yield target, ray_cause(exc), 0.0

@@ -39,7 +39,7 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
         help="FastFold: = --save_outputs (a false value: off)")
     add("--output_layout", choices=["suite", "openfold"], default="suite",
         help="openfold: also OpenFold's <output_dir>/predictions/<tag>_<model>_unrelaxed.pdb, _relaxed.pdb, "
-             "_output_dict.npz, timings.json (fastfold.layout)")
+             "_output_dict.npz, timings.json (fastfold.run.layout)")
     add("--output_postfix", default=None, help="OpenFold: refused (fixed names in one folder per target)")
     add("--long_sequence_inference", action="store_true", help="OpenFold: = --chunk_size auto")
     add("--uniclust30_database_path", default=None, help="OpenFold: = --uniref30_database_path (its old name)")
@@ -116,7 +116,7 @@ def _same_or_usage(args: argparse.Namespace, dest: str, value, flag: str, defaul
 def apply_compat(args: argparse.Namespace) -> None:
     """Translate OpenFold/FastFold flags into suite fold's settings on `args` (a setting not there yet gets its
     default), or refuse one with the reason (exit 2)."""
-    from ...fastfold.settings import FoldSettings
+    from ...fastfold.run.settings import FoldSettings
     from ...utils.settings import settings
 
     for name, s in settings(FoldSettings).items():

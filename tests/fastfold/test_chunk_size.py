@@ -9,8 +9,8 @@ import pytest
 
 from lowmem.fastfold.model import InferenceOptions
 from lowmem.fastfold.model.options import check_chunk_size
-from lowmem.fastfold.pipeline import ModelSpec
-from lowmem.fastfold.settings import ModelSettings
+from lowmem.fastfold.run import ModelSpec
+from lowmem.fastfold.run.settings import ModelSettings
 from lowmem.suite.cli import build_parser, main
 from lowmem.suite.commands.fold import fold_settings
 from lowmem.utils.errors import InputError

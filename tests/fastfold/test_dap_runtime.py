@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from lowmem.core_parallel import RankError
-from lowmem.fastfold import pipeline, stages
 from lowmem.fastfold.dap import DAPRuntime
+from lowmem.fastfold.run import stages
+from lowmem.fastfold.run.stages import Prediction
 from lowmem.suite.cli import main
 
 TIMEOUT_S = 60.0
@@ -70,7 +71,7 @@ def test_failing_rank_stops_the_runtime(how):
 def _fold_dir(out: Path, target: str) -> dict[str, np.ndarray]:
     folder = out / target
     conf = json.loads((folder / f"{target}_confidence.json").read_text())
-    preds = {p.name: pipeline.Prediction.load(p) for p in sorted(folder.glob("*_prediction.npz"))}
+    preds = {p.name: Prediction.load(p) for p in sorted(folder.glob("*_prediction.npz"))}
     return {"confidence": conf, "predictions": preds, "ranking": json.loads((folder / "ranking.json").read_text())}
 
 

@@ -138,7 +138,7 @@ def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys
 
     from lowmem.fastfold.model import AlphaFold, config
     from lowmem.fastfold.params import save_params
-    from lowmem.fastfold.pipeline import Prediction
+    from lowmem.fastfold.run import Prediction
 
     torch.manual_seed(3)
     save_params(AlphaFold(config.tiny()), tmp_path / "params_model_1_ptm.npz")
@@ -156,7 +156,7 @@ def test_param_path_loads_the_file_and_drops_the_random_warning(tmp_path, capsys
 def test_a_failing_target_gives_exit_code_1_and_the_others_finish(tmp_path, capsys, monkeypatch):
     # a bad alignment file is refused before any work (exit 2, tests/fastfold/test_fold_corners.py): this target
     # fails while its features are made, as a tool or template read can
-    from lowmem.fastfold import stages
+    from lowmem.fastfold.run import stages
 
     real = stages.target_raw_features
 
@@ -231,8 +231,8 @@ def test_obsolete_pdbs_path_is_read_up_front_and_reaches_the_templates(tmp_path,
     """Issue 21: --obsolete_pdbs_path is OpenFold's/AlphaFold's obsolete.dat; a bad file is one line, exit 2, before
     any work; a good one is kept and is part of the target's fingerprint (a changed file redoes the target)."""
     from lowmem.fastfold.data.targets import AlignmentConfig, Target
-    from lowmem.fastfold.pipeline import FoldConfig, ModelSpec, target_fingerprint
-    from lowmem.suite.commands.fold import _obsolete_pdbs
+    from lowmem.fastfold.run import FoldConfig, ModelSpec, target_fingerprint
+    from lowmem.fastfold.run.preflight import check_sources
 
     fasta = _fasta(tmp_path, ">pep\nMK\n")
     bad = tmp_path / "obsolete.dat"
@@ -245,7 +245,7 @@ def test_obsolete_pdbs_path_is_read_up_front_and_reaches_the_templates(tmp_path,
                        str(tmp_path / "missing.dat")]) == 2
     good = tmp_path / "good.dat"
     good.write_text("OBSLTE    31-JUL-94 116L     216L\n")
-    assert _obsolete_pdbs(str(good)) == str(good)
+    check_sources(AlignmentConfig(single_sequence=True, obsolete_pdbs_path=str(good)))  # read in full, no error
 
     def fingerprint(path):
         a = AlignmentConfig(single_sequence=True, template_mmcif_dir=str(tmp_path), obsolete_pdbs_path=path)

@@ -99,7 +99,7 @@ def test_unwritable_output_folder_is_exit_2_before_the_model(two_targets, capsys
     out = tmp / "locked"
     out.mkdir()
     if os.geteuid() == 0:  # root writes anywhere: the probe meets the error a user would get
-        import lowmem.fastfold.preflight as preflight
+        import lowmem.fastfold.run.preflight as preflight
 
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
@@ -224,9 +224,9 @@ def test_histidine_rich_tiny_model_prediction_gets_its_hydrogens(tmp_path):
 
     from lowmem.fastfold.data.targets import read_targets, target_raw_features
     from lowmem.fastfold.io.protein import to_pdb
-    from lowmem.fastfold.outputs import prediction_to_protein
     from lowmem.fastfold.relax.amber import _clean
-    from lowmem.fastfold.stages import ModelSpec, features_for_model, load_model, predict
+    from lowmem.fastfold.run.outputs import prediction_to_protein
+    from lowmem.fastfold.run.stages import ModelSpec, features_for_model, load_model, predict
 
     target = read_targets(Path(__file__).parents[1] / "assets" / "fold" / "query.fasta")[0]
     spec = ModelSpec(tiny=True, device="cpu")

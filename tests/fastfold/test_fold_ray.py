@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowmem.fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, Prediction, Target, fold_targets
+from lowmem.fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Prediction, Target, fold_targets
 
 ray = pytest.importorskip("ray")
 
@@ -67,7 +67,7 @@ def test_targets_spread_over_two_raylets_equal_a_local_run(cluster, tmp_path):
 
 
 def test_cpu_workers_round_robin_over_the_nodes(cluster, tmp_path):
-    from lowmem.fastfold.ray_fold import start_workers
+    from lowmem.fastfold.run.cluster import start_workers
 
     workers = start_workers(ray, _config(tmp_path, ray_address=cluster.address, num_workers=3))
     nodes = [ray.get(w.node.remote(), timeout=60) for w in workers]
@@ -89,7 +89,7 @@ class _GpuCluster:
 
 
 def test_more_model_workers_than_gpus_is_one_line_before_any_starts(tmp_path):
-    from lowmem.fastfold.ray_fold import start_workers
+    from lowmem.fastfold.run.cluster import start_workers
     from lowmem.utils.errors import InputError
 
     cfg = FoldConfig(output_dir=str(tmp_path), models=[ModelSpec(model_name="model_1_ptm", tiny=True)],

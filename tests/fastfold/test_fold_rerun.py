@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lowmem.fastfold.io.protein import from_pdb
-from lowmem.fastfold.pipeline import (
+from lowmem.fastfold.run import (
     AlignmentConfig,
     ModelSpec,
     Prediction,
@@ -89,7 +89,7 @@ def test_a_changed_alignment_file_redoes_the_target(tmp_path):
 def test_an_interrupted_redo_leaves_no_old_outputs_that_look_current(tmp_path, monkeypatch):
     out = tmp_path / "out"
     fold_targets([Target("pep", "MKTAYIAKQR")], _config(out))
-    import lowmem.fastfold.stages as stages
+    import lowmem.fastfold.run.stages as stages
 
     def boom(*a, **k):
         raise RuntimeError("killed")

@@ -1,4 +1,4 @@
-"""`suite fold`'s settings come from one typed config (`fastfold.settings.FoldSettings`, issue 20 "one typed config
+"""`suite fold`'s settings come from one typed config (`fastfold.run.settings.FoldSettings`, issue 20 "one typed config
 path"): every setting has a flag and a YAML key and round-trips through both; one merge rule (explicit flag > file >
 default, an explicit value equal to the default included); a bad key or value is one line naming the file and the
 key, exit 2; the Lightning recipe reads the same file into the same settings."""
@@ -13,7 +13,7 @@ import typing
 import pytest
 import yaml
 
-from lowmem.fastfold.settings import FLAGLESS, FoldSettings
+from lowmem.fastfold.run.settings import FLAGLESS, FoldSettings
 from lowmem.suite.cli import build_parser, main
 from lowmem.suite.commands.fold import fold_settings
 from lowmem.utils.errors import InputError

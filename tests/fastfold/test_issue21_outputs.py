@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lowmem.fastfold.pipeline import (
+from lowmem.fastfold.run import (
     AlignmentConfig,
     ModelSpec,
     Target,

@@ -110,7 +110,7 @@ def test_confidence_json_per_chain_and_interface(finished):
 def test_ranking_is_08_iptm_plus_02_ptm(tmp_path):
     """A model with the higher pTM but the lower ranking confidence ranks second; the best is written under the
     target's name (its REMARK names it)."""
-    from lowmem.fastfold.pipeline import Prediction, read_complex_targets, write_target_outputs
+    from lowmem.fastfold.run import Prediction, read_complex_targets, write_target_outputs
 
     fasta = tmp_path / "c.fasta"
     fasta.write_text(f">c\n{HETERO[0]}:{HETERO[1]}\n")
@@ -235,8 +235,8 @@ def test_auto_chunk_size_uses_the_models_device_budget(monkeypatch):
     """Issue 18: `suite fold --chunk_size auto` gets `InferenceOptions.for_device` of where the model runs."""
     import torch
 
-    from lowmem.fastfold import stages
     from lowmem.fastfold.model import options as opts
+    from lowmem.fastfold.run import stages
 
     spec = stages.ModelSpec(chunk_size="auto", device="cpu")
     assert stages._inference_options(spec, torch.device("cpu")).memory_budget_bytes == opts.CPU_BUDGET_BYTES

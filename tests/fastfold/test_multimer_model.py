@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from lowmem.fastfold import params_multimer as PM
 from lowmem.fastfold.model.config import EvoformerStackConfig, HeadsConfig, StructureModuleConfig, TemplateConfig
 from lowmem.fastfold.model.multimer import (
     AlphaFoldMultimer,
@@ -23,6 +22,7 @@ from lowmem.fastfold.model.multimer import (
     multimer_tiny,
 )
 from lowmem.fastfold.params import ParamsError
+from lowmem.fastfold.params import multimer as PM
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "multimer_model"
 

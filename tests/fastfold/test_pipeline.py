@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lowmem.fastfold.io.protein import from_pdb
-from lowmem.fastfold.pipeline import (
+from lowmem.fastfold.run import (
     AlignmentConfig,
     FoldConfig,
     ModelSpec,

@@ -248,11 +248,11 @@ def test_vectorised_checks_equal_the_per_residue_loops():
 
 
 def test_relax_line_for_the_summary_table():
-    from lowmem.fastfold.pipeline import _relax_line
+    from lowmem.fastfold.run.results import relax_line
 
-    assert _relax_line({"relax": {"seconds": 12.34, "outer_iterations": 2}}) == "relax 12.3 s, 2 passes"
-    assert _relax_line({"relax": {"seconds": 1.0, "outer_iterations": 1}}) == "relax 1.0 s, 1 pass"
-    assert _relax_line({"relax": None}) == ""
+    assert relax_line({"relax": {"seconds": 12.34, "outer_iterations": 2}}) == "relax 12.3 s, 2 passes"
+    assert relax_line({"relax": {"seconds": 1.0, "outer_iterations": 1}}) == "relax 1.0 s, 1 pass"
+    assert relax_line({"relax": None}) == ""
 
 
 def test_a_pass_that_changes_nothing_ends_the_loop(monkeypatch):

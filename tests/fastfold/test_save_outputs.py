@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lowmem.fastfold.data.targets import AlignmentConfig, Target, target_raw_features
-from lowmem.fastfold.stages import ModelSpec, Prediction, features_for_model, load_model, predict
+from lowmem.fastfold.run.stages import ModelSpec, Prediction, features_for_model, load_model, predict
 from lowmem.suite.cli import main
 
 SEQUENCE = "MKTAYIAKQR"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from lowmem.fastfold.data.searches import search_jobs, tool_cpus
-from lowmem.fastfold.pipeline import AlignmentConfig, FoldConfig, ModelSpec, Target, feature_stream
-from lowmem.fastfold.stages import FEATURE_INFO
+from lowmem.fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, feature_stream
+from lowmem.fastfold.run.stages import FEATURE_INFO
 from lowmem.suite.bench import fold_dbs
 
 
@@ -101,13 +101,13 @@ def test_a_failing_search_fails_its_target_with_the_tools_message(databases, ray
 
 
 def test_enable_workflow_flag_runs_the_workflow(databases, ray_local, tmp_path, monkeypatch):
-    from lowmem.fastfold import workflow
+    from lowmem.fastfold.run import pipeline
     from lowmem.suite.cli import main
 
     targets, dbs, _ = databases
     calls = []
-    real = workflow.workflow_stream
-    monkeypatch.setattr(workflow, "workflow_stream", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = pipeline.workflow_stream
+    monkeypatch.setattr(pipeline, "workflow_stream", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     fasta = tmp_path / "one.fasta"
     fasta.write_text(f">{targets[0].name}\n{targets[0].sequence}\n")
     out = tmp_path / "out"

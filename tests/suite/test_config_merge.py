@@ -15,7 +15,7 @@ def _parse(argv):
 def test_the_namespace_holds_the_given_settings_only():
     """What `utils.settings.merge` counts as given: the flags typed (a setting's flag has no default in the
     namespace) and the positionals given (None when left out)."""
-    from lowmem.fastfold.settings import FoldSettings
+    from lowmem.fastfold.run.settings import FoldSettings
     from lowmem.utils.settings import merge
 
     args = _parse(["fold", "x.fasta", "--seed", "0", "--no-relax"])
