@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 
 from ..errors import UsageError
-from .harness import int_list, pin_to_core, publish, time_fn
+from .harness import int_list, pin_to_core, publish, time_fn, torch_device
 from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "dap_group", "fit_longest", "run", "search_longest"]
@@ -112,7 +112,7 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     from ...fastfold.model import InferenceOptions, config
     from ...fastfold.model.evoformer import EvoformerStack
 
-    device = torch.device("cuda", rank) if opts["device"] == "cuda" else torch.device("cpu")
+    device = torch_device(opts["device"], rank)
     core = pin_to_core(rank, world) if device.type == "cpu" and opts["affinity"] == "pin" else None
     dtype = getattr(torch, opts["dtype"])
     cfg = dataclasses.replace(config.preset("model_1").evoformer, num_blocks=opts["blocks"])

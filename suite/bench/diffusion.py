@@ -49,10 +49,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import UsageError
 from .diffusion_whole import add_shape_arguments, add_whole_arguments, encoder_models, unet_model
-from .harness import ddp_options, fast_optimizer, optimizer_impl, publish, time_fn
+from .harness import ddp_options, fast_optimizer, optimizer_impl, publish, time_fn, torch_device
 from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that size the models and the run."""
@@ -181,16 +182,6 @@ def _make_step(parts, opts: dict, rank: int, device):
 # ---- measurement -------------------------------------------------------------------------------------------
 
 
-def _device(rank: int, opts: dict):
-    import torch
-
-    if opts["device"] == "cpu":
-        return torch.device("cpu")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[float]:
     """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes: all
     meet at `turns` (a barrier), one variant steps while the other waits at the next meeting, then the other
@@ -222,7 +213,7 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()  # the "modules that should be kept in float32" note on .to(bf16)
-    device = _device(rank, opts)
+    device = torch_device(opts["device"], rank)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else None
     small = {**opts, "channels": "32,64", "layers_per_block": 1, "resolution": 32, "batch": 1,

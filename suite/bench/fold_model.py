@@ -36,7 +36,7 @@ import sys
 import time
 
 from ..errors import UsageError
-from .harness import SUITE, Side, int_list, pin_to_core, publish, run_side, safe_env, time_fn
+from .harness import SUITE, Side, int_list, pin_to_core, publish, run_side, safe_env, time_fn, torch_device
 from .memory import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -124,9 +124,7 @@ def _child(args: argparse.Namespace) -> int:
 
     fix_malloc(2**20)
     n_res, variant = args._child.split(":")
-    device = torch.device(
-        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
-    )
+    device = torch_device(args.device)
     dtype = getattr(torch, args.dtype)
     options = _options(variant, args)
     sync = torch.cuda.synchronize if device.type == "cuda" else None

@@ -42,7 +42,7 @@ import time
 import types
 
 from ..errors import UsageError
-from .harness import Side, publish, run_side, safe_env, write_json
+from .harness import Side, publish, run_side, safe_env, torch_device, write_json
 from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
@@ -147,14 +147,6 @@ def _read_through(paths) -> None:
 # ---- the children -----------------------------------------------------------------------------------------
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
     import torch
 
@@ -187,7 +179,7 @@ def _child_ours(opts: argparse.Namespace) -> int:
     from ...fastfold.model import InferenceOptions
     from ...fastfold.params import from_params
 
-    device = _device(opts.device)
+    device = torch_device(opts.device)
     model = from_params(opts.params, _tiny_config() if opts.tiny else opts.preset).eval().to(device)
     batch = {k: v.to(device) for k, v in torch.load(opts.features, weights_only=True).items()}
     t_ready = time.perf_counter()
@@ -228,7 +220,7 @@ def _child_openfold(opts: argparse.Namespace) -> int:
 
     torch.set_num_threads(opts.threads)
     softmax, of = _openfold_imports(opts.path)
-    device = _device(opts.device)
+    device = torch_device(opts.device)
     c = of["model_config"](opts.preset)
     c.globals.chunk_size = opts.chunk_size
     c.model.template.template_pair_stack.tune_chunk_size = False

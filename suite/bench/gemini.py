@@ -24,7 +24,7 @@ import gc
 import tempfile
 
 from ..errors import UsageError
-from .harness import count, ddp_options, fast_optimizer, names, optimizer_impl, publish, ratio, step_times
+from .harness import count, ddp_options, fast_optimizer, names, optimizer_impl, publish, ratio, step_times, torch_device
 from .memory import SideMeter, fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
@@ -107,9 +107,7 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
 
     fix_malloc(128 * 1024, trim_threshold=128 * 1024)
     torch.manual_seed(0)
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = torch_device("auto", rank)
     # One step of a one-layer model on the same code path first: lazy imports (torch.optim pulls in dynamo,
     # FSDP2 its DTensor stack), gloo buffers and thread pools are then in the baseline, not in `peak`.
     warm, _, _ = train_setup(strategy, device, width * width, width, batch, world, extra)

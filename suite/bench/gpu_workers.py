@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .harness import count, fast_optimizer, step_times
+from .harness import count, fast_optimizer, step_times, torch_device
 from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
@@ -62,12 +62,6 @@ _SD_SMOKE = {**SD15_UNET, "sample_size": 8, "down_block_types": ["CrossAttnDownB
 
 def emit(row: dict) -> None:
     print(json.dumps(row, default=str), flush=True)
-
-
-def _device(name: str):
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 def emulate_card(gib: float | None, device) -> str:
@@ -166,7 +160,7 @@ def kernel_parity(device_name: str, dtype_name: str) -> Iterator[dict]:
 
     from ... import kernels
 
-    device, dtype = _device(device_name), getattr(torch, dtype_name)
+    device, dtype = torch_device(device_name), getattr(torch, dtype_name)
     backend = "triton" if device.type == "cuda" else "auto"
     handler = _Fallbacks()
     logging.getLogger(kernels.__name__).addHandler(handler)
@@ -229,7 +223,7 @@ def gemini_parity(device_name: str) -> list[dict]:
     compute (against torch under bf16 autocast with fp32 weights) within 2e-2, relative to 1 + |loss|."""
     from ... import core_parallel
 
-    device = _device(device_name)
+    device = torch_device(device_name)
     tier = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
     cases = [("fp32, chunks on the device", {}, False, 1e-5), ("fp32, master + Adam state in the CPU tier", tier,
              False, 1e-5), ("bf16 compute, chunks on the device", {"precision": "bf16"}, True, 2e-2)]
@@ -393,7 +387,7 @@ def _sd(spec: dict) -> None:
     from diffusers import UNet2DConditionModel  # noqa: F401  (imported before any setup_s is timed)
     from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: F401
 
-    device = _device(spec["device"])
+    device = torch_device(spec["device"])
     note = emulate_card(spec.get("cap_gib"), device)
     if note:
         emit({"note": note})
@@ -411,7 +405,7 @@ def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
 
     from .gemini import train_setup
 
-    device = _device(spec["device"])
+    device = torch_device(spec["device"])
     cuda = device.type == "cuda"
     if record and cuda:
         torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=spec["max_entries"])
@@ -452,7 +446,7 @@ def _gemini_snapshot(spec: dict) -> None:
 
 
 def _gemini_tier(spec: dict) -> None:
-    device = _device(spec["device"])
+    device = torch_device(spec["device"])
     note = emulate_card(spec.get("cap_gib"), device)
     extra = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
     row = _gemini_run(spec, extra)
@@ -467,7 +461,7 @@ def _gemini_tier(spec: dict) -> None:
 def _suite(spec: dict) -> int:
     from ..cli import main as suite_main
 
-    device = _device(spec["device"])
+    device = torch_device(spec["device"])
     note = emulate_card(spec.get("cap_gib"), device)
     if note:
         print(f"gpu_workers: {note}", file=sys.stderr, flush=True)

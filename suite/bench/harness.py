@@ -142,6 +142,20 @@ def ddp_options() -> dict[str, Any]:
     return {"gradient_as_bucket_view": True}
 
 
+def torch_device(name: str = "auto", rank: int | None = None):
+    """The torch device `name` names ("auto": CUDA where there is one); on CUDA `rank`'s card (modulo the cards),
+    made current, or without a rank the current card."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    device = torch.device("cuda", torch.cuda.current_device() if rank is None else rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def pin_to_core(rank: int, world: int) -> int | None:
     """Pin this process to its own core (the rank-th allowed one) when every rank can have one; which core."""
     cores = sorted(os.sched_getaffinity(0))

@@ -20,7 +20,17 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from .harness import add_ratios, count, ddp_options, fast_optimizer, names, optimizer_impl, publish, step_times
+from .harness import (
+    add_ratios,
+    count,
+    ddp_options,
+    fast_optimizer,
+    names,
+    optimizer_impl,
+    publish,
+    step_times,
+    torch_device,
+)
 from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -103,10 +113,8 @@ def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: i
     # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
     # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
     fix_malloc(1 << 20)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = torch_device("auto", rank)
+    cuda = device.type == "cuda"
     # A tiny run first, so one-off runtime allocations (thread pools, comm buffers) are not counted.
     _steps(variant, _build(8, 1, device), 8, 1, bucket_mb, batch, cuda)
     base = torch.cuda.memory_allocated() if cuda else rss_bytes()
