@@ -32,17 +32,7 @@ def card(ctx: StageContext, cap: float | None) -> str:
 
 
 def _sd_rows(ctx: StageContext, child, cap: float | None = None) -> list[dict]:
-    rows = []
-    for row in child.json_lines() if child else []:
-        if "note" in row:
-            ctx.rec.note(f"sd ({card(ctx, cap)}): {row['note']}")
-            continue
-        row = {"card": card(ctx, cap), **row, "cap_gib": cap}
-        ctx.rec.add("sd", row)
-        rows.append(row)
-    if child is not None and child.returncode != 0:
-        ctx.rec.note(f"sd ({card(ctx, cap)}): {child.outcome()}")
-    return rows
+    return ctx.rec.take("sd", child, f"sd ({card(ctx, cap)})", {"card": card(ctx, cap)}, cap_gib=cap)
 
 
 def _largest(rows: list[dict], variant: str, cap: float | None) -> int | None:
@@ -177,10 +167,7 @@ def _snapshot_job(ctx: StageContext, results: dict[str, dict], size: dict) -> tu
 
 
 def _snapshot_rows(ctx: StageContext, child) -> None:
-    for row in child.json_lines() if child else []:
-        ctx.rec.add("gemini_detail", row)
-    if child is not None and child.returncode != 0:
-        ctx.rec.note(f"gemini snapshot: {child.outcome()}")
+    ctx.rec.take("gemini_detail", child, "gemini snapshot")
 
 
 def _tier_job(ctx: StageContext, size: dict) -> tuple[str, dict, float]:
@@ -192,11 +179,7 @@ def _tier_job(ctx: StageContext, size: dict) -> tuple[str, dict, float]:
 
 
 def _tier_rows(ctx: StageContext, child) -> None:
-    rows = child.json_lines() if child else []
-    for row in rows:
-        ctx.rec.add("gemini_tier", row)
-    if child is not None and child.returncode != 0:
-        ctx.rec.note(f"gemini CPU tier: {child.outcome()}")
+    rows = ctx.rec.take("gemini_tier", child, "gemini CPU tier")
     ok = bool(rows) and child.returncode == 0
     measured = (f"{rows[0]['states_gib']:.1f} GiB of states, {rows[0]['samples_per_s']:.1f} samples/s, step "
                 f"{rows[0]['step_s']:.2f} s" if rows else "not measured")

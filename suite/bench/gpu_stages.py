@@ -51,6 +51,20 @@ class Recorder:
         print(f"[gpu] {text}", flush=True)
         self.flush()
 
+    def take(self, key: str, child: SideRun | None, what: str, head: dict | None = None, **extra: Any) -> list[dict]:
+        """Every JSON row `child` printed into table `key`, between `head` and `extra` (a row holding only a note
+        becomes a note); a child that failed leaves a note naming `what`. The rows taken."""
+        rows = []
+        for row in child.json_lines() if child else []:
+            if set(row) == {"note"}:
+                self.note(f"{what}: {row['note']}")
+                continue
+            rows.append({**(head or {}), **row, **extra})
+            self.add(key, rows[-1])
+        if child is not None and child.returncode != 0:
+            self.note(f"{what}: {child.outcome()}")
+        return rows
+
     def target(self, name: str, measured: str, met: bool | None) -> None:
         self.data["targets"].append({"target": name, "measured": measured, "met": met})
         self.flush()
@@ -196,11 +210,7 @@ def checks(ctx: StageContext) -> None:
     rec.table("parity", f"parity on {ctx.device}: kernels vs float64 (worst error / bound, <= 1 passes), Gemini vs "
                         "torch AdamW")
     child = ctx.run(ctx.worker("parity"), want=60, reserve=30 if ctx.device == "cuda" else 8)
-    rows = child.json_lines() if child else []
-    for row in rows:
-        rec.add("parity", row)
-    if child is not None and child.returncode != 0:
-        rec.note(f"parity job: {child.outcome()}")
+    rows = rec.take("parity", child, "parity job")
     bad = [f"{r['check']} ({r.get('dtype', '?')})" for r in rows if not r.get("ok")]
     compiled = all("compiled" in r.get("path", "") for r in rows if r["check"].startswith("kernels"))
     cuda, ran = ctx.device == "cuda", bool(rows) and child is not None and child.returncode == 0
