@@ -463,7 +463,8 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     """A bar chart of the rows' ratio columns (`*ratio*`, `*_vs_*`; every numeric column where there are none),
-    one group per row labelled by its first column, to `path` (PNG, SVG, PDF by its suffix)."""
+    one group per row labelled by its first column (and its second where the first repeats), to `path` (PNG, SVG,
+    PDF by its suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,14 +473,16 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     numeric = [c for c in _present(rows, None) if any(isinstance(r.get(c), (int, float)) and not isinstance(
         r.get(c), bool) for r in rows)]
     ys = [c for c in numeric if "ratio" in c or "_vs_" in c] or numeric
-    label = _present(rows, None)[0] if rows else ""
+    keys = _present(rows, None)
+    labels = [str(r.get(keys[0], "")) for r in rows]
+    if len(set(labels)) < len(labels) and len(keys) > 1:  # the first column does not tell the rows apart
+        labels = [f"{a} {_cell(r.get(keys[1], ''))}" for a, r in zip(labels, rows)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) * max(1, len(ys))), 4))
     width = 0.8 / max(1, len(ys))
     for i, col in enumerate(ys):
         values = [r.get(col) if isinstance(r.get(col), (int, float)) else 0.0 for r in rows]
         ax.bar([k + i * width for k in range(len(rows))], values, width, label=col)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], [str(r.get(label, "")) for r in rows],
-                  rotation=20, ha="right", fontsize=8)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], labels, rotation=20, ha="right", fontsize=8)
     if any("ratio" in c or "_vs_" in c for c in ys):
         ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_title(title[:120], fontsize=9)
