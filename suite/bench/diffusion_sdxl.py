@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 from ..errors import UsageError
-from .harness import Side, csv_metric, drop_cached, publish, ratio, run_side
+from .harness import Side, csv_metric, drop_cached, emit, publish, ratio, run_side
 from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -285,8 +285,8 @@ def check_pipeline(out: str) -> None:
 
     pipe = StableDiffusionXLPipeline.from_pretrained(out)
     params = list(pipe.unet.parameters())
-    print(json.dumps({"loads": True, "unet_params": sum(p.numel() for p in params),
-                      "finite": all(bool(torch.isfinite(p).all()) for p in params)}))
+    emit({"loads": True, "unet_params": sum(p.numel() for p in params),
+          "finite": all(bool(torch.isfinite(p).all()) for p in params)})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,13 +30,12 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import os
 import sys
 import time
 
 from ..errors import UsageError
-from .harness import SUITE, Side, int_list, pin_to_core, publish, run_side, safe_env, time_fn, torch_device
+from .harness import SUITE, Side, emit, int_list, pin_to_core, publish, run_side, safe_env, time_fn, torch_device
 from .memory import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -159,8 +158,8 @@ def _child(args: argparse.Namespace) -> int:
 
     seconds = time_fn(one_pass, warmup=args.warmup, repeat=args.repeat, sync=sync)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
-    print(json.dumps({"n_res": int(n_res), "variant": variant, "seconds": seconds, "peak_bytes": peak - base,
-                      "device": device.type}))
+    emit({"n_res": int(n_res), "variant": variant, "seconds": seconds, "peak_bytes": peak - base,
+          "device": device.type})
     return 0
 
 

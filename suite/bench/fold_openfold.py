@@ -7,7 +7,7 @@ full size: 48 Evoformer, 4 extra-MSA and 2 template blocks) and the same feature
 2 templates, no recycling, seed 0) are written once (to a temporary folder, or `--inputs_dir` to keep and reuse
 them) and read back into the page cache, so neither side pays for the first read. Then each side runs as its own
 process, started by the bench and measured from its first instruction to its exit the way `suite bench command`
-measures a command (`suite.bench.memory.run_command`: its own memory cgroup where the machine allows, else the
+measures a command (`harness.run_side`: its own memory cgroup where the machine allows, else the
 process tree's sampled RSS; the method is printed), `--repeat` times, interleaved ours / OpenFold / ours / ... so
 drift in the machine hits both:
 
@@ -42,7 +42,7 @@ import time
 import types
 
 from ..errors import UsageError
-from .harness import Side, publish, run_side, safe_env, torch_device, write_json
+from .harness import Side, emit, publish, run_side, safe_env, torch_device, write_json
 from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
@@ -156,7 +156,7 @@ def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: d
               "child_maxrss_bytes": hwm_bytes(), **extra}
     if device.type == "cuda":
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    print(json.dumps(result), flush=True)
+    emit(result)
     return 0
 
 
@@ -241,9 +241,9 @@ def _child_probe(opts: argparse.Namespace) -> int:
     try:
         softmax, of = _openfold_imports(opts.path)
     except ImportError as exc:
-        print(json.dumps({"ok": False, "missing": getattr(exc, "name", None), "error": str(exc)}), flush=True)
+        emit({"ok": False, "missing": getattr(exc, "name", None), "error": str(exc)})
         return 0
-    print(json.dumps({"ok": True, "softmax": softmax, "openfold": of["where"]}), flush=True)
+    emit({"ok": True, "softmax": softmax, "openfold": of["where"]})
     return 0
 
 

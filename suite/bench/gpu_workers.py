@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .harness import count, fast_optimizer, step_times, torch_device
+from .harness import count, emit, fast_optimizer, step_times, torch_device
 from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
@@ -58,10 +58,6 @@ SD15_UNET: dict[str, Any] = {
 _SD_SMOKE = {**SD15_UNET, "sample_size": 8, "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
              "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "block_out_channels": [32, 64],
              "layers_per_block": 1, "cross_attention_dim": 32, "attention_head_dim": 4}
-
-
-def emit(row: dict) -> None:
-    print(json.dumps(row, default=str), flush=True)
 
 
 def emulate_card(gib: float | None, device) -> str:

@@ -33,10 +33,10 @@ from typing import Any
 from .memory import run_command
 
 __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
-           "csv_step_seconds", "ddp_options", "drop_cached", "fast_optimizer", "int_list", "kill_group", "log_step",
-           "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "pin_to_core", "plot",
-           "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds", "step_times", "text_table",
-           "time_fn", "write_json"]
+           "csv_step_seconds", "ddp_options", "drop_cached", "emit", "fast_optimizer", "int_list", "kill_group",
+           "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "pin_to_core",
+           "plot", "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds", "step_times",
+           "text_table", "time_fn", "write_json"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -208,6 +208,11 @@ def drop_cached(folder: str) -> None:
 
 
 # ---- sides as processes ---------------------------------------------------------------------------------------
+
+
+def emit(row: dict) -> None:
+    """A side's result: one JSON line on stdout, flushed (`SideRun.json_lines` and `SideRun.result` read them)."""
+    print(json.dumps(row, default=str), flush=True)
 
 
 def safe_env(**extra: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ import sys
 import time
 
 from ..errors import UsageError
-from .harness import Side, int_list, names, publish, run_side, safe_env
+from .harness import Side, emit, int_list, names, publish, run_side, safe_env
 from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -263,4 +263,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker(json.loads(sys.argv[1]))))
+    emit(_worker(json.loads(sys.argv[1])))
