@@ -24,8 +24,19 @@ import gc
 import tempfile
 
 from ..errors import UsageError
-from .harness import count, ddp_options, fast_optimizer, names, optimizer_impl, publish, ratio, step_times, torch_device
-from .memory import SideMeter, fix_malloc, hwm_bytes, reset_peak_rss, rss_bytes
+from .harness import (
+    count,
+    ddp_options,
+    fast_optimizer,
+    names,
+    optimizer_impl,
+    peak_over,
+    publish,
+    ratio,
+    step_times,
+    torch_device,
+)
+from .memory import SideMeter, fix_malloc, rss_bytes
 
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 
@@ -121,13 +132,10 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
     # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
     # not) is not training memory; what Gemini itself holds is.
     after_setup = setup_rss if hasattr(model, "memory_report") and device.type == "cpu" else baseline
-    reset_peak_rss()
     meter.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = step_times(step, steps, sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    times, peak = peak_over(lambda: step_times(step, steps, sync=torch.cuda.synchronize if device.type == "cuda"
+                                               else None), device)
     report = model.memory_report() if hasattr(model, "memory_report") else None
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     charged = meter.peak()
     meter.close()
     optimizer = "gemini fused Adam" if strategy == "gemini" else f"torch Adam {optimizer_impl()}"

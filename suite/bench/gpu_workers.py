@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .harness import count, emit, fast_optimizer, step_times, torch_device
+from .harness import count, emit, fast_optimizer, peak_over, step_times, torch_device
 from .memory import hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
@@ -408,12 +408,8 @@ def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
     t0 = time.perf_counter()
     model, step, _ = train_setup("gemini", device, count(spec["params"]), spec["width"], spec["batch"], 1, extra)
     setup_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    reset_peak_rss()
-    times = step_times(step, spec["steps"], sync=torch.cuda.synchronize if cuda else None)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
+    times, peak = peak_over(lambda: step_times(step, spec["steps"], sync=torch.cuda.synchronize if cuda else None),
+                            device)
     row = {"params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s,
            "step_s": statistics.median(times), "peak_mib": peak / 2**20, "host_peak_mib": hwm_bytes() / 2**20}
     report = model.memory_report()

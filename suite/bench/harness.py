@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .memory import run_command
+from .memory import hwm_bytes, reset_peak_rss, run_command
 
 __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
            "csv_step_seconds", "ddp_options", "drop_cached", "emit", "fast_optimizer", "int_list", "kill_group",
-           "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "pin_to_core",
-           "plot", "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds", "step_times",
-           "text_table", "time_fn", "write_json"]
+           "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "peak_over",
+           "pin_to_core", "plot", "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds",
+           "step_times", "text_table", "time_fn", "torch_device", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -104,6 +104,20 @@ def step_times(step: Callable[[], Any], steps: int, *, warmup: int = 0, sync: Ca
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def peak_over(fn: Callable[[], Any], device) -> tuple[Any, int]:
+    """`fn()`'s result and the peak memory while it ran, bytes: on CUDA `max_memory_allocated` (reset first), else
+    the resident set's high-water mark (VmHWM, reset first where Linux allows; its growth is the caller's)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_rss()
+    out = fn()
+    return out, torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3,
