@@ -63,25 +63,26 @@ class GapTarget(Target):
         return np.arange(len(self.sequence), dtype=np.int64) + self.gap * self.chain_index()
 
 
-def _read_file_targets(path: Path) -> list[Target]:
+def _read_file_targets(path: Path, gap: int) -> list[Target]:
     targets = []
     for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FASTA_SUFFIXES):
         records = read_targets(f)
         if len(records) > 26:
             raise InputError(f"{f}: {len(records)} records; an AlphaFold-Gap target takes at most 26 chains (A-Z)")
-        targets.append(records[0] if len(records) == 1 else GapTarget.of(records))
+        targets.append(records[0] if len(records) == 1 else GapTarget.of(records, gap))
     return targets
 
 
-def read_fold_inputs(fasta_path: str | Path) -> tuple[list[Target], str]:
+def read_fold_inputs(fasta_path: str | Path, gap: int = RI_GAP) -> tuple[list[Target], str]:
     """The monomer targets of a FASTA file (one per record) or of a folder of FASTA files (one per file, a
     several-record file an AlphaFold-Gap `GapTarget`), validated, and the rule that applied (`RULE_RECORDS`,
-    `RULE_GAP`). Target names, and each chain's folder name, must be unique across the files."""
+    `RULE_GAP`; `gap`: the residue-index jump between an AlphaFold-Gap target's records, OpenFold's
+    `--multimer_ri_gap`). Target names, and each chain's folder name, must be unique across the files."""
     path = Path(fasta_path)
     if not path.is_dir():
         return read_targets(path), RULE_RECORDS
     read_targets(path)  # the folder's checks: FASTA files present, records valid, record names unique
-    targets = _read_file_targets(path)
+    targets = _read_file_targets(path, gap)
     names = [t.name for t in targets]
     for name in names:
         if names.count(name) > 1:

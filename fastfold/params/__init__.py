@@ -15,50 +15,8 @@ AlphaFold-Multimer's share their names, so they are reached through their module
 
 from __future__ import annotations
 
+from . import monomer
 from .checks import check_param_file
-from .monomer import (
-    OPENFOLD_RENAMES,
-    PREFIX,
-    TABLE,
-    Leaf,
-    NpzArrays,
-    ParamsError,
-    Row,
-    check_openfold,
-    config_from_arrays,
-    empty_model,
-    from_params,
-    leaves_for,
-    load_model,
-    load_npz,
-    materialise_empty,
-    model_to_arrays,
-    preset_for,
-    rows_for,
-    save_npz,
-    save_params,
-)
+from .monomer import *  # noqa: F403 - the AlphaFold2 names, `monomer.__all__`
 
-__all__ = [
-    "OPENFOLD_RENAMES",
-    "PREFIX",
-    "TABLE",
-    "Leaf",
-    "NpzArrays",
-    "ParamsError",
-    "Row",
-    "check_openfold",
-    "check_param_file",
-    "config_from_arrays",
-    "empty_model",
-    "from_params",
-    "leaves_for",
-    "load_model",
-    "load_npz",
-    "materialise_empty",
-    "model_to_arrays",
-    "preset_for",
-    "rows_for",
-    "save_npz",
-    "save_params",
-]
+__all__ = [*monomer.__all__, "check_param_file"]

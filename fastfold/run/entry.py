@@ -27,12 +27,14 @@ from .stages import ModelSpec
 __all__ = ["fold", "read_fold_targets", "write_layouts"]
 
 
-def read_fold_targets(fasta_path: str | Path, *, multimer: bool = False) -> tuple[list[Target], str]:
+def read_fold_targets(fasta_path: str | Path, *, multimer: bool = False,
+                      ri_gap: int | None = None) -> tuple[list[Target], str]:
     """The targets of a FASTA file or folder and the rule that made them (for the summary): complexes for
     AlphaFold-Multimer models (ColabFold's `A:B` records, or OpenFold's one file per complex); else one target per
-    record, or per file of a folder, a file of several records being one AlphaFold-Gap target. Bad input is one
+    record, or per file of a folder, a file of several records being one AlphaFold-Gap target whose records are
+    `ri_gap` residues apart (OpenFold's `--multimer_ri_gap`; None: its default, `data.gap.RI_GAP`). Bad input is one
     `InputError` line."""
-    from ..data.gap import read_fold_inputs
+    from ..data.gap import RI_GAP, read_fold_inputs
     from .stages import read_complex_targets
 
     try:
@@ -41,7 +43,7 @@ def read_fold_targets(fasta_path: str | Path, *, multimer: bool = False) -> tupl
             rule = ("one complex per file, a record per chain (OpenFold's rule)" if os.path.isdir(fasta_path)
                     else "one complex per record, chains split by ':' (ColabFold's rule)")
             return targets, rule
-        return read_fold_inputs(fasta_path)
+        return read_fold_inputs(fasta_path, gap=RI_GAP if ri_gap is None else ri_gap)
     except InputError as exc:
         hint = ""
         if "':' is not an amino-acid letter" in str(exc):
@@ -52,9 +54,10 @@ def read_fold_targets(fasta_path: str | Path, *, multimer: bool = False) -> tupl
 def write_layouts(output_dir: str | Path, targets: list[Target], models: list[ModelSpec],
                   output_layout: str = "suite", cif_output: bool = False) -> list[Path]:
     """The output layouts besides the per-target folders (always written, the record a rerun reads): OpenFold's
-    `predictions/` for `output_layout="openfold"` (`fastfold.run.layout`). Returns the files placed."""
+    `predictions/` and timings files for `output_layout="openfold"` (`fastfold.run.layout`; `cif_output`: ModelCIF
+    there instead of PDB). Returns the files placed."""
     if output_layout == "openfold":
-        return write_openfold_layout(output_dir, targets, models)
+        return write_openfold_layout(output_dir, targets, models, cif_output=cif_output)
     return []
 
 

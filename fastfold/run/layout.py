@@ -1,17 +1,24 @@
-"""OpenFold's output layout (`suite fold --output_layout openfold`), so OpenFold users' downstream scripts read a
-run unchanged: `<output_dir>/predictions/` (`predictions/<model>/` with several models, as OpenFold's
-`make_output_directory`, named by the parameter file's stem or, without one, the model name) holding, per
-target `<tag>`:
+"""OpenFold's output layout (`FoldConfig.output_layout="openfold"`, `suite fold --output_layout openfold`), so
+OpenFold users' downstream scripts read a run unchanged (`run_pretrained_openfold.py` and its `script_utils`):
+`<output_dir>/predictions/` (`predictions/<model>/` with several models, as OpenFold's `make_output_directory`,
+named by the parameter file's stem or, without one, the model name) holding, per target `<tag>`:
 
-- `<tag>_<model>_unrelaxed.pdb` (and `.cif`) for every model;
-- `<tag>_<model>_relaxed.pdb` (and `.cif`) for the best ranked model, the one relaxed here (OpenFold relaxes
-  every model);
+- `<tag>_<model>_unrelaxed.pdb` for every model, or with `cif_output` (OpenFold's `--cif_output`)
+  `<tag>_<model>_unrelaxed.cif` instead;
+- `<tag>_<model>_relaxed.pdb` (`.cif` with `cif_output`) for the best ranked model, the one relaxed here
+  (OpenFold relaxes every model);
 - `<tag>_<model>_output_dict.npz` with `--save_outputs`: every model output, OpenFold's `_output_dict.pkl` in a
   format that needs no pickle;
-- `timings.json`, OpenFold's: `{"<tag>": {"inference": s, "relaxation": s}, ...}`, merged over targets.
+- `timings.json` of the model that was relaxed, as OpenFold's `relax_protein` writes it: `{"relaxation": s}` (the
+  last target relaxed; OpenFold updates one key per prediction folder).
+
+and `<output_dir>/timings.json`, as OpenFold's `run_model` writes it: `{"<tag>": {"inference": s}, ...}` merged
+over targets; with several models a tag holds the last model's seconds (OpenFold's runs the models one after
+another and each overwrites the tag).
 
 The files are hard links to (or, across file systems, copies of) the per-target folder's, which stay the
-record a rerun reads (`fastfold.run.resume`); a target that did not finish gets none.
+record a rerun reads (`fastfold.run.resume`: both formats, with every stage's seconds); a target that did not
+finish gets none.
 """
 
 from __future__ import annotations
@@ -52,34 +59,48 @@ def _model_of(label: str, names: list[str]) -> str:
 
 
 def _target_files(folder: Path, name: str, record: dict[str, Any], dirs: dict[str, Path],
-                  order: list[str]) -> list[tuple[Path, Path]]:
-    """(source, OpenFold destination) of one complete target's files; `order`: its labels, best first."""
+                  order: list[str], ext: str) -> list[tuple[Path, Path]]:
+    """(source, OpenFold destination) of one complete target's files; `order`: its labels, best first; `ext`: the
+    structures' format, ".pdb" or ".cif"."""
     pairs = []
     for label in order:
         dest = dirs[_model_of(label, list(dirs))]
-        for suffix in ("_unrelaxed.pdb", "_unrelaxed.cif", "_output_dict.npz"):
+        for suffix in (f"_unrelaxed{ext}", "_output_dict.npz"):
             pairs.append((folder / f"{name}_{label}{suffix}", dest / f"{name}_{label}{suffix}"))
     best = dirs[_model_of(order[0], list(dirs))]
-    for ext in (".pdb", ".cif"):
-        pairs.append((folder / f"{name}_relaxed{ext}", best / f"{name}_{order[0]}_relaxed{ext}"))
+    pairs.append((folder / f"{name}_relaxed{ext}", best / f"{name}_{order[0]}_relaxed{ext}"))
     listed = set(record.get("files", []))
     return [(s, d) for s, d in pairs if s.name in listed and s.is_file()]
 
 
-def _update_timings(path: Path, tag: str, entry: dict[str, float]) -> None:
+def _update_timings(path: Path, entries: dict[str, Any]) -> None:
+    """OpenFold's `update_timings`: `path`'s JSON object updated with `entries` (a file that is not one is
+    replaced)."""
     try:
         timings = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         timings = {}
     timings = timings if isinstance(timings, dict) else {}
-    timings[tag] = entry
+    timings.update(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as f:
         f.write(json.dumps(timings, indent=2))
 
 
-def write_openfold_layout(output_dir: str | Path, targets: list[Any], models: list[Any]) -> list[Path]:
-    """OpenFold's files (module docstring) of every complete target among `targets` (its `timings.json`
-    there); returns the files placed."""
+def _last_inference(stage: dict[str, float], names: list[str]) -> float | None:
+    """The seconds of a target's last prediction in OpenFold's order (models as given, each model's seeds in
+    turn), or None when every prediction came from an interrupted run's cache."""
+    labels = [k[len("model_"):] for k in stage if k.startswith("model_")]
+    if not labels:
+        return None
+    last = max(range(len(labels)), key=lambda i: (names.index(_model_of(labels[i], names)), i))
+    return stage["model_" + labels[last]]
+
+
+def write_openfold_layout(output_dir: str | Path, targets: list[Any], models: list[Any],
+                          cif_output: bool = False) -> list[Path]:
+    """OpenFold's files (module docstring) of every complete target among `targets` (its `timings.json` there),
+    structures as ModelCIF with `cif_output`; returns the files placed."""
     dirs = model_folders(output_dir, models)
     placed = []
     for target in targets:
@@ -89,17 +110,15 @@ def write_openfold_layout(output_dir: str | Path, targets: list[Any], models: li
             order = json.loads((folder / "ranking.json").read_text())["order"]
         except (OSError, ValueError, KeyError):
             continue  # not complete: nothing of it goes to predictions/
-        pairs = _target_files(folder, target.name, record, dirs, order)
-        for source, dest in pairs:
+        for source, dest in _target_files(folder, target.name, record, dirs, order, ".cif" if cif_output else ".pdb"):
             dest.parent.mkdir(parents=True, exist_ok=True)
             _place(source, dest)
             placed.append(dest)
         stage = record.get("timings", {})
-        for model, dest in dirs.items():
-            seconds = [v for k, v in stage.items() if k.startswith("model_") and _model_of(k[6:], list(dirs)) == model]
-            entry = {"inference": round(sum(seconds), 3)}
-            if "relax" in stage and model == _model_of(order[0], list(dirs)):
-                entry["relaxation"] = round(stage["relax"], 3)
-            dest.mkdir(parents=True, exist_ok=True)
-            _update_timings(dest / "timings.json", target.name, entry)
+        inference = _last_inference(stage, list(dirs))
+        if inference is not None:
+            _update_timings(Path(output_dir) / "timings.json", {target.name: {"inference": round(inference, 3)}})
+        if "relax" in stage:
+            _update_timings(dirs[_model_of(order[0], list(dirs))] / "timings.json",
+                            {"relaxation": round(stage["relax"], 3)})
     return placed

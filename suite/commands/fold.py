@@ -82,7 +82,8 @@ def _read_targets(args: argparse.Namespace):
     rule that made them."""
     from ...fastfold.run.entry import read_fold_targets
 
-    targets, args.input_rule = read_fold_targets(args.fasta_path, multimer=is_multimer(args))
+    targets, args.input_rule = read_fold_targets(args.fasta_path, multimer=is_multimer(args),
+                                                 ri_gap=getattr(args, "multimer_ri_gap", None))
     return targets
 
 
@@ -174,7 +175,7 @@ def _build_config(fs, args: argparse.Namespace, targets):
         seed=run.seed, devices=run.devices, num_workers=workers, ray_address=ray_address,
         enable_workflow=bool(getattr(args, "enable_workflow", False)),
         num_recycle=run.num_recycle, num_seeds=run.num_seeds, subtract_plddt=run.subtract_plddt,
-        output_layout=getattr(args, "output_layout", "suite"),
+        output_layout=getattr(args, "output_layout", "suite"), cif_output=bool(getattr(args, "cif_output", False)),
     )
 
 

@@ -31,7 +31,9 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     add("--relaxation", action="store_true", help="FastFold: = --relax (the default)")
     add("--data_random_seed", default=None, help="OpenFold/FastFold: = --seed")
     add("--use_single_seq_mode", action="store_true", help="OpenFold SoloSeq (ESM-1b): refused, see --single_sequence")
-    add("--cif_output", action="store_true", help="OpenFold: mmCIF output (always written here, beside PDB)")
+    add("--cif_output", action="store_true",
+        help="OpenFold: with --output_layout openfold, ModelCIF (.cif) instead of PDB in predictions/ (the per-target "
+             "folders always hold both)")
     add("--save_outputs", action="store_true",
         help="OpenFold: every model output (single, pair and MSA representations, logits, ...) in "
              "<target>_<model>_output_dict.npz (numpy arrays, no pickle)")
@@ -52,7 +54,10 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("hmmsearch_binary_path", "hmmbuild_binary_path"):
         add(f"--{flag}", default=None, help="multimer hmmsearch template search: unused (see "
                                              "--pdb_seqres_database_path)")
-    for flag in ("release_dates_path", "multimer_ri_gap", "experiment_config_json"):
+    add("--multimer_ri_gap", default=None, metavar="N",
+        help="OpenFold: residue-index gap between the records of a FASTA file folded as one target by a monomer model "
+             "(AlphaFold-Gap; default 200, OpenFold's); unused by AlphaFold-Multimer models")
+    for flag in ("release_dates_path", "experiment_config_json"):
         add(f"--{flag}", default=None, help="refused or unused: see the error message")
     for flag in ("trace_model", "use_deepspeed_evoformer_attention", "use_custom_template"):
         add(f"--{flag}", action="store_true", help="refused: see the error message")
@@ -64,7 +69,7 @@ _COMPAT_SETTING = {
     "data_random_seed": "seed: N", "long_sequence_inference": "chunk_size: auto",
     "uniclust30_database_path": "uniref30_database_path: PATH", "gpus": "devices: N", "enable_workflow":
     "num_workers: N", "cif_output": None, "save_outputs": None, "save_prediction_result": None, "preset": None,
-    "output_layout": None,
+    "output_layout": None, "multimer_ri_gap": None,
 }
 """OpenFold/FastFold flags translated on the command line, and the setting a config file writes instead."""
 
@@ -92,9 +97,6 @@ _REFUSED = {
     "use_custom_template": "is not supported: templates come from .hhr hits and template_mmcif_dir",
     "experiment_config_json": "cannot apply: OpenFold config overrides do not map onto this model; use "
                               "--config FILE with suite fold flags",
-    "multimer_ri_gap": "cannot apply: the residue-index gap is OpenFold's default, 200, fixed (a folder of FASTA "
-                       "files folds a file of several records with it under a monomer model; AlphaFold-Multimer "
-                       "models separate chains by asym_id without a gap)",
     "release_dates_path": "is not needed: template release dates are read from each mmCIF file "
                           "(_pdbx_audit_revision_history)",
 }
@@ -155,6 +157,28 @@ def apply_compat(args: argparse.Namespace) -> None:
         args.num_workers = max(1, min(4, os.cpu_count() or 1))
     _apply_model_preset(args)
     _multimer_inputs(args)
+    args.multimer_ri_gap = _ri_gap(args)
+
+
+def _ri_gap(args: argparse.Namespace) -> int:
+    """--multimer_ri_gap N (OpenFold's, default 200): the residue-index jump between the records of a FASTA file that
+    a monomer model folds as one target (AlphaFold-Gap), in the features and the written residue numbers. OpenFold
+    splits its outputs' chains with it; AlphaFold-Multimer models separate chains by `asym_id`, so there it is
+    unused (a warning when not the default)."""
+    from ...fastfold.data.gap import RI_GAP
+
+    if args.multimer_ri_gap is None:
+        return RI_GAP
+    try:
+        gap = int(args.multimer_ri_gap)
+    except (TypeError, ValueError):
+        raise UsageError(f"--multimer_ri_gap {args.multimer_ri_gap!r}: expected an integer (residues)") from None
+    if gap < 1:
+        raise UsageError(f"--multimer_ri_gap {gap}: must be >= 1 (the residue-index jump between records)")
+    if is_multimer(args) and gap != RI_GAP:
+        log.warning("--multimer_ri_gap %d is unused by AlphaFold-Multimer models (chains are told apart by asym_id)",
+                    gap)
+    return gap
 
 
 _MULTIMER_DEFAULT = "model_1_multimer_v3"

@@ -59,7 +59,8 @@ ACCEPTED = {
     "--subtract_plddt": (None, {"subtract_plddt": True}),
     "--model_preset": ("monomer", {}),
     "--preset": ("full_dbs", {}),
-    "--cif_output": (None, {}),
+    "--cif_output": (None, {"cif_output": True}),
+    "--multimer_ri_gap": ("200", {"multimer_ri_gap": 200}),  # OpenFold's default; issue 48
     "--save_outputs": (None, {"save_outputs": True}),
     "--save_prediction_result": ("True", {"save_outputs": True}),
     "--model_device": ("cpu", {"model_device": "cpu"}),
@@ -83,7 +84,6 @@ REFUSED = {  # flag -> (value, words the one line must hold)
     "--use_deepspeed_evoformer_attention": (None, "DeepSpeed"),
     "--use_custom_template": (None, "not supported"),
     "--experiment_config_json": ("c.json", "cannot apply"),
-    "--multimer_ri_gap": ("200", "monomer"),
     "--release_dates_path": ("dates.txt", "not needed"),
 }
 

@@ -97,3 +97,36 @@ def test_shipped_recipe_loads():
     assert recipe["trainer"] == {"strategy": "dap", "devices": 1, "accelerator": "cpu"}
     assert recipe["predictor"]["model_name"] == LABEL and recipe["writer"]["relax"] is True
     assert recipe["data"]["alignments_dir"] is None and recipe["data"]["single_sequence"] is False
+
+
+def _predict(tmp_path: Path, writer_kwargs: dict, data_kwargs: dict) -> None:
+    import lightning.pytorch as pl
+
+    from lowmem.recipes import AlphaFoldPredictor, FoldDataModule, FoldPredictionWriter
+
+    fasta = tmp_path / "one.fasta"
+    fasta.write_text(">pep\nMKTAYIAKQR\n")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[FoldPredictionWriter(tmp_path / "out", relax=False, **writer_kwargs)])
+    trainer.predict(AlphaFoldPredictor(model_name=LABEL, seed=0), datamodule=FoldDataModule(fasta, **data_kwargs))
+
+
+def test_recipe_writes_openfolds_layout(tmp_path):
+    """Issue 48: the output layouts are the run's (`fastfold.run.write_layouts`), so the recipe writes them too."""
+    _predict(tmp_path, {"output_layout": "openfold", "cif_output": True}, {"single_sequence": True})
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "predictions").iterdir()) == [f"pep_{LABEL}_unrelaxed.cif"]
+    assert set(json.loads((out / "timings.json").read_text())["pep"]) == {"inference"}
+
+
+def test_recipe_checks_alignments_before_the_first_batch(tmp_path):
+    """Issue 48: the recipe runs the run's input checks (`fastfold.run.check_inputs`) before any model call."""
+    from lowmem.utils.errors import InputError
+
+    (tmp_path / "alignments" / "pep").mkdir(parents=True)
+    a3m = tmp_path / "alignments" / "pep" / "bfd_uniclust_hits.a3m"
+    a3m.write_text(">query\nMKTAYIAKQW\n")  # another sequence than the target's
+    with pytest.raises(InputError, match="another sequence"):
+        _predict(tmp_path, {}, {"alignments_dir": tmp_path / "alignments"})
+    assert not (tmp_path / "out" / "pep").exists()
