@@ -19,8 +19,8 @@ import argparse
 import dataclasses
 
 from ..errors import UsageError
-from .harness import int_list, pin_to_core, publish, time_fn, torch_device
-from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
+from .harness import int_list, peak_over, pin_to_core, publish, time_fn, torch_device
+from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "dap_group", "fit_longest", "run", "search_longest"]
 
@@ -138,17 +138,9 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     def peak_mb(n: int) -> float:
         """Peak memory of one pass at N_res n on this rank, the largest over the group (MB)."""
         args = inputs(n, opts["n_seq"])
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            run(args)
-            peak = torch.cuda.max_memory_allocated(device) - before
-        else:
-            reset_peak_rss()
-            before = rss_bytes()
-            run(args)
-            peak = hwm_bytes() - before
-        value = torch.tensor([peak / 2**20], dtype=torch.float64, device=device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+        _, peak = peak_over(lambda: run(args), device)
+        value = torch.tensor([(peak - before) / 2**20], dtype=torch.float64, device=device)
         if group is not None:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return float(value.item())

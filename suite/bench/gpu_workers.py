@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .harness import count, emit, fast_optimizer, peak_over, step_times, torch_device
-from .memory import hwm_bytes, reset_peak_rss, rss_bytes
+from .memory import hwm_bytes, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
 
@@ -306,21 +306,12 @@ def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) 
     the peak memory in bytes over warm-up and steps (CUDA: max_memory_allocated; CPU: VmHWM)."""
     import torch
 
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
+    if device.type != "cuda":
+        return peak_over(lambda: step_times(lambda: step(inputs), steps, warmup=warmup), device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
         step(inputs)
-    if not cuda:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step(inputs)
-            times.append(time.perf_counter() - t0)
-        return times, hwm_bytes()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for start, end in events:
         start.record()
