@@ -11,6 +11,7 @@ import pytest
 
 from lowmem.fastfold.data.alignment_files import alignment_folder, openfold_tag
 from lowmem.suite.cli import main
+from tests.fastfold._fold import fold_peptide
 
 SEQUENCE = "MKTAYIAKQR"
 
@@ -25,12 +26,8 @@ def _exit_code(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def openfold_cif(tmp_path_factory):
     """One relaxed run in OpenFold's layout with --cif_output: its output folder."""
-    tmp = tmp_path_factory.mktemp("seam")
-    fasta = tmp / "in.fasta"
-    fasta.write_text(f">pep\n{SEQUENCE}\n")
-    out = tmp / "out"
-    assert main(["fold", str(fasta), "--output_dir", str(out), "--single_sequence", "--num_workers", "0",
-                 "--output_layout", "openfold", "--cif_output", "--relax_platform", "CPU"]) == 0
+    out, _ = fold_peptide(tmp_path_factory.mktemp("seam"), SEQUENCE, "--output_layout", "openfold", "--cif_output",
+                          "--relax_platform", "CPU")
     return out
 
 

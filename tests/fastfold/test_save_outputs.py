@@ -11,6 +11,7 @@ import pytest
 from lowmem.fastfold.data.targets import AlignmentConfig, Target, target_raw_features
 from lowmem.fastfold.run.stages import ModelSpec, Prediction, features_for_model, load_model, predict
 from lowmem.suite.cli import main
+from tests.fastfold._fold import fold_peptide
 
 SEQUENCE = "MKTAYIAKQR"
 
@@ -18,14 +19,8 @@ SEQUENCE = "MKTAYIAKQR"
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """One run with --save_outputs and OpenFold's layout: (output folder, FASTA)."""
-    tmp = tmp_path_factory.mktemp("save")
-    fasta = tmp / "in.fasta"
-    fasta.write_text(f">pep\n{SEQUENCE}\n")
-    out = tmp / "out"
-    argv = ["fold", str(fasta), "--output_dir", str(out), "--single_sequence", "--num_workers", "0",
-            "--save_outputs", "--output_layout", "openfold", "--relax_platform", "CPU"]
-    assert main(argv) == 0
-    return out, fasta
+    return fold_peptide(tmp_path_factory.mktemp("save"), SEQUENCE, "--save_outputs", "--output_layout", "openfold",
+                        "--relax_platform", "CPU")
 
 
 def test_save_outputs_round_trips_every_model_output(saved, tmp_path):
