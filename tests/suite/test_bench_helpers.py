@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lowmem.suite.bench import memory
-from lowmem.suite.bench.harness import fast_optimizer
 from lowmem.suite.bench.dap import fit_longest, search_longest
+from lowmem.suite.bench.harness import fast_optimizer
 
 MIB = 2**20
 _WRITE = (  # a child process writes 64 MiB through the page cache (no fsync, no O_DIRECT) and exits
