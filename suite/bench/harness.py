@@ -369,6 +369,9 @@ def run_side(side: Side) -> SideRun:
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 code = None
+            except BaseException:  # interrupted: the side's own session would outlive us
+                kill_group(proc)
+                raise
             run = SideRun(side, code, time.perf_counter() - t0)
         if captured:
             out.seek(0)
