@@ -32,7 +32,8 @@ RI_GAP = 200
 
 RULE_RECORDS = "one target per record (a single FASTA file: AlphaFold's and ColabFold's rule)"
 RULE_GAP = ("a folder of FASTA files: one target per file (OpenFold's rule); a file with several records is "
-            f"one target, chains joined as AlphaFold-Gap (residue-index gap {RI_GAP})")
+            "one target, chains joined as AlphaFold-Gap (residue-index gap {gap})")
+"""The rule `read_fold_inputs` reports for a folder of FASTA files; `RULE_GAP.format(gap=...)` names the gap used."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def read_fold_inputs(fasta_path: str | Path, gap: int = RI_GAP) -> tuple[list[Ta
     for name in names:
         if names.count(name) > 1:
             raise InputError(f"{path}: two files make the target {name!r} (names must be unique)")
-    return targets, RULE_GAP
+    return targets, RULE_GAP.format(gap=gap)
 
 
 def _pad_rows(rows: np.ndarray, before: int, after: int, value: float) -> np.ndarray:

@@ -140,7 +140,8 @@ def test_a_several_record_file_in_a_folder_is_one_alphafold_gap_target(tmp_path,
     (tmp_path / "in" / "dimer.fasta").write_text(">chA\nMKTAYIAKQR\n>chB\nGSHMLE\n")
     (tmp_path / "in" / "solo.fa").write_text(">solo\nMKVLAAG\n")
     targets, rule = read_fold_inputs(tmp_path / "in")
-    assert rule == RULE_GAP and [t.name for t in targets] == ["chA-chB", "solo"]
+    assert rule == RULE_GAP.format(gap=RI_GAP) and [t.name for t in targets] == ["chA-chB", "solo"]
+    assert read_fold_inputs(tmp_path / "in", gap=50)[1].endswith("(residue-index gap 50)")
     assert isinstance(targets[0], GapTarget) and not isinstance(targets[1], GapTarget)
     single, rule = read_fold_inputs(tmp_path / "in" / "dimer.fasta")
     assert rule == RULE_RECORDS and [t.name for t in single] == ["chA", "chB"]

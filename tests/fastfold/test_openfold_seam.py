@@ -63,13 +63,16 @@ def _first_residue_numbers(pdb: Path) -> dict[str, int]:
     return first
 
 
-def test_multimer_ri_gap_is_the_gap_between_records(tmp_path):
+def test_multimer_ri_gap_is_the_gap_between_records(tmp_path, capsys):
     """OpenFold's default, 200, is accepted; another value is the residue-index jump between the records of a file
     folded as one monomer target (AlphaFold-Gap), in the features and in the written numbering."""
     fastas = _gap_fasta(tmp_path)
     base = ["fold", str(fastas), "--single_sequence", "--no-relax", "--num_workers", "0"]
     assert main([*base, "--output_dir", str(tmp_path / "default"), "--multimer_ri_gap", "200"]) == 0
+    capsys.readouterr()
     assert main([*base, "--output_dir", str(tmp_path / "fifty"), "--multimer_ri_gap", "50"]) == 0
+    summary = " ".join(capsys.readouterr().out.split())
+    assert "residue-index gap 50" in summary and "gap 200" not in summary  # the summary names the gap used
     assert _first_residue_numbers(tmp_path / "default" / "a-b" / "a-b_unrelaxed.pdb") == {"A": 1, "B": 8 + 1 + 200}
     assert _first_residue_numbers(tmp_path / "fifty" / "a-b" / "a-b_unrelaxed.pdb") == {"A": 1, "B": 8 + 1 + 50}
     record = json.loads((tmp_path / "fifty" / "a-b" / "timings.json").read_text())
