@@ -2,9 +2,10 @@
 
 - Sides run as processes of their own (`Side`, `run_side`): start to exit inside an optional memory cgroup with a
   cap (page cache charged, the kernel kills past it; `suite.bench.memory`), the peak and wall time collected,
-  stdout/stderr to a log or captured, the JSON lines a side prints and its per-step times read back
-  (`SideRun`). Sides that run as ranks (`core_parallel.run_on_ranks`) time their steps with `step_times` and
-  measure memory with `memory.SideMeter`.
+  stdout/stderr to a log or captured, the JSON lines a side prints (`emit`) and its per-step times (`log_step`, or
+  the run's CSV log) read back (`SideRun`, whose `row()` is a whole-command side's row). Sides that run as ranks
+  (`core_parallel.run_on_ranks`) time their steps with `step_times`, take a span's peak with `peak_over` and the
+  charged memory with `memory.SideMeter`; `torch_device` and `pin_to_core` place them.
 - Baselines at their best as users run them: `fast_optimizer` (fused, else foreach), `ddp_options`.
 - Rows are dicts; `ratio` and `add_ratios` compare a side with its baseline; `publish` prints every table, writes
   the JSON (`--json`, machine info added), the Markdown tables (`--markdown`) and a plot of the ratios (`--plot`).
