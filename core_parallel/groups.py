@@ -14,7 +14,8 @@ from typing import Any
 
 from ..utils.errors import InputError
 
-__all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "check_backend", "world_rank"]
+__all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "check_backend", "end_process_groups", "group_timeout",
+           "world_rank"]
 
 GLOO = "gloo"
 """CPU tensors (and the fallback where NCCL is missing)."""
@@ -45,3 +46,33 @@ def world_rank(group: Any = None) -> tuple[int, int]:
             raise ValueError("a process group was given but torch.distributed is not initialised")
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def group_timeout(group: Any = None) -> float:
+    """The collective timeout of `group` (None: the default group) in seconds; torch's default, 30 minutes, when
+    unreadable."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return default_pg_timeout.total_seconds()
+
+
+def end_process_groups() -> bool:
+    """End a finished job's process groups on every rank, in order: a barrier (no rank tears down its groups and
+    its store connection while another still talks to them), then `destroy_process_group`, which destroys every
+    group and drops the default store. Left to interpreter exit, the gloo and store threads are torn down in no
+    particular order: a rank aborted there ("terminate called without an active exception") and the other
+    node's torchrun agent lost its rendezvous store. Call it on success only: after a failure the barrier would
+    wait for a rank that is gone. Returns whether there was a group to end."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True

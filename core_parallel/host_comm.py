@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .groups import world_rank
+from .groups import group_timeout, world_rank
 from .peers import PeerLostError, identity, running, watchable
 
 __all__ = ["HostCollectives", "PeerLostError", "host_collectives_supported"]
@@ -81,7 +81,7 @@ class HostCollectives:
         barrier waits for the other ranks (None: the process group's own timeout, as its collectives wait)."""
         world, rank = world_rank(group)
         if timeout is None:
-            timeout = _group_timeout(group)
+            timeout = group_timeout(group)
         slot_bytes = _round_up(max(slot_bytes, 1), _ALIGN)
         size = _round_up(world * _LINE, _ALIGN) + world * slot_bytes
         supported = host_collectives_supported()
@@ -197,11 +197,19 @@ class HostCollectives:
             elif now > deadline:
                 missing = [r for r in range(self.world) if every[r] < self._seq]
                 raise PeerLostError(f"host collectives: ranks {missing} did not arrive within {self.timeout:.0f}s "
-                                    f"(alive but not answering)", missing, dead=False)
+                                    f"({self._liveness(missing)})", missing, dead=False)
             elif now > next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()
             time.sleep(0.0002)
+
+    def _liveness(self, ranks: list[int]) -> str:
+        """What this rank can tell of `ranks`' processes: alive (checked in /proc just now) or not visible."""
+        watched = {r: (pid, start) for r, pid, start in self._watched}
+        seen = [r for r in ranks if r in watched and running(*watched[r])]
+        if seen == ranks:
+            return "alive but not answering"
+        return f"alive but not answering: {seen}; not visible from this host: {[r for r in ranks if r not in seen]}"
 
     def _check_alive(self) -> None:
         """Raise `PeerLostError` if a rank this one is waiting for has exited."""
@@ -209,17 +217,6 @@ class HostCollectives:
             if self._arrived[r] < self._seq and not running(pid, start):
                 raise PeerLostError(f"host collectives: rank {r} (pid {pid}) exited; rank {self.rank} cannot "
                                     f"complete the collective it waits in", [r], dead=True)
-
-
-def _group_timeout(group: dist.ProcessGroup | None) -> float:
-    """The process group's collective timeout in seconds (torch's default, 30 minutes, when unreadable)."""
-    from torch.distributed.constants import default_pg_timeout
-
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return default_pg_timeout.total_seconds()
 
 
 # ---- process identity (core_parallel.peers) -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Which rank died: process identities of the ranks of a group, and the error that names a lost one.
+"""Which rank exited: process identities of the ranks of a group, and the error that names a lost one.
 
 A collective whose peer died fails on the survivors with the transport's own words (gloo: "Connection reset by
 peer"), naming no rank. Every rank records who it is (pid, pid namespace, process start time); a rank whose
@@ -7,36 +7,36 @@ transport's error as its cause. A zombie, or a pid now used by another process, 
 another pid namespace (another host, another container) cannot be looked up and are never named.
 
 Used by Gemini's shared-memory collectives (`host_comm`, whose barrier checks liveness while it waits) and by
-ZeRO (`PeerWatch`, consulted when a gloo/NCCL collective raises).
+`core_parallel.trace` (ZeRO's and Gemini's collectives: `PeerWatch`, consulted when a gloo/NCCL collective raises;
+a peer that is alive is never called dead there, and the error says where each rank is).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from .groups import world_rank
 
-__all__ = ["PeerLostError", "PeerWatch", "identity", "named_peer_failures", "pid_namespace", "running",
-           "start_time", "watchable"]
+__all__ = ["PeerLostError", "PeerWatch", "identity", "pid_namespace", "running", "start_time", "watchable"]
 
 _GRACE_S = 2.0  # how long a failed collective waits for a peer whose socket closed to show up as exited
 
 
 class PeerLostError(dist.DistBackendError):
-    """A rank of the group died, or did not arrive within the timeout: the collective cannot complete.
+    """A rank of the group exited, or did not arrive within the timeout: the collective cannot complete.
 
     A `torch.distributed.DistBackendError`, as gloo and NCCL raise when a peer is lost, so callers that handle
-    those (the Lightning strategies' "lost contact with rank N" advice) handle this one too. `ranks`: the ranks
-    that died or did not arrive; `dead`: whether they are known to have exited (False: alive but late)."""
+    those (the Lightning strategies' message, `recipes.faults`) handle this one too. `ranks`: the ranks that
+    exited or did not arrive; `dead`: whether they are known to have exited (False: alive, or not visible from
+    here, but late); `where`: where each rank was when a timeout was explained (`core_parallel.trace`), else ""."""
 
-    def __init__(self, message: str, ranks: list[int], dead: bool) -> None:
+    def __init__(self, message: str, ranks: list[int], dead: bool, where: str = "") -> None:
         super().__init__(message)
-        self.ranks, self.dead = list(ranks), dead
+        self.ranks, self.dead, self.where = list(ranks), dead, where
 
 
 def pid_namespace() -> int:
@@ -111,10 +111,10 @@ class PeerWatch:
         """(rank, pid) of the watched ranks that have exited."""
         return [(r, pid) for r, pid, start in self.watched if not running(pid, start)]
 
-    def lost(self, exc: BaseException, wait_s: float = _GRACE_S) -> PeerLostError | None:
+    def lost(self, exc: BaseException, wait_s: float | None = None) -> PeerLostError | None:
         """The error naming the ranks that exited, when `exc` (a failed collective) came with some; waits up to
-        `wait_s` for one to show as exited (a socket can close a moment before its process is gone)."""
-        deadline = time.monotonic() + wait_s
+        `wait_s` (None: 2 s) for one to show as exited (a socket can close a moment before its process is gone)."""
+        deadline = time.monotonic() + (_GRACE_S if wait_s is None else wait_s)
         while not (gone := self.dead()) and time.monotonic() < deadline:
             time.sleep(0.05)
         if not gone:
@@ -122,18 +122,3 @@ class PeerWatch:
         who = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         return PeerLostError(f"rank {self.rank}: {who} exited; the collective this rank was in cannot complete "
                              f"(transport error: {exc})", [r for r, _ in gone], dead=True)
-
-
-@contextlib.contextmanager
-def named_peer_failures(watch: PeerWatch | None) -> Iterator[None]:
-    """Inside: a collective failing because a rank died raises `PeerLostError` naming it (the transport's
-    error as its cause); other errors, and failures with every peer alive, pass unchanged."""
-    try:
-        yield
-    except PeerLostError:
-        raise
-    except (RuntimeError, ConnectionError, TimeoutError) as exc:
-        lost = watch.lost(exc) if watch is not None else None
-        if lost is None:
-            raise
-        raise lost from exc

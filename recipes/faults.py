@@ -2,7 +2,10 @@
 
 - A rank that dies turns into an error on the others within seconds (gloo sees its socket close, Gemini's
   shared-memory collectives see its process gone); one that stops answering, after `collective_timeout_s`.
-  The error names the rank, the last complete checkpoint on disk and how to resume from it. An app that
+  The error names the rank, the last complete checkpoint on disk and how to resume from it. It says the rank
+  exited only when its process is gone or its connection closed; a rank alive but elsewhere (another collective,
+  a rank-0-only callback) is named as alive, with where each rank is (`core_parallel.trace`; set
+  `LOWMEM_TRACE_COLLECTIVES=1` to record every rank's last collective). An app that
   moves its checkpoints after `trainer.save_checkpoint` (a staging folder renamed into place) names the
   final folder and its resume advice with `strategy.note_checkpoint(path, resume="...")`.
 - SIGTERM (a preempted or cancelled job) is not taken for success (`core_parallel.preemption.Preemption`, which
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from ..core_parallel.preemption import SIGTERM_EXIT_CODE, Preemption
+from ..core_parallel.trace import TRACE_ENV
 
 __all__ = ["SIGTERM_EXIT_CODE", "StopOnSigterm", "looks_like_peer_failure", "peer_failure_message", "resume_hint",
            "save_at_sigterm", "watch_sigterm"]
@@ -52,24 +56,42 @@ def looks_like_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and bool(_PEER_FAILURE.search(str(exc)))
 
 
-def _lost_ranks(exc: BaseException | None, world: int, me: int) -> list[int]:
-    """The ranks a peer failure names (`PeerLostError.ranks` anywhere in the chain); with two ranks, the other."""
+def _peer_error(exc: BaseException | None) -> BaseException | None:
+    """The `core_parallel.peers.PeerLostError` in `exc`'s chain (it says whether its ranks exited), if any."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        ranks = getattr(exc, "ranks", None)
-        if isinstance(ranks, list) and ranks:
-            return [int(r) for r in ranks]
+        if isinstance(getattr(exc, "ranks", None), list) and isinstance(getattr(exc, "dead", None), bool):
+            return exc
         exc = exc.__cause__ or exc.__context__
-    return [1 - me] if world == 2 else []
+    return None
+
+
+_CONNECTION_CLOSED = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|ECONNRESET|EPIPE|EOF",
+                                re.IGNORECASE)
 
 
 def peer_failure_message(exc: BaseException, rank: int, world: int, timeout_s: float, hint: str) -> str:
-    """The one message of a peer failure seen on `rank`: who was lost, the timeout, where to resume (`hint`)."""
-    ranks = _lost_ranks(exc, world, rank)
+    """The one message of a peer failure seen on `rank`: what happened to whom, then where to resume (`hint`).
+
+    A rank is said to have exited only on evidence: `PeerLostError(dead=True)` (its process is gone) or a closed
+    connection; one alive but elsewhere is named as alive (with where each rank is, from `core_parallel.trace`);
+    a timeout with neither is said to be a timeout, its rank's liveness unknown."""
+    named = _peer_error(exc)
+    ranks = [int(r) for r in named.ranks] if named is not None and named.ranks else [1 - rank] if world == 2 else []
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}" if ranks else "another rank"
-    return (f"rank {rank}: lost contact with {who} (it died or did not answer within the collective timeout of "
-            f"{timeout_s:g}s); training stopped. {hint} Cause: {exc}")
+    if named is not None and named.dead:
+        what = f"lost contact with {who}: its process exited"
+    elif named is not None:
+        where = f" Where each rank is: {named.where}." if getattr(named, "where", "") else ""
+        what = (f"{who} did not answer within the collective timeout of {timeout_s:g}s; no process died (alive "
+                f"but elsewhere).{where}")
+    elif _CONNECTION_CLOSED.search(str(exc)):
+        what = f"lost contact with {who}: its connection closed (its process exited or its host went away)"
+    else:
+        what = (f"{who} did not answer within the collective timeout of {timeout_s:g}s (whether it is alive cannot "
+                f"be seen from this rank; {TRACE_ENV}=1 records where each rank is)")
+    return f"rank {rank}: {what}; training stopped. {hint} Cause: {exc}"
 
 
 def resume_hint(path: str | None, advice: str | None) -> str:

@@ -342,6 +342,16 @@ class _ShardedStrategy(DDPStrategy):
         logger.error(message)
         exception.args = (message,)
 
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier, as a traced collective once the core is set up: a rank waiting here is named
+        with where it is when another rank's collective times out, and its own timeout says where the others are."""
+        collectives = getattr(self._core_optimizer, "collectives", None)
+        if collectives is None:
+            super().barrier(name, *args, **kwargs)
+            return
+        with collectives.collective(f"barrier({name})" if name else "barrier"):
+            super().barrier(name, *args, **kwargs)
+
     def on_train_start(self) -> None:
         super().on_train_start()
         watch_sigterm(self.lightning_module.trainer, self._preemption)

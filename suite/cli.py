@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..core_parallel.groups import end_process_groups
 from .errors import EXIT_USAGE, UsageError, missing_extra
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_default_backend(os.environ[ENV_VAR], source=ENV_VAR)
     module = importlib.import_module(COMMANDS[args.command][0], __package__)
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
     except UsageError as exc:
         if args.debug:
             raise
@@ -97,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"suite {args.command}: interrupted\n")
         return 130
+    end_process_groups()  # a torchrun job's ranks end together, before the interpreter's exit tears anything down
+    return code
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..host_comm import HostCollectives
+from ..trace import CollectiveTrace
 from .host_memory import HostPages, PageRecycler
 from .layout import ChunkSpec
 from .state import ChunkState, ChunkStateMachine
@@ -43,6 +44,8 @@ class ChunkEnv:
     """The process group the chunks are sharded over (None: the default group, or one process)."""
     map_elems: int
     """Elements of every CPU mapping (the largest chunk's size): all alike, so pages move between any two."""
+    collectives: CollectiveTrace
+    """Where this rank is in its collectives (`core_parallel.trace`): the failing one names every rank's."""
     recycler: PageRecycler | None = None
     """CPU devices: hands the pages of released mappings to the next filled (None elsewhere)."""
     host_comm: HostCollectives | None = None
@@ -79,6 +82,7 @@ class Chunk:
         self.recycler = env.recycler
         self.map_elems = env.map_elems
         self.host_comm = env.host_comm
+        self.collectives = env.collectives
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -147,9 +151,11 @@ class Chunk:
             if src is not out:
                 out.copy_(src)
         elif self.host_comm is not None:
-            self.host_comm.all_gather(out, src)
+            with self.collectives.collective("all_gather", self.index):
+                self.host_comm.all_gather(out, src)
         else:
-            self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
+            with self.collectives.collective("all_gather", self.index):
+                self._work = dist.all_gather_single(out, src, group=self.group, async_op=async_op)
             self._src = src if async_op else None
         if not async_op:
             self.master.done()  # NVMe pages read: out of resident memory again
@@ -157,7 +163,8 @@ class Chunk:
     def wait(self) -> None:
         """Finish an async gather."""
         if self.sm.data is ChunkState.GATHERING:
-            self._work.wait()
+            with self.collectives.collective("all_gather (wait)", self.index):
+                self._work.wait()
             self._work = self._src = None
             self.master.done()
             self.sm.to(ChunkState.GATHERED)
@@ -217,10 +224,11 @@ class Chunk:
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
         work = None
-        if self.host_comm is not None:
-            self.host_comm.reduce_scatter(out, full)
-        else:
-            work = dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)
+        with self.collectives.collective("reduce_scatter", self.index):
+            if self.host_comm is not None:
+                self.host_comm.reduce_scatter(out, full)
+            else:
+                work = dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op)
         return Reduction(self, out, work)  # work: None unless async through the process group
 
     def gather_fp32(self, buf: TieredBuffer) -> torch.Tensor:
@@ -230,7 +238,8 @@ class Chunk:
         if self.world == 1:
             return local.cpu()
         out = torch.empty(self.spec.size, dtype=torch.float32, device=self.full.device)
-        dist.all_gather_single(out, local, group=self.group)
+        with self.collectives.collective("all_gather (fp32)", self.index):
+            dist.all_gather_single(out, local, group=self.group)
         return out.cpu()
 
 
@@ -247,7 +256,8 @@ class Reduction:
     def finish(self) -> torch.Tensor:
         c = self.chunk
         if self.work is not None:
-            self.work.wait()
+            with c.collectives.collective("reduce_scatter (wait)", c.index):
+                self.work.wait()
             self.work = None
         if c.world > 1:
             self.out.div_(c.world)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..host_comm import HostCollectives
+from ..trace import CollectiveTrace
 from .chunk import Chunk, ChunkEnv, Reduction
 from .config import GeminiConfig
 from .host_memory import HostHeap, PageRecycler
@@ -63,8 +64,10 @@ class ChunkManager:
         if device.type == "cpu" and world > 1 and config.host_collectives:
             slot = min(max((s.size // world * 4 for s in specs), default=1), HOST_COMM_SLOT_BYTES)
             self.host_comm = HostCollectives.create(group, slot)
+        # where this rank is in its collectives, and the error naming where every rank is when one fails
+        self.collectives = CollectiveTrace.create(group)
         env = ChunkEnv(rank=rank, world=world, device=device, dtype=dtype, group=group, map_elems=map_elems,
-                       recycler=self.pages, host_comm=self.host_comm)
+                       recycler=self.pages, host_comm=self.host_comm, collectives=self.collectives)
         self.chunks = self._build_chunks(specs, env, state_kinds)
         self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
         # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,
@@ -417,7 +420,8 @@ class ChunkManager:
         keys = sorted(self.had_grad)
         flags = torch.tensor([self.had_grad[k] for k in keys], dtype=torch.uint8, device=self.device)
         if self.world > 1 and flags.numel():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            with self.collectives.collective("all_reduce(used parameters)"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return {k for k, f in zip(keys, flags.tolist()) if f}
 
     def end_step(self) -> None:
@@ -431,6 +435,7 @@ class ChunkManager:
         self.trace.freeze()
         self.trace.new_step()
         self.ledger.new_step()
+        self.collectives.end_step()
 
     def memory_report(self) -> dict:
         """Bytes per tier and kind on this rank, the device peak and the traffic since the last step."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..loss_scaler import DynamicLossScaler
+from ..trace import CollectiveTrace
 from .adam import AdamHyper, SgdHyper, adam_update_, sgd_update_
 from .chunk import Chunk
 from .config import GeminiConfig
@@ -130,6 +131,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 yield c.grad.view()
                 c.grad.done()
 
+    @property
+    def collectives(self) -> CollectiveTrace:
+        """Where this rank is in its collectives (`core_parallel.trace`), as `ZeroOptimizer.collectives`."""
+        return self.manager.collectives
+
     def _prepare(self) -> bool:
         """Once per step under fp16: agree on overflow across ranks, unscale. Returns True on overflow."""
         if self._prepared is None:
@@ -141,7 +147,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                         flag[0] = 1.0
                 if self.manager.world > 1:
                     flag = flag.to(self.manager.device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.manager.group)
+                    with self.collectives.collective("all_reduce(overflow)"):
+                        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.manager.group)
                 overflow = bool(flag.item())
                 if not overflow:
                     for g in self._grad_shards():
@@ -173,7 +180,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 c.grad.done()
         if self.manager.world > 1:
             sq = sq.to(self.manager.device)
-            dist.all_reduce(sq, group=self.manager.group)
+            with self.collectives.collective("all_reduce(grad norm)"):
+                dist.all_reduce(sq, group=self.manager.group)
         return sq.sqrt().float().cpu()
 
     @torch.no_grad()

@@ -29,7 +29,8 @@ What happens:
   as on one process; a parameter with a gradient on some ranks only gets the average with zeros elsewhere.
 - A rank that dies (killed, OOM) makes the others' next collective raise `core_parallel.peers.PeerLostError`
   naming it (`backward`, `step`, `clip_grad_norm`, `grad_norm`, `load_sharded_state`), not the transport's
-  "Connection reset by peer" alone (kept as the cause).
+  "Connection reset by peer" alone (kept as the cause); a collective that times out with every rank alive says
+  so and where each rank is (`core_parallel.trace`, `self.collectives`).
 
 Checkpoints: this class implements the protocol of `core_parallel.checkpoint` (`sharded_state`,
 `load_sharded_state`); use `core_parallel.save_checkpoint` / `load_checkpoint`. `state_dict()` is this
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from .. import flat
 from ..groups import world_rank
 from ..loss_scaler import DynamicLossScaler
-from ..peers import PeerWatch, named_peer_failures
+from ..trace import CollectiveTrace
 from .config import ZeroConfig
 from .reducer import GradReducer, Slot
 
@@ -67,11 +68,14 @@ _OWN_BUCKET_BYTES = 1 << 20  # parameters this large (or the bucket size, if sma
 
 
 def _names_lost_ranks(method: Callable) -> Callable:
-    """A collective of `method` failing because a rank died raises `PeerLostError` naming it (`core_parallel.peers`)."""
+    """`method` runs as a traced collective (`core_parallel.trace`): a rank that exited is named, and a timeout
+    says where each rank is."""
+
+    op = f"zero.{method.__name__}"
 
     @functools.wraps(method)
     def wrapper(self: ZeroOptimizer, *args: Any, **kwargs: Any) -> Any:
-        with named_peer_failures(self._peers):
+        with self.collectives.collective(op):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -113,7 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.config = config
         self.process_group = group
         self.world, self.rank = world_rank(group)
-        self._peers = PeerWatch.create(group)  # a rank that dies is named in the survivors' errors
+        self.collectives = CollectiveTrace.create(group)  # where each rank is, and an exited rank by name, on a failure
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.loss_scaler.on(config.precision))
         self.model = model
         self._retire_previous(model)
@@ -307,6 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.step()
             self._reducer.gather_params()
         self._clear_grads()
+        self.collectives.end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,199 @@
+"""Where each rank is: the collective it is in or last finished (operation, chunk, step), and the error that says
+so when a collective cannot complete.
+
+ZeRO and Gemini run their collectives inside `CollectiveTrace.collective(op, chunk)`, which notes this rank's
+record (a few attribute writes). When a collective fails:
+- a peer whose process is gone (`/proc`, `core_parallel.peers`) is named as exited: `PeerLostError(dead=True)`;
+- otherwise, when the failure is the transport's timeout (or a shared-memory barrier's), every rank that timed
+  out publishes its record in the process group's store and reads the others' for a few seconds (a peer stuck
+  in another collective times out too, within about the gap between the two entries); the error,
+  `PeerLostError(dead=False)`, says that no watched process died and lists where each rank is. A rank alive but
+  outside every traced collective (busy, sleeping, in a call of its own) is named as alive, with no record;
+- a failure that is neither passes unchanged.
+
+`LOWMEM_TRACE_COLLECTIVES=1` (the debug switch, `TRACE_ENV`) also publishes each record as the collective
+starts, so a timeout names every rank's last collective, also of a rank that is nowhere in a collective now
+(a store write per collective: for debugging, not for speed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from .groups import group_timeout, world_rank
+from .peers import PeerLostError, PeerWatch, running
+
+__all__ = ["TRACE_ENV", "CollectiveTrace", "Record", "is_transport_timeout", "tracing_requested"]
+
+TRACE_ENV = "LOWMEM_TRACE_COLLECTIVES"
+"""Environment variable: "1" publishes every rank's record at each collective (read when a trace is created)."""
+_MAX_WAIT_S = 10.0  # longest a timed-out rank waits for the others' records
+
+
+def tracing_requested() -> bool:
+    """Whether `LOWMEM_TRACE_COLLECTIVES` asks for every collective to be published."""
+    return os.environ.get(TRACE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def is_transport_timeout(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's timeout (gloo: "Timed out waiting ...", NCCL: "Watchdog caught collective
+    operation timeout", a shared-memory barrier's `PeerLostError(dead=False)`)."""
+    if isinstance(exc, PeerLostError):
+        return not exc.dead
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One rank's collective: `state` "in" (entered, not finished) or "done"; `since`: when (epoch seconds)."""
+
+    rank: int
+    op: str
+    chunk: int | None
+    step: int
+    state: str
+    since: float
+
+    def what(self) -> str:
+        """'all_gather (chunk 3, step 2)'."""
+        chunk = f"chunk {self.chunk}, " if self.chunk is not None else ""
+        return f"{self.op} ({chunk}step {self.step})"
+
+    def describe(self, now: float) -> str:
+        """Where the rank is, as of `now`."""
+        if self.state == "in":
+            return f"rank {self.rank} in {self.what()} for {now - self.since:.1f}s"
+        return (f"rank {self.rank} in no traced collective; its last, {self.what()}, finished "
+                f"{now - self.since:.1f}s ago")
+
+
+class CollectiveTrace:
+    """This rank's record of its collectives over `group`, and the error naming where every rank is when one
+    fails. Build with `create` (collective over `group`)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, watch: PeerWatch | None, publish: bool | None = None) -> None:
+        self.group = group
+        self.world, self.rank = world_rank(group)
+        self.watch = watch
+        self.publish_all = tracing_requested() if publish is None else publish
+        """Publish every record as its collective starts (`LOWMEM_TRACE_COLLECTIVES`)."""
+        self.step = 0
+        """The optimizer steps finished (the owner calls `end_step`)."""
+        self.last: Record | None = None
+        self._store, self._prefix = _group_store(group) if self.world > 1 else (None, "")
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, publish: bool | None = None) -> CollectiveTrace:
+        """Collective over `group` (the ranks' identities, `PeerWatch.create`)."""
+        return cls(group, PeerWatch.create(group), publish)
+
+    def end_step(self) -> None:
+        """An optimizer step finished: later records carry the next step number."""
+        self.step += 1
+
+    @contextlib.contextmanager
+    def collective(self, op: str, chunk: int | None = None) -> Iterator[None]:
+        """Inside: this rank is in collective `op` (of `chunk`); a failure of it raises `PeerLostError` naming an
+        exited rank, or, on a timeout with every watched rank alive, where each rank is (other errors pass)."""
+        outer = self.last
+        entry = self._note(Record(self.rank, op, chunk, self.step, "in", time.time()))
+        try:
+            yield
+        except (RuntimeError, ConnectionError, TimeoutError) as exc:
+            named = self.explain(exc)
+            if named is None:
+                raise
+            raise named from exc
+        # a collective nested in another (a gather inside a traced method) hands the outer one its record back
+        if outer is not None and outer.state == "in":
+            self.last = outer
+        else:  # the step it ran in, also when it ended the step
+            self._note(dataclasses.replace(entry, state="done", since=time.time()))
+
+    def explain(self, exc: BaseException) -> PeerLostError | None:
+        """The error for a failed collective: an exited peer by name, or where each rank is after a timeout;
+        None for other failures (and for an error that already says so)."""
+        if getattr(exc, "where", None) or self.world == 1:
+            return None
+        if isinstance(exc, PeerLostError) and exc.dead:
+            return None
+        lost = self.watch.lost(exc, wait_s=0.5 if is_transport_timeout(exc) else None) if self.watch else None
+        if lost is not None or not is_transport_timeout(exc):
+            return lost
+        return self._alive_error(exc)
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _note(self, record: Record) -> Record:
+        self.last = record
+        if self.publish_all:
+            self._publish()
+        return record
+
+    def _publish(self) -> None:
+        if self._store is None or self.last is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # a store gone with its host: nothing to tell
+            self._store.set(f"{self._prefix}{self.rank}", json.dumps(dataclasses.asdict(self.last)))
+
+    def _records(self, wait_s: float) -> dict[int, Record]:
+        """The other ranks' published records, waiting up to `wait_s` for those not published yet."""
+        found: dict[int, Record] = {}
+        if self._store is None:
+            return found
+        deadline = time.monotonic() + wait_s
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            while True:
+                for r in others:
+                    key = f"{self._prefix}{r}"
+                    if r not in found and self._store.check([key]):
+                        found[r] = Record(**json.loads(self._store.get(key)))
+                if len(found) == len(others) or time.monotonic() > deadline:
+                    return found
+                time.sleep(0.05)
+        except (RuntimeError, ValueError, OSError, TypeError):
+            return found
+
+    def _alive_error(self, exc: BaseException) -> PeerLostError:
+        timeout = group_timeout(self.group)
+        self._publish()
+        records = self._records(min(_MAX_WAIT_S, timeout))
+        now = time.time()
+        watched = {r: (pid, start) for r, pid, start in (self.watch.watched if self.watch else [])}
+        lines, alive = [], []
+        for r in range(self.world):
+            if r == self.rank:
+                lines.append(self.last.describe(now) if self.last else f"rank {r}: no record")
+                continue
+            if r in watched and running(*watched[r]):
+                alive.append(f"rank {r} (pid {watched[r][0]})")
+            seen = "alive" if r in watched else "liveness not visible from this host"
+            lines.append(records[r].describe(now) + f" ({seen})" if r in records else
+                         f"rank {r} ({seen}) in no traced collective that timed out with this one; "
+                         f"{TRACE_ENV}=1 records its last")
+        ranks = [r for r in range(self.world) if r != self.rank]
+        late = getattr(exc, "ranks", None) or ranks
+        what = self.last.what() if self.last else "a collective"
+        head = (f"rank {self.rank}: {what} timed out after {timeout:g}s; no process died ({', '.join(alive)} "
+                f"alive)" if len(alive) == len(ranks) else
+                f"rank {self.rank}: {what} timed out after {timeout:g}s; no watched process died")
+        where = "; ".join(lines)
+        return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where)
+
+
+def _group_store(group: dist.ProcessGroup | None) -> tuple[dist.Store | None, str]:
+    """The default store and a key prefix unique to `group` (None when the store is not reachable)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return store, f"lowmem-trace/{getattr(pg, 'group_name', '') or 'default'}/"
+    except (AttributeError, RuntimeError, ValueError):
+        return None, ""
