@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .folders import training_scheduler
 
 __all__ = ["COMPONENTS", "check_pipeline_folder", "drop_folder_cache", "load_components", "load_text_encoder",
            "load_unet", "make_pipeline", "resolve_pretrained"]
@@ -107,7 +108,7 @@ def load_text_encoder(folder: Path, variant: str | None, dtype: Any, cls: Any = 
 def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str | None = None,
                  vae_dtype: Any = None, text_encoder_dtype: Any = None, stream_unet: bool = False,
                  unet_folder: Path | None = None) -> dict[str, Any]:
-    from diffusers import AutoencoderKL, DDPMScheduler
+    from diffusers import AutoencoderKL
     from transformers import CLIPTokenizer
 
     check_pipeline_folder(folder)
@@ -122,7 +123,7 @@ def _from_folder(folder: Path, variant: str | None = None, tokenizer_name: str |
         "vae": lambda: AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant, **vae_kw),
         "text_encoder": lambda: load_text_encoder(folder, variant, text_encoder_dtype),
         "tokenizer": tokenizer_source,
-        "scheduler": lambda: DDPMScheduler.from_pretrained(folder, subfolder="scheduler"),
+        "scheduler": lambda: training_scheduler(folder),
         "inference_scheduler": lambda: _scheduler_class(folder).from_pretrained(folder, subfolder="scheduler"),
     }
     out = {}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .errors import InputError
+from .folders import training_scheduler
 from .lora import save_lora_weights
 from .models import check_pipeline_folder, drop_folder_cache, load_text_encoder, load_unet, resolve_pretrained
 
@@ -82,7 +83,7 @@ def _loaders(folder: Path, vae_folder: Path | None, variant: str | None, vae_dty
              stream_unet: bool) -> dict[str, tuple[Path, Any]]:
     """Component name -> (its folder, a function loading it)."""
     import diffusers
-    from diffusers import AutoencoderKL, DDPMScheduler
+    from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     sched_class = json.loads((folder / "scheduler" / "scheduler_config.json").read_text()).get("_class_name")
@@ -100,7 +101,7 @@ def _loaders(folder: Path, vae_folder: Path | None, variant: str | None, vae_dty
         "tokenizer": (folder / "tokenizer", lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")),
         "tokenizer_2": (folder / "tokenizer_2",
                         lambda: CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2")),
-        "scheduler": (folder / "scheduler", lambda: DDPMScheduler.from_pretrained(folder, subfolder="scheduler")),
+        "scheduler": (folder / "scheduler", lambda: training_scheduler(folder)),
         "inference_scheduler": (folder / "scheduler",
                                 lambda: sched_class.from_pretrained(folder, subfolder="scheduler")),
     }

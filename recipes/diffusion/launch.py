@@ -29,7 +29,7 @@ from .accelerate_checkpoint import check_files, lightning_checkpoint
 from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
 from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
 from .datamodule import ImageCaptionData
-from .module import StableDiffusionFineTune
+from .module import EVAL_MODE_WARNING, StableDiffusionFineTune
 
 __all__ = ["build_strategy", "build_trainer", "check_run", "fit_finetune", "fit_with_ray", "trainer_kwargs"]
 
@@ -37,9 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 # -- before anything loads --------------------------------------------------------------------------------------
-def check_run(cfg: FineTuneConfig) -> None:
-    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded."""
+def check_run(cfg: FineTuneConfig, family: str = "sd") -> None:
+    """Refuse, with one line, settings that cannot run here; called before any data or model is loaded. `family`:
+    the model family the run trains (`sd`, `sdxl`): a pipeline folder of another one is refused."""
     _check_strategy_name(cfg.strategy)
+    _check_model_folder(cfg, family)
     cuda = torch.cuda.is_available()
     if cfg.mixed_precision == "fp16" and not cuda:
         raise InputError("--mixed_precision fp16: needs a CUDA device (fp16 training on CPU is not supported); "
@@ -61,6 +63,22 @@ def check_run(cfg: FineTuneConfig) -> None:
     if cfg.with_prior_preservation and cfg.sample_batch_size < 1 and _class_images(cfg) < cfg.num_class_images:
         raise InputError(f"--sample_batch_size {cfg.sample_batch_size}: class images are to be generated "
                          f"(--num_class_images {cfg.num_class_images}), which needs a batch size >= 1")
+
+
+def _check_model_folder(cfg: FineTuneConfig, family: str) -> None:
+    """The base folder's family, scheduler and VAE (`diffusion.folders`), from their configs; the tiny built-in
+    pipeline and single files (diffusers' own SD configs) need no check."""
+    from ...diffusion.folders import check_model_folder
+    from ...diffusion.models import resolve_pretrained
+
+    if cfg.pretrained_model_name_or_path is None:
+        return
+    folder = resolve_pretrained(cfg.pretrained_model_name_or_path, revision=cfg.revision, cache_dir=cfg.cache_dir)
+    if not folder.is_dir():
+        return
+    vae = getattr((cfg.extra or {}).get("sdxl"), "pretrained_vae_model_name_or_path", None)
+    check_model_folder(folder, family, vae_folder=resolve_pretrained(vae, cache_dir=cfg.cache_dir) if vae else None,
+                       prediction_type=cfg.prediction_type, lora=cfg.lora, dreambooth=bool(cfg.instance_data_dir))
 
 
 def _class_images(cfg: FineTuneConfig) -> int:
@@ -208,7 +226,7 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
                  data_cls: type[ImageCaptionData] = ImageCaptionData, **trainer_overrides: Any) -> Any:
     """Run one fine-tuning as `suite diffusion finetune` does; returns the finished module. `module_cls` and
     `data_cls` give another model family the same run (checks, run length, resume, Trainer): SDXL's."""
-    check_run(cfg)
+    check_run(cfg, module_cls.family)
     data, length, ckpt = _prepare(cfg, cfg.devices * cfg.num_nodes, data_cls)
     # as the scripts' set_seed(args.seed) before the models load: LoRA's random initial weights follow the seed,
     # not whatever the process drew before (a second run in one process, a library caller)
@@ -225,6 +243,8 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
         with warnings.catch_warnings():
             # a resumed run restarts its epoch from the first batch, as diffusers' scripts do (diffusion.schedule)
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            # Lightning flags every module in eval mode; the frozen ones are on purpose (the module checks the trained)
+            warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     finally:
         if converted is not None:

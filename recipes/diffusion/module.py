@@ -20,7 +20,7 @@ from ...diffusion.config import FineTuneConfig
 from ...diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 from ..strategies import GeminiStrategy
 
-__all__ = ["StableDiffusionFineTune", "restart_at_epoch", "stream_unet"]
+__all__ = ["EVAL_MODE_WARNING", "StableDiffusionFineTune", "restart_at_epoch", "stream_unet", "warn_trained_in_eval"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ class StableDiffusionFineTune(pl.LightningModule):
     The VAE (and the text encoder unless trained) are frozen and, under mixed precision, held in the
     half dtype. `components` overrides loading from `config.pretrained_model_name_or_path`.
     """
+
+    family = "sd"
+    """The model family it trains (`diffusion.folders.model_family`): a base folder of another is refused."""
 
     def __init__(self, config: FineTuneConfig | None = None, components: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -70,6 +73,7 @@ class StableDiffusionFineTune(pl.LightningModule):
         self.length: Any = None
         """The run's `diffusion.schedule.RunLength` (set by `fit_finetune`): the LR schedule's length and, on
         resume, the epoch the loops restart at; None under a plain Trainer (its max_steps, its loop state)."""
+        self.set_modes()
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -86,6 +90,7 @@ class StableDiffusionFineTune(pl.LightningModule):
                 "stream_unet": stream_unet(cfg)}
 
     def setup(self, stage: str) -> None:
+        self.set_modes()
         if not isinstance(self.trainer.strategy, GeminiStrategy):
             self.fill_hollow()
 
@@ -125,10 +130,12 @@ class StableDiffusionFineTune(pl.LightningModule):
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
 
     def set_modes(self) -> None:
-        """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them.
+        """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them (`unet.train()`,
+        the text encoder's `train()` only when it is trained; the rest as `from_pretrained` leaves it, eval).
 
-        Lightning keeps submodules in the mode they were loaded in (`from_pretrained` gives eval), and
-        transformers' CLIP runs its gradient checkpointing only in train mode.
+        Set at construction and again in `setup` and `on_train_start` (a pipeline built for class images or
+        validation restores the modes it found); transformers' CLIP runs its gradient checkpointing only in train
+        mode.
         """
         cfg = self.config
         self.unet.train()
@@ -137,6 +144,7 @@ class StableDiffusionFineTune(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.set_modes()
+        warn_trained_in_eval(self)
 
     def trainable_names(self) -> set[str]:
         """State-dict names of the trained parameters (what a checkpoint keeps)."""
@@ -307,6 +315,21 @@ class StableDiffusionFineTune(pl.LightningModule):
             for m, mode in modes.items():
                 m.training = mode
 
+
+
+EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
+"""Lightning's check at the start of fit, which flags every module in eval mode: the frozen VAE and encoders are,
+on purpose (as in diffusers' scripts); `warn_trained_in_eval` checks what matters instead."""
+
+
+def warn_trained_in_eval(module: pl.LightningModule) -> list[str]:
+    """Warn (once, naming them) about the modules with trained parameters that are in eval mode; returns them."""
+    bad = [name for name, m in module.named_modules()
+           if not m.training and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if bad:
+        logger.warning("%d module(s) with trained parameters are in eval mode at the start of training: %s", len(bad),
+                       ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
+    return bad
 
 
 def stream_unet(cfg: FineTuneConfig) -> bool:

@@ -49,6 +49,8 @@ def _load_sdxl(cfg: FineTuneConfig) -> dict[str, Any]:
 class StableDiffusionXLFineTune(StableDiffusionFineTune):
     """Fine-tunes an SDXL UNet (whole, or LoRA adapters; with `train_text_encoder`, LoRA on both text encoders)."""
 
+    family = "sdxl"
+
     def __init__(self, config: FineTuneConfig, components: dict[str, Any] | None = None) -> None:
         comps = dict(components or _load_sdxl(config))
         second = comps.pop("text_encoder_2"), comps.pop("tokenizer_2")
@@ -57,6 +59,7 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
         self.text_encoder_2, self.tokenizer_2 = second
         self.vae_source: Path | None = self_vae_source
         self._freeze_second_encoder()
+        self.set_modes()
         self.text_embeddings: Any = None
         """`diffusion.precompute.TextEmbeddings` of every prompt (`--precompute text|both`), else None."""
         self.latent_stores: Any = None
@@ -90,7 +93,7 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
         """As the SD recipe's, for the models still held (`--precompute` drops the frozen encoders / the VAE)."""
         self.unet.train()
         for name in ("vae", "text_encoder", "text_encoder_2"):
-            part = getattr(self, name)
+            part = getattr(self, name, None)  # the base class sets the modes before the second encoder is there
             if part is not None:
                 part.train(name != "vae" and self.config.train_text_encoder)
 
