@@ -98,22 +98,43 @@ def _named(path: Path, prefix: str, module: torch.nn.Module) -> dict[str, torch.
     return {f"{prefix}.{k}": v.to(own[k].dtype) for k, v in weights.items()}
 
 
+def _lora_names(module: StableDiffusionFineTune) -> dict[str, str]:
+    """The file key of each trained LoRA parameter -> its name in the module. The scripts' save hooks write
+    `convert_state_dict_to_diffusers(get_peft_model_state_dict(model))` of the UNet and of each trained text encoder
+    under the component's prefix (`save_lora_weights`: `unet.`, `text_encoder.`, `text_encoder_2.`), so the keys
+    are those renamings of peft's names (the adapter's name left out) of this module's own parameters."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    out = {}
+    for part in ("unet", "text_encoder", "text_encoder_2"):
+        model = getattr(module, part, None)
+        if model is None:
+            continue
+        peft = {n.replace(".default.", "."): n for n, p in model.named_parameters() if p.requires_grad}
+        if peft:
+            out.update({f"{part}.{key}": f"{part}.{name}"
+                        for key, name in convert_state_dict_to_diffusers(peft).items()})
+    return out
+
+
 def _lora(path: Path, module: StableDiffusionFineTune) -> dict[str, torch.Tensor]:
-    """diffusers' LoRA names (`unet.<layer>.lora.down.weight`) as peft's in the module (`lora_A.default`)."""
-    names = {"lora.down.weight": "lora_A.default.weight", "lora.up.weight": "lora_B.default.weight"}
-    own = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    """The LoRA file's layers (diffusers' names: `unet.<layer>.lora.down.weight`, `text_encoder.<layer>.
+    lora_linear_layer.down.weight`, ...) as the module's peft parameters (`lora_A.default.weight`)."""
+    names = _lora_names(module)
+    own = dict(module.named_parameters())
     out = {}
     for key, value in _safetensors(path).items():
-        base, _, tail = key.partition(".lora.")
-        name = f"{base}.{names.get('lora.' + tail, tail)}"
-        if name not in own:
-            raise InputError(f"{path}: {key} is not a LoRA layer of this run (rank {module.config.rank}, "
-                             "the UNet's to_q/to_k/to_v/to_out.0)")
+        name = names.get(key)
+        if name is None:
+            trained = "the UNet's" + (" and the text encoders'" if module.config.train_text_encoder else "")
+            raise InputError(f"{path}: {key} is not a LoRA layer of this run (rank {module.config.rank}, {trained} "
+                             "attention projections)")
         if value.shape != own[name].shape:
             raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
         out[name] = value.to(own[name].dtype)
-    if len(out) != len(own):
-        raise InputError(f"{path}: {len(out)} LoRA tensors, this run trains {len(own)}")
+    if len(out) != len(names):
+        missing = sorted(set(names) - set(_safetensors(path)))
+        raise InputError(f"{path}: {len(out)} LoRA tensors, this run trains {len(names)} (missing {missing[0]})")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,30 @@ def sdxl_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])
+
+
+# -- accelerate's checkpoint-N of diffusers' scripts, from ours -----------------------------------------------
+def as_accelerate(ours: Path, folder: Path) -> None:
+    """accelerate's checkpoint-N as diffusers' scripts write it (the same files and formats), from our checkpoint
+    `ours` of the same step: the save hooks' unet/ (+ unet_ema/ with EMAModel's config keys) or LoRA file, and
+    `torch.save` of the optimizer's and the scheduler's state_dict() and of the RNG states."""
+    import random
+
+    import torch
+
+    folder.mkdir(parents=True)
+    state = torch.load(ours / "trainer_state.ckpt", weights_only=False)
+    for name in ("unet", "unet_ema", "pytorch_lora_weights.safetensors"):
+        if (ours / name).is_dir():
+            shutil.copytree(ours / name, folder / name)
+        elif (ours / name).is_file():
+            shutil.copy(ours / name, folder / name)
+    if (folder / "unet_ema").is_dir():  # EMAModel.save_pretrained adds its state to the UNet's config
+        config = json.loads((folder / "unet_ema" / "config.json").read_text())
+        config.update(decay=0.9999, optimization_step=state["ema"]["optimization_step"], use_ema_warmup=False)
+        (folder / "unet_ema" / "config.json").write_text(json.dumps(config))
+    torch.save(state["optimizer_states"][0], folder / "optimizer.bin")
+    torch.save(state["lr_schedulers"][0], folder / "scheduler.bin")
+    torch.save({"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                "torch_manual_seed": torch.get_rng_state()}, folder / "random_states_0.pkl")
+    assert {p.name for p in folder.iterdir()} >= {"optimizer.bin", "scheduler.bin", "random_states_0.pkl"}

@@ -11,7 +11,7 @@ import torch
 from lowmem.diffusion.config import FineTuneConfig
 from lowmem.diffusion.errors import InputError
 from lowmem.diffusion.schedule import run_length
-from tests.diffusion.conftest import write_image_folder
+from tests.diffusion.conftest import as_accelerate, write_image_folder
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -121,36 +121,9 @@ def test_resume_trains_to_the_new_end_bitwise_and_one_step_past_it(tmp_path, ima
     assert sorted(p.name for p in (tmp_path / "five").iterdir()) == before
 
 
-def _as_accelerate(ours, folder):
-    """accelerate's checkpoint-N as diffusers' scripts write it (the same files and formats), from our checkpoint
-    `ours` of the same step: the save hooks' unet/ (+ unet_ema/ with EMAModel's config keys) or LoRA file, and
-    `torch.save` of the optimizer's and the scheduler's state_dict() and of the RNG states."""
-    import json
-    import random
-
-    import numpy as np
-
-    folder.mkdir(parents=True)
-    state = torch.load(ours / "trainer_state.ckpt", weights_only=False)
-    for name in ("unet", "unet_ema", "pytorch_lora_weights.safetensors"):
-        if (ours / name).is_dir():
-            shutil.copytree(ours / name, folder / name)
-        elif (ours / name).is_file():
-            shutil.copy(ours / name, folder / name)
-    if (folder / "unet_ema").is_dir():  # EMAModel.save_pretrained adds its state to the UNet's config
-        config = json.loads((folder / "unet_ema" / "config.json").read_text())
-        config.update(decay=0.9999, optimization_step=state["ema"]["optimization_step"], use_ema_warmup=False)
-        (folder / "unet_ema" / "config.json").write_text(json.dumps(config))
-    torch.save(state["optimizer_states"][0], folder / "optimizer.bin")
-    torch.save(state["lr_schedulers"][0], folder / "scheduler.bin")
-    torch.save({"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
-                "torch_manual_seed": torch.get_rng_state()}, folder / "random_states_0.pkl")
-    assert {p.name for p in folder.iterdir()} >= {"optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
-
-
 def test_accelerate_checkpoint_of_the_scripts_resumes(tmp_path, image_folder, whole, caplog):
     out, whole_steps = whole
-    _as_accelerate(out / "checkpoint-4", tmp_path / "acc" / "checkpoint-4")
+    as_accelerate(out / "checkpoint-4", tmp_path / "acc" / "checkpoint-4")
     assert {p.name for p in (tmp_path / "acc" / "checkpoint-4").iterdir()} == {
         "unet", "unet_ema", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
     part = Steps()
@@ -181,7 +154,7 @@ def test_accelerate_lora_checkpoint_resumes(tmp_path, image_folder):
                        gradient_accumulation_steps=2, **kw)
 
     _fit(cfg(tmp_path / "whole"))
-    _as_accelerate(tmp_path / "whole" / "checkpoint-2", tmp_path / "acc" / "checkpoint-2")
+    as_accelerate(tmp_path / "whole" / "checkpoint-2", tmp_path / "acc" / "checkpoint-2")
     part = Steps()
     _fit(cfg(tmp_path / "acc", resume_from_checkpoint="checkpoint-2"), part)
     assert [s[1] for s in part.steps] == [2, 3, 3, 4]  # after each micro-batch
