@@ -4,7 +4,9 @@ One dispatch table maps each subcommand to a module in `suite.commands` (or `sui
 Each module defines `add_arguments(parser)` and `run(args) -> int`; modules are imported only when their
 subcommand runs, so `suite --help` stays fast. Bad input raises `UsageError`: one line on stderr, exit 2; so
 does a missing optional package (the line names the extra that installs it).
-A traceback is shown only with `--debug`. A command with a config file merges its flags and the file with
+A traceback is shown only with `--debug`. A command that succeeds inside a distributed job (torchrun) ends its
+process groups on every rank before returning (`core_parallel.groups.end_process_groups`: a barrier, then
+`destroy_process_group`). A command with a config file merges its flags and the file with
 `utils.settings.merge`, the one precedence rule (explicit flag > file > default).
 """
 
@@ -98,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"suite {args.command}: interrupted\n")
         return 130
-    end_process_groups()  # a torchrun job's ranks end together, before the interpreter's exit tears anything down
+    if code == 0:  # a torchrun job's ranks end together, before the interpreter's exit tears anything down
+        end_process_groups()
     return code
 
 
