@@ -128,27 +128,30 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
                               self.loss_cfg, noise.perturbation)
 
     def configure_optimizers(self) -> Any:
-        """AdamW as the SD recipe's, the text encoders' LoRA in their own group under DreamBooth LoRA's
-        `--text_encoder_lr` / `--adam_weight_decay_text_encoder`."""
+        """AdamW as the SD recipe's; under DreamBooth LoRA's `--text_encoder_lr` / `--adam_weight_decay_text_encoder`
+        three groups as train_dreambooth_lora_sdxl.py has them (the UNet's, the first text encoder's, the second's:
+        its accelerate checkpoints' optimizer and scheduler states load as they are), the encoders' with their own
+        learning rate (the possibly scaled `--learning_rate` when not given) and weight decay."""
         s, o = sdxl_settings(self.config), self.config.optimizer
         if s.text_encoder_lr is None and s.adam_weight_decay_text_encoder is None:
             return super().configure_optimizers()
         from diffusers.optimization import get_scheduler
 
-        encoders = {id(p) for m in (self.text_encoder, self.text_encoder_2) for p in m.parameters()}
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if id(p) not in encoders]},
-                  {"params": [p for p in params if id(p) in encoders], "lr": s.text_encoder_lr or o.learning_rate,
-                   "weight_decay": (o.adam_weight_decay if s.adam_weight_decay_text_encoder is None
-                                    else s.adam_weight_decay_text_encoder)}]
         lr = o.learning_rate
         if o.scale_lr:
             train = self.config.train
             lr *= train.gradient_accumulation_steps * train.train_batch_size * self.trainer.world_size
-        opt = torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
-                                eps=o.adam_epsilon)
+        decay = o.adam_weight_decay if s.adam_weight_decay_text_encoder is None else s.adam_weight_decay_text_encoder
+        encoders = [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
+        in_encoders = {id(p) for m in encoders for p in m.parameters()}
+        groups = [{"params": [p for p in self.parameters() if p.requires_grad and id(p) not in in_encoders]},
+                  *({"params": [p for p in m.parameters() if p.requires_grad], "lr": s.text_encoder_lr or lr,
+                     "weight_decay": decay} for m in encoders)]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(o.adam_beta1, o.adam_beta2),
+                                weight_decay=o.adam_weight_decay, eps=o.adam_epsilon)
         sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
-                              num_training_steps=max(1, self.trainer.max_steps), num_cycles=o.lr_num_cycles,
+                              num_training_steps=max(1, self.length.max_train_steps if self.length
+                                                     else self.trainer.max_steps), num_cycles=o.lr_num_cycles,
                               power=o.lr_power)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -85,3 +85,17 @@ def test_modes_are_set_before_lightning_looks(tmp_path, dropout_folder):
     in_eval = {name.split(".")[0] for name, m in module.named_modules() if not m.training}
     assert in_eval == {"vae", "text_encoder"}, in_eval
     assert all(m.training for m in module.unet.modules())
+
+
+@pytest.mark.parametrize(("train_text_encoder", "frozen"), [(True, {"vae"}),
+                                                            (False, {"vae", "text_encoder", "text_encoder_2"})])
+def test_sdxl_modes_are_set_at_construction(sdxl_folder, images, train_text_encoder, frozen):
+    from lowmem.diffusion.sdxl_scripts import sdxl_script_config
+    from lowmem.recipes.diffusion.sdxl import StableDiffusionXLFineTune
+
+    cfg = sdxl_script_config("train_text_to_image_lora_sdxl", {
+        "pretrained_model_name_or_path": str(sdxl_folder), "train_data_dir": str(images), "resolution": 32,
+        "train_text_encoder": train_text_encoder})
+    module = StableDiffusionXLFineTune(cfg)
+    in_eval = {name.split(".")[0] for name, m in module.named_modules() if not m.training}
+    assert in_eval == frozen, in_eval
