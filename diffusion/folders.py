@@ -85,6 +85,16 @@ def _check_family(folder: Path, family: str, *, lora: bool, dreambooth: bool) ->
     raise InputError(f"{what}: not supported yet (suite diffusion trains SD 1.x/2.x and SDXL UNet pipelines)")
 
 
+def _check_latent_channels(folder: Path) -> None:
+    """The UNet denoises the VAE's latents alone: an inpainting (9 channels: latents, mask, masked image) or an
+    upscaling UNet (latents and the low-resolution image) is refused; the scripts would fail in the first step."""
+    unet = _json(folder / "unet" / "config.json").get("in_channels")
+    latents = _json(folder / "vae" / "config.json").get("latent_channels")
+    if isinstance(unet, int) and isinstance(latents, int) and unet != latents:
+        raise InputError(f"{folder / 'unet' / 'config.json'}: in_channels {unet} while the VAE's latent_channels is "
+                         f"{latents} (an inpainting or upscaling UNet): not supported")
+
+
 # -- the noise schedule -----------------------------------------------------------------------------------------
 def training_scheduler(folder: Path) -> Any:
     """The training scheduler of the pipeline folder `folder`, as diffusers' scripts build it."""
@@ -155,6 +165,7 @@ def check_model_folder(folder: Path, family: str, *, vae_folder: Path | None = N
     load: the family (the command to use when it is another one), the scheduler, the VAE (`vae_folder`: a separate
     VAE folder). `lora` / `dreambooth` choose the command an error names."""
     _check_family(folder, family, lora=lora, dreambooth=dreambooth)
+    _check_latent_channels(folder)
     if (folder / "scheduler").is_dir():  # a folder missing it is refused by the loaders, naming the component
         check_scheduler(folder, prediction_type)
     check_vae(vae_folder / "config.json" if vae_folder is not None else folder / "vae" / "config.json")

@@ -224,3 +224,12 @@ def test_sdxl_command_on_an_sd_folder_names_the_sd_commands(capsys, tmp_path, sd
                               str(sd_folder), "--train_data_dir", str(image_folder), "--output_dir",
                               str(tmp_path / "out")])
     assert "Stable Diffusion 1.x/2.x" in err and "train_text_to_image_lora" in err, err
+
+
+def test_an_inpainting_unet_is_refused(tmp_path, sd_folder):
+    folder = _copy(sd_folder, tmp_path / "inpaint")
+    path = folder / "unet" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "in_channels": 9}))
+    with pytest.raises(InputError) as exc:
+        check_run(FineTuneConfig(pretrained_model_name_or_path=str(folder)))
+    _one_line(exc, str(path), "in_channels 9", "latent_channels is 4")
