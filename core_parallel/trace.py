@@ -53,7 +53,8 @@ def is_transport_timeout(exc: BaseException) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One rank's collective: `state` "in" (entered, not finished) or "done"; `since`: when (epoch seconds)."""
+    """One rank's collective: `step` is the number of optimizer steps finished before it; `state` "in" (entered,
+    not finished) or "done"; `since`: when (epoch seconds)."""
 
     rank: int
     op: str

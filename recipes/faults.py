@@ -83,7 +83,7 @@ def peer_failure_message(exc: BaseException, rank: int, world: int, timeout_s: f
     if named is not None and named.dead:
         what = f"lost contact with {who}: its process exited"
     elif named is not None:
-        where = f" Where each rank is: {named.where}." if getattr(named, "where", "") else ""
+        where = f" Where each rank is: {named.where}" if getattr(named, "where", "") else ""
         what = (f"{who} did not answer within the collective timeout of {timeout_s:g}s; no process died (alive "
                 f"but elsewhere).{where}")
     elif _CONNECTION_CLOSED.search(str(exc)):
