@@ -6,9 +6,12 @@ writes it with the scripts' save hooks (v0.40.0):
 | `unet/` (`config.json`, `diffusion_pytorch_model.safetensors`) | the hook's `save_pretrained` (full UNet) | weights |
 | `unet_ema/` | `EMAModel.save_pretrained` (--use_ema) | EMA weights; `optimization_step` in its config |
 | `text_encoder/` (`model.safetensors`) | DreamBooth's hook (--train_text_encoder) | weights |
-| `pytorch_lora_weights.safetensors` | the LoRA script's hook (`save_lora_weights`) | LoRA layers, diffusers' names |
+| `pytorch_lora_weights.safetensors` | the LoRA scripts' hook (`save_lora_weights`) | LoRA layers (1) |
 | `optimizer.bin`, `scheduler.bin` | `torch.save(x.state_dict())` of the optimizer, the LR scheduler | state |
 | `random_states_0.pkl` | `torch.save` of Python's, numpy's and torch's RNG states | RNG states |
+
+(1) diffusers' names: `unet.`, and with the SDXL scripts' `--train_text_encoder` `text_encoder.` and
+`text_encoder_2.` layers.
 
 Everything is read with `torch.load(weights_only=True)` or safetensors. The pieces become a Lightning checkpoint
 (`lightning_checkpoint`) that the run resumes like its own `checkpoint-N` (the loops restart at the scripts'
