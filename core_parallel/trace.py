@@ -104,7 +104,9 @@ class CollectiveTrace:
     def collective(self, op: str, chunk: int | None = None) -> Iterator[None]:
         """Inside: this rank is in collective `op` (of `chunk`); a failure of it raises `PeerLostError` naming an
         exited rank, or, on a timeout with every watched rank alive, where each rank is (other errors pass)."""
-        outer = self.last
+        outer = self.last if self.last is not None and self.last.state == "in" else None
+        if outer is not None:  # nested in a traced method: 'zero.backward / reduce_scatter of bucket 2'
+            op, chunk = f"{outer.op} / {op}", outer.chunk if chunk is None else chunk
         entry = self._note(Record(self.rank, op, chunk, self.step, "in", time.time()))
         try:
             yield
@@ -114,8 +116,8 @@ class CollectiveTrace:
                 raise
             raise named from exc
         # a collective nested in another (a gather inside a traced method) hands the outer one its record back
-        if outer is not None and outer.state == "in":
-            self.last = outer
+        if outer is not None:
+            self._note(outer)
         else:  # the step it ran in, also when it ended the step
             self._note(dataclasses.replace(entry, state="done", since=time.time()))
 

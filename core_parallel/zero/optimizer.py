@@ -131,6 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             world=self.world,
             rank=self.rank,
             overlap=config.overlap,
+            collectives=self.collectives,
         )
         self._prepared: bool | None = None  # None: grads not prepared; else the overflow flag
         # small control tensors (flags, norms) live where the backend can reduce them

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import flat
+from ..trace import CollectiveTrace
 
 __all__ = ["GradReducer", "Slot"]
 
@@ -135,8 +136,12 @@ class GradReducer:
         world: int,
         rank: int,
         overlap: bool,
+        collectives: CollectiveTrace,
     ) -> None:
         self.slots = list(slots)
+        self.collectives = collectives
+        """Where this rank is (`core_parallel.trace`): each bucket's wait is a traced collective, also when
+        backward runs as `loss.backward()` outside `ZeroOptimizer.backward`."""
         self.buckets = buckets
         self.stage = stage
         self.group = group
@@ -268,7 +273,8 @@ class GradReducer:
         self._pending.append(_Pending(works, b, out, keep=g))
 
     def _finish(self, p: _Pending) -> None:
-        _wait(p.works)
+        with self.collectives.collective(f"reduce_scatter of bucket {p.bucket}"):
+            _wait(p.works)
         offset = 0
         for i in self.buckets[p.bucket]:
             s = self.slots[i]
@@ -302,10 +308,12 @@ class GradReducer:
                     grid[self.rank, offset : offset + s.end - s.start].copy_(s.master)
                     offset += s.shard
                 self._unpack(b, grid, self._comm.all_gather(grid))
-            _wait(in_flight)
+            with self.collectives.collective("all_gather of the single-parameter buckets"):
+                _wait(in_flight)
 
     def _unpack(self, b: int, grid: torch.Tensor, works: list) -> None:
-        _wait(works)
+        with self.collectives.collective(f"all_gather of bucket {b}"):
+            _wait(works)
         offset = 0
         for i in self.buckets[b]:
             s = self.slots[i]
