@@ -124,8 +124,10 @@ class CollectiveTrace:
     def explain(self, exc: BaseException) -> PeerLostError | None:
         """The error for a failed collective: an exited peer by name, or where each rank is after a timeout;
         None for other failures (and for an error that already says so)."""
-        if getattr(exc, "where", None) or self.world == 1:
-            return None
+        if getattr(exc, "where", None) or getattr(exc, "_lowmem_examined", False) or self.world == 1:
+            return None  # explained already, or looked at by a nested collective (no second grace wait)
+        with contextlib.suppress(AttributeError, TypeError):
+            exc._lowmem_examined = True
         if isinstance(exc, PeerLostError) and exc.dead:
             return None
         lost = self.watch.lost(exc, wait_s=0.5 if is_transport_timeout(exc) else None) if self.watch else None
