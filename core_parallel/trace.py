@@ -178,18 +178,22 @@ class CollectiveTrace:
             if r == self.rank:
                 lines.append(self.last.describe(now) if self.last else f"rank {r}: no record")
                 continue
-            if r in watched and running(*watched[r]):
+            if r not in watched:
+                seen = "liveness not visible from this host"
+            elif running(*watched[r]):
+                seen = "alive"
                 alive.append(f"rank {r} (pid {watched[r][0]})")
-            seen = "alive" if r in watched else "liveness not visible from this host"
+            else:  # exited since the check for exited ranks: its process is gone now
+                seen = "exited"
             lines.append(records[r].describe(now) + f" ({seen})" if r in records else
                          f"rank {r} ({seen}) in no traced collective that timed out with this one; "
                          f"{TRACE_ENV}=1 records its last")
         ranks = [r for r in range(self.world) if r != self.rank]
         late = getattr(exc, "ranks", None) or ranks
         what = self.last.what() if self.last else "a collective"
-        head = (f"rank {self.rank}: {what} timed out after {timeout:g}s; no process died ({', '.join(alive)} "
-                f"alive)" if len(alive) == len(ranks) else
-                f"rank {self.rank}: {what} timed out after {timeout:g}s; no watched process died")
+        seen = (f"no process died ({', '.join(alive)} alive)" if len(alive) == len(ranks) else
+                "each rank's process as far as this host sees it below")
+        head = f"rank {self.rank}: {what} timed out after {timeout:g}s; {seen}"
         where = "; ".join(lines)
         return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where)
 
