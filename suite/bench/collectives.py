@@ -44,9 +44,7 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
             ("reduce_scatter", "host"): (host.reduce_scatter, (shard, full)),
         }
         for (op, path), (call, call_args) in calls.items():
-            for _ in range(warmup):
-                call(*call_args)
-            times = step_times(lambda c=call, a=call_args: c(*a), repeat, before=dist.barrier)
+            times = step_times(lambda c=call, a=call_args: c(*a), repeat, warmup=warmup, before=dist.barrier)
             out[f"{op}/{mb}/{path}"] = statistics.median(times) * 1e3
     host.close()
     return out

@@ -1,16 +1,9 @@
 """`suite bench dap`: the Evoformer stack (AlphaFold2 model_1 channel sizes) on 1, 2, ... DAP ranks.
 
-Per rank count, in a fresh set of processes (one thread each; on CPU each rank pinned to its own core when
-there are enough): per-rank peak memory of one forward pass, then the time per pass (slowest rank, median of
-`--repeat` passes). 1 rank runs the plain unsplit stack, the baseline a user would otherwise run.
-
-Peak memory: CUDA, peak allocated; CPU, peak resident set of the pass minus the resident set before it, after
-a tiny warm-up pass, with large allocations mmapped so that freed memory leaves the resident set. The peak is
-reset between passes (Linux `/proc/self/clear_refs`), so one process can measure several sizes.
-
-With `--budget_mb`: the longest N_res whose per-rank peak fits the budget. A quadratic fit through N_res and
-N_res/2 gives a first guess; passes at other sizes then bracket and bisect the crossing to `--budget_tol`
-residues, so the answer is measured rather than extrapolated.
+The method is docs/dap.md, "Benchmark": per rank count, fresh processes (one thread each, pinned to cores where
+there are enough) measure the per-rank peak of one pass and the time per pass (slowest rank, median of
+`--repeat`); 1 rank runs the plain unsplit stack. `--budget_mb`: the longest N_res whose per-rank peak fits,
+a quadratic fit's guess then measured by bracketing and bisection to `--budget_tol` (`search_longest`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution.
 
-Both variants run the whole step of `train_text_to_image.py`: encode images with the frozen VAE and captions
-with the frozen CLIP text encoder (no grad), noise the latents (DDPM), predict the noise with the UNet,
-MSE loss, backward, optimizer step.
-
-- plain: what a diffusers user runs without `--mixed_precision`, at its best: fp32 UNet, VAE and text encoder,
-  SDPA attention (`AttnProcessor2_0`), `torch.optim.AdamW` with `fused=True` (else `foreach=True`), no
-  gradient checkpointing, torch DDP with `gradient_as_bucket_view=True` when `--world` > 1.
-- ours: the same UNet and optimizer (fused AdamW without Gemini; Gemini's own fused Adam with it), with
-  attention through `kernels.attention` (`KernelsAttnProcessor`), gradient checkpointing (`--checkpointing
-  keep_attention`: recompute all but the attention outputs), the frozen VAE and text encoder in bf16, and
-  Gemini (`core_parallel.setup` with `GeminiConfig`, parameters packed in order of use, fp32 master shards,
-  gradient shards and Adam states placed per `--gemini_offload`) unless `--no_gemini`.
-
-Memory is the training memory of one rank, measured from before the models are built:
-- `--device cuda`: `torch.cuda.max_memory_allocated()` over the steps (peak statistics reset once the models
-  are set up) minus `torch.cuda.memory_allocated()` before they were built.
-- `--device cpu`: the CPU is the device, so host RAM is its memory: the peak resident set over the steps
-  (`VmHWM`, reset through `/proc/self/clear_refs` once the models are set up) minus the resident set before
-  they were built. This pass runs in its own processes with glibc's mmap threshold fixed at 64 KiB, so freed
-  tensors go back to the system and the peak follows live tensors rather than the heap's high-water mark.
-  Pages of Gemini's NVMe file count while they are mapped in (a chunk being gathered or updated); once
-  Gemini drops them they live in the file (and the kernel's page cache, reclaimable) and do not count.
-Beside that RSS figure, memory as the kernel charges it (`suite.bench.memory`; the method is printed and written):
-- `charged_mib`: each rank moves into its own memory cgroup before the models are built; the cgroup's peak over
-  setup and steps, page cache included (Gemini's NVMe file). Without a cgroup: peak RSS plus the NVMe files'
-  resident pages (mincore), an upper bound. `mem_ratio` is the ratio of this figure.
-- `whole_mib`: the memory pass of each side, all its processes from start to exit (interpreter, imports, the
-  small warm-up model, setup, steps), in one cgroup: what a container limit around that side would see.
-Times come from separate processes with the default allocator (CUDA: the same run, synchronised): the
-median of `--steps` steps after `--warmup`. On CPU, plain and ours run at the same time and take turns step
-by step (a barrier across all their processes: one steps while the other waits, plain first in even rounds
-and ours first in odd ones), and the time ratio is the median of the per-step ratios: this VM's speed
-drifts by up to 30% from one minute to the next, which a plain-then-ours pass would charge to one side.
-Each variant starts fresh processes (`core_parallel.run_on_ranks`) after one step of a small model on the
-same code path (imports, thread pools, kernel caches).
+The method is docs/diffusion.md, "Benchmark": both variants run the whole step of `train_text_to_image.py`
+(`_make_step`); plain is what a diffusers user runs without `--mixed_precision`, at its best (fp32, SDPA, fused
+AdamW, DDP with `gradient_as_bucket_view=True`); ours adds our attention, `--checkpointing`, bf16 frozen encoders
+and Gemini (`_setup`). `train_mib` is one rank's training memory from before the models are built
+(`max_memory_allocated` on CUDA; on CPU VmHWM minus RSS, in processes with a fixed mmap threshold). Beside it, as
+the kernel charges it (`suite.bench.memory`): `charged_mib`, each rank's own memory cgroup over setup and steps,
+page cache included (`mem_ratio`); `whole_mib`, each side's processes start to exit in one cgroup. Times: the
+median of `--steps` after `--warmup`, with the default allocator; on CPU plain and ours take turns step by step
+(`_taking_turns`) and `time_ratio` is the median of the per-step ratios. `--whole_command`: `diffusion_whole`.
 """
 
 from __future__ import annotations
@@ -49,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import UsageError
 from .diffusion_whole import add_shape_arguments, add_whole_arguments, encoder_models, unet_model
-from .harness import ddp_options, fast_optimizer, optimizer_impl, publish, time_fn, torch_device
+from .harness import add_ratios, ddp_options, fast_optimizer, optimizer_impl, publish, time_fn, torch_device
 from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -377,10 +351,8 @@ def run(args: argparse.Namespace) -> int:
         ours = ours[:-1] + f", AdamW {impl})"
     plain_row, ours_row, ratios = _measure_all(opts)
     rows = [{"variant": plain, **plain_row}, {"variant": ours, **ours_row}]
-    rows[1]["rss_ratio"] = rows[1]["train_mib"] / rows[0]["train_mib"]
-    rows[1]["mem_ratio"] = rows[1]["charged_mib"] / rows[0]["charged_mib"]
-    if "whole_mib" in rows[0] and "whole_mib" in rows[1]:
-        rows[1]["whole_ratio"] = rows[1]["whole_mib"] / rows[0]["whole_mib"]
+    whole = {"whole_ratio": "whole_mib"} if "whole_mib" in rows[0] and "whole_mib" in rows[1] else {}
+    add_ratios(rows[1:], rows[0], {"rss_ratio": "train_mib", "mem_ratio": "charged_mib", **whole})
     vae, text = encoder_models(opts)
     counts = {"unet": sum(p.numel() for p in unet_model(opts).parameters())}
     if vae is not None:

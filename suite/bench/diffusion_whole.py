@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from .harness import Side, drop_cached, fast_optimizer, log_step, publish, ratio, run_side
+from .harness import Side, add_ratios, drop_cached, fast_optimizer, log_step, publish, run_side
 
 __all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
            "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
@@ -154,10 +154,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
                                    f"{f.read()[-3000:]}")
         out_dir = None if side.name == "plain" else side.argv[side.argv.index("--output_dir") + 1]
         rows.append({"variant": side.name, "cap_mib": None, **got.row(got.step_times(out_dir, opts["batch"]))})
-    plain = rows[0]
-    for r in rows[1:]:
-        r.update(peak_ratio=r["peak_mib"] / plain["peak_mib"], wall_ratio=r["wall_s"] / plain["wall_s"],
-                 step_ratio=ratio(r["step_s"], plain["step_s"]))
+    add_ratios(rows[1:], rows[0], {"peak_ratio": "peak_mib", "wall_ratio": "wall_s", "step_ratio": "step_s"})
     return rows
 
 

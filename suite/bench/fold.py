@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .harness import publish
+from .harness import publish, timed
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,10 +37,10 @@ def _targets(n: int, n_res: int, seed: int):
     import numpy as np
 
     from ...fastfold.run import Target
+    from .fold_dbs import LETTERS
 
     rng = np.random.default_rng(seed)
-    letters = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
-    return [Target(f"t{i}", "".join(rng.choice(letters, n_res))) for i in range(n)]
+    return [Target(f"t{i}", "".join(rng.choice(LETTERS, n_res))) for i in range(n)]
 
 
 def _database(path, targets, size: int, seed: int) -> None:
@@ -60,16 +59,12 @@ def _stage_rows(target, cfg):
     from ...fastfold.relax import relax_protein
 
     spec = cfg.models[0]
-    t0 = time.perf_counter()
-    raw = fp.target_raw_features(target, cfg.alignment, Path(cfg.output_dir) / "stage", True)
-    t1 = time.perf_counter()
+    raw, features_s = timed(fp.target_raw_features, target, cfg.alignment, Path(cfg.output_dir) / "stage", True)
     model, fcfg = fp.load_model(spec)
     batch = fp.features_for_model(raw, fcfg, 0)
-    t2 = time.perf_counter()
-    pred = fp.predict(model, batch, spec)
-    t3 = time.perf_counter()
-    rows = [{"stage": "features", "seconds": t1 - t0, "detail": f"MSA depth {len(raw['msa'])}"},
-            {"stage": "model", "seconds": t3 - t2, "detail": f"{spec.model_name}, {len(target.sequence)} residues"}]
+    pred, model_s = timed(fp.predict, model, batch, spec)
+    rows = [{"stage": "features", "seconds": features_s, "detail": f"MSA depth {len(raw['msa'])}"},
+            {"stage": "model", "seconds": model_s, "detail": f"{spec.model_name}, {len(target.sequence)} residues"}]
     if cfg.relax is not None:
         result = relax_protein(fp.prediction_to_protein(target, pred), cfg.relax)
         rows.append({"stage": "relax", "seconds": result.seconds,
@@ -104,33 +99,27 @@ def run(args: argparse.Namespace) -> int:
         base = FoldConfig(output_dir=str(tmp / "stage"), models=[spec], alignment=alignment,
                           relax=RelaxConfig(platform="auto") if args.relax else None)
         stages = _stage_rows(targets[0], base)
-        runs = []
-        cfg = dataclasses.replace(base, output_dir=str(tmp / "run0"), num_workers=0)
-        t0 = time.perf_counter()
-        results = fold_targets(targets, cfg)
-        runs.append({"mode": "one after another", "targets": len(targets), "seconds": time.perf_counter() - t0,
-                     "done": sum(r.status == "done" for r in results)})
+
+        def fold(out: str, workers: int) -> dict:
+            cfg = dataclasses.replace(base, output_dir=str(tmp / out), num_workers=workers)
+            results, seconds = timed(fold_targets, targets, cfg)
+            return {"targets": len(targets), "seconds": seconds, "done": sum(r.status == "done" for r in results)}
+
+        runs = [{"mode": "one after another", **fold("run0", 0)}]
         # The local Ray is started here, timed on its own, then reused by fold_targets (as it reuses a running
         # cluster): the second row is what `suite fold` costs end to end, the third what a running cluster costs.
         import ray
 
         from ...utils.ray_cluster import init_local_ray
 
-        t0 = time.perf_counter()
-        init_local_ray(args.num_workers, configure_logging=False)
-        ray_start = time.perf_counter() - t0
+        _, ray_start = timed(init_local_ray, args.num_workers, configure_logging=False)
         try:
-            cfg = dataclasses.replace(base, output_dir=str(tmp / "run_ray"), num_workers=args.num_workers)
-            t0 = time.perf_counter()
-            results = fold_targets(targets, cfg)
-            seconds = time.perf_counter() - t0
+            on_ray = fold("run_ray", args.num_workers)
         finally:
             ray.shutdown()
-        done = sum(r.status == "done" for r in results)
-        runs.append({"mode": f"Ray, {args.num_workers} workers, with start-up", "targets": len(targets),
-                     "seconds": seconds + ray_start, "done": done})
-        runs.append({"mode": f"Ray, {args.num_workers} workers, running cluster", "targets": len(targets),
-                     "seconds": seconds, "done": done})
+        runs.append({"mode": f"Ray, {args.num_workers} workers, with start-up", **on_ray,
+                     "seconds": on_ray["seconds"] + ray_start})
+        runs.append({"mode": f"Ray, {args.num_workers} workers, running cluster", **on_ray})
         for row in runs[1:]:
             row["speedup"] = runs[0]["seconds"] / row["seconds"]
         publish(args, {"benchmark": "fold", "args": {k: v for k, v in vars(args).items() if k != "func"},

@@ -1,27 +1,15 @@
 """`suite bench fold-model`: one AlphaFold2 pass with the released channel sizes, chunked against unchunked.
 
-Each (n_res, variant) runs in a fresh process, so its peak memory is its own: on CUDA the peak of
-`torch.cuda.max_memory_allocated`, on CPU the growth of the peak resident set (VmHWM) over the resident
-set just before the timed passes. The CPU measurement is made the same way for both variants:
-- glibc's mmap threshold is fixed at 1 MiB, so every tensor above that size is its own mapping and is
-  unmapped when freed: the resident set follows the live tensors instead of keeping freed heap pages
-  (which would count a chunked run's reused scratch space as if it were all live at once);
-- one warm-up pass on a 32-residue batch first initialises the libraries (thread pools, oneDNN), so their
-  one-off buffers are not counted;
-- then `malloc_trim(0)` hands freed heap pages back, the baseline is the resident set, and the high-water
-  mark is reset (`/proc/self/clear_refs`) before the timed passes.
-Random weights (the timing and memory do not depend on their values); MSA and extra-MSA sizes are flags.
+The method is docs/fastfold-model.md, "Benchmark": each (n_res, variant) runs in a fresh process (`_child`); its
+peak is `max_memory_allocated` on CUDA, on CPU the growth of VmHWM over the resident set before the timed passes,
+with glibc's mmap threshold fixed at 1 MiB, after a 32-residue warm-up pass and `malloc_trim` (`_rss_baseline`).
 
-`--multimer` (issue 22): AlphaFold-Multimer at the released model_1_multimer_v3 widths (Evoformer, extra-MSA and
-template blocks from the flags) on one complex of `--chains` (default 2 x 256 residues, two entities, `--n_templ`
-templates, one pass): unchunked and chunked as above, then the unchunked model on each of `--dap_ranks` DAP rank
-counts (fresh processes, one thread per rank, each pinned to its own core where there are enough, as
-`suite bench dap`): per-rank peak (largest over the ranks; the resident-set growth of one pass) and time per pass
-(slowest rank; the memory pass is the first timed pass, after `--warmup` untimed ones). The first rank count is
-the baseline of the DAP ratios.
+`--multimer` (issue 22; docs/multimer.md, "DAP and benchmark"): AlphaFold-Multimer at model_1_multimer_v3 widths
+on `--chains`: unchunked against chunked as above, then the unchunked model on each of `--dap_ranks` (fresh
+processes, one thread per rank, pinned as `suite bench dap`; `_dap_rank`): the largest per-rank peak of the first
+timed pass and the slowest rank's time. The first rank count is the baseline of the DAP ratios.
 
-`--openfold DIR` (issue 18): our model against OpenFold's from a user's checkout, each side a whole process on the
-same parameters and features at the same chunk size (`suite.bench.fold_openfold`).
+`--openfold DIR` (issue 18): our model against OpenFold's, whole processes (`suite.bench.fold_openfold`).
 """
 
 from __future__ import annotations
@@ -32,10 +20,9 @@ import datetime
 import gc
 import os
 import sys
-import time
 
 from ..errors import UsageError
-from .harness import SUITE, Side, emit, int_list, pin_to_core, publish, run_side, safe_env, time_fn, torch_device
+from .harness import SUITE, Side, emit, int_list, pin_to_core, publish, run_side, safe_env, step_times, torch_device
 from .memory import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -156,7 +143,8 @@ def _child(args: argparse.Namespace) -> int:
         with torch.no_grad():
             model(batch, options)
 
-    seconds = time_fn(one_pass, warmup=args.warmup, repeat=args.repeat, sync=sync)
+    times = step_times(one_pass, args.repeat, warmup=args.warmup, sync=sync)
+    seconds = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     emit({"n_res": int(n_res), "variant": variant, "seconds": seconds, "peak_bytes": peak - base,
           "device": device.type})
@@ -236,16 +224,11 @@ def _dap_rank(rank: int, world: int, opts: dict) -> dict:
         run(batch)
     reset_peak_rss()
     before = rss_bytes()
-    t0 = time.perf_counter()
-    run(batch)  # the memory pass, also the first timed one
-    times = [time.perf_counter() - t0]
+    times = step_times(lambda: run(batch), 1)  # the memory pass, also the first timed one
     peak = torch.tensor([(hwm_bytes() - before) / 2**20], dtype=torch.float64)
     if group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    for _ in range(opts["repeat"] - 1):
-        t0 = time.perf_counter()
-        run(batch)
-        times.append(time.perf_counter() - t0)
+    times += step_times(lambda: run(batch), opts["repeat"] - 1)
     if topo is not None:
         topo.destroy()
     return {"seconds": sorted(times)[len(times) // 2], "peak_mib": float(peak.item()), "core": core}

@@ -2,30 +2,15 @@
 
     suite bench fold-model --openfold /path/to/openfold --n_res 128 --chunk_size 4 --repeat 2
 
-The same random parameters (AlphaFold's released `.npz` layout, `--preset`, default model_1_ptm, at the preset's
-full size: 48 Evoformer, 4 extra-MSA and 2 template blocks) and the same feature batch (`--n_seq`, `--n_extra`,
-2 templates, no recycling, seed 0) are written once (to a temporary folder, or `--inputs_dir` to keep and reuse
-them) and read back into the page cache, so neither side pays for the first read. Then each side runs as its own
-process, started by the bench and measured from its first instruction to its exit the way `suite bench command`
-measures a command (`harness.run_side`: its own memory cgroup where the machine allows, else the
-process tree's sampled RSS; the method is printed), `--repeat` times, interleaved ours / OpenFold / ours / ... so
-drift in the machine hits both:
-
-- ours: `lowmem.fastfold.params.from_params(npz, preset)` and one forward with
-  `InferenceOptions(chunk_size=N, residual="in_place")`;
-- OpenFold: this module's own driver, importing `openfold` from `--openfold DIR` (plus `--openfold_pythonpath`
-  folders for its dependencies): `model_config(preset)`, `globals.chunk_size = N` with chunk-size tuning off in
-  the template, extra-MSA and Evoformer stacks, `import_jax_weights_`, the template torsion features from its
-  `atom37_to_torsion_angles("template_")`, one forward. No OpenFold code is part of this repository.
-
-Each child sets `torch.set_num_threads(--threads)` and prints its load time (process start to model and
-features ready), forward time and mean pLDDT as JSON on its last stdout line. Both mean pLDDTs must agree
-(|diff| < 1e-3), or the comparison is void: one line, exit 1. The table gives every run, then the medians and
-the ratios ours / OpenFold of the whole-process wall time, the forward time and the whole-process peak.
-
-OpenFold imports its CUDA in-place softmax extension `attn_core_inplace_cuda` unconditionally. Where that
-extension is not importable (a CPU machine), the OpenFold child registers `standin_softmax_` below as that
-module before importing `openfold`; the table's title says which one ran.
+The method (docs/benchmarks.md, "Against OpenFold, `suite bench fold-model --openfold`"): the same random
+parameters (`--preset` at full size) and feature batch are written once (`write_inputs`, or `--inputs_dir`) and
+read into the page cache; then each side runs `--repeat` times as its own process, interleaved ours / OpenFold,
+measured from start to exit as `suite bench command` measures (`run_one`). Ours: `fastfold.params.from_params`
+and one forward with `InferenceOptions(chunk_size=N, residual="in_place")`; OpenFold: `_child_openfold`, its own
+`model_config`, chunk size and weight import from `--openfold DIR` (no OpenFold code is in this repository), its
+CUDA softmax replaced by `standin_softmax_` where that extension is missing (the title says which ran). Each child
+prints its load, forward time and mean pLDDT (`_finish`); pLDDTs that differ by `PLDDT_TOLERANCE` void the
+comparison (exit 1), else `compare` gives the medians and ratios ours / OpenFold.
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ import time
 import types
 
 from ..errors import UsageError
-from .harness import Side, emit, publish, run_side, safe_env, torch_device, write_json
+from .harness import Side, emit, publish, run_side, safe_env, torch_device, write_json, write_text
 from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
@@ -126,8 +111,7 @@ def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: i
         save_params(model, params)
         del model
         gc.collect()
-        with open(meta_path, "w") as f:
-            json.dump(meta, f)
+        write_text(meta_path, json.dumps(meta))
     if not os.path.isfile(features):
         batch = random_batch(cfg, n_res=n_res, n_seq=n_seq, n_extra=n_extra, n_templ=N_TEMPL, n_recycle=0, seed=seed)
         tmp = features + ".tmp"

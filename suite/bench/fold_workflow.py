@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .harness import machine_info, publish
+from .harness import publish, timed
 
 __all__ = ["add_arguments", "run"]
 
@@ -83,17 +83,15 @@ def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
     return dbs
 
 
-def _features(targets, cfg, ray_session: bool) -> tuple[float, list]:
-    """Seconds of every target's features through `feature_stream`, and the results (raising a failure)."""
+def _features(targets, cfg) -> float:
+    """Seconds of every target's features through `feature_stream` (raising a failure)."""
     from ...fastfold.run import feature_stream
 
     t0 = time.perf_counter()
-    got = []
     for target, raw, _ in feature_stream(targets, cfg, with_templates=False):
         if isinstance(raw, BaseException):
             raise RuntimeError(f"target {target.name}: {raw}")
-        got.append(raw)
-    return time.perf_counter() - t0, got
+    return time.perf_counter() - t0
 
 
 def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
@@ -110,26 +108,24 @@ def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
                      "speedup": None if serial is None else serial / seconds})
 
     one = targets[:1]
-    serial_one, _ = _features(one, dataclasses.replace(base, output_dir=str(tmp / "s1")), False)
+    serial_one = _features(one, dataclasses.replace(base, output_dir=str(tmp / "s1")))
     row(f"1 target, serial ({args.cpus} threads per tool)", 1, serial_one)
     init_local_ray(args.cpus, configure_logging=False)
     try:  # the first run starts Ray's worker processes; the second finds them running
         for k, when in enumerate(("first run, workers starting", "workers running")):
             cfg = dataclasses.replace(base, output_dir=str(tmp / f"w1_{k}"), enable_workflow=True)
-            seconds, _ = _features(one, cfg, True)
-            row(f"1 target, workflow (Ray, {args.cpus} CPUs; {when})", 1, seconds, serial_one)
+            row(f"1 target, workflow (Ray, {args.cpus} CPUs; {when})", 1, _features(one, cfg), serial_one)
     finally:
         ray.shutdown()
-    serial_all, _ = _features(targets, dataclasses.replace(base, output_dir=str(tmp / "sN")), False)
+    serial_all = _features(targets, dataclasses.replace(base, output_dir=str(tmp / "sN")))
     row("targets one after another", len(targets), serial_all)
     init_local_ray(args.num_workers, configure_logging=False)
     try:
         per_target = dataclasses.replace(base, output_dir=str(tmp / "rN"), num_workers=args.num_workers)
-        seconds, _ = _features(targets, per_target, True)
-        row(f"per-target Ray tasks, {args.num_workers} workers", len(targets), seconds, serial_all)
-        seconds, _ = _features(targets, dataclasses.replace(per_target, output_dir=str(tmp / "wN"),
-                                                            enable_workflow=True), True)
-        row(f"workflow, {args.num_workers} workers", len(targets), seconds, serial_all)
+        row(f"per-target Ray tasks, {args.num_workers} workers", len(targets), _features(targets, per_target),
+            serial_all)
+        workflow = dataclasses.replace(per_target, output_dir=str(tmp / "wN"), enable_workflow=True)
+        row(f"workflow, {args.num_workers} workers", len(targets), _features(targets, workflow), serial_all)
     finally:
         ray.shutdown()
     return rows
@@ -155,11 +151,10 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each Ray worker (OMP_NUM_THREADS=1): the same sums, so outputs can be compared
     try:
-        t0 = time.perf_counter()
-        local = fold_targets(targets, config("local"))
+        local, seconds = timed(fold_targets, targets, config("local"))
     finally:
         torch.set_num_threads(threads)
-    rows = [{"fold": "in this process, 1 thread", "raylets": 0, "seconds": time.perf_counter() - t0, "start_s": 0.0,
+    rows = [{"fold": "in this process, 1 thread", "raylets": 0, "seconds": seconds, "start_s": 0.0,
              "done": sum(r.status == "done" for r in local)}]
     for raylets in (1, 2):
         t0 = time.perf_counter()
@@ -171,9 +166,7 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
         join_ray(cluster.address, log_to_driver=False, configure_logging=False)  # as a 127.0.0.1 node
         start = time.perf_counter() - t0
         try:
-            t0 = time.perf_counter()
-            got = fold_targets(targets, config(f"cluster{raylets}", ray_address=cluster.address))
-            seconds = time.perf_counter() - t0
+            got, seconds = timed(fold_targets, targets, config(f"cluster{raylets}", ray_address=cluster.address))
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -218,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if fold:
             tables.append((f"fold of {args.fold_targets} targets of {args.fold_n_res} residues, tiny model", fold,
                            None))
-        publish(args, {"benchmark": "fold-workflow", "machine": machine_info(), "databases": dbs,
+        publish(args, {"benchmark": "fold-workflow", "databases": dbs,
                        "args": {k: v for k, v in vars(args).items() if k != "func"}, "features": features,
                        "fold": fold}, tables)
     finally:

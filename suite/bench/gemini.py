@@ -34,6 +34,7 @@ from .harness import (
     publish,
     ratio,
     step_times,
+    torch_baseline,
     torch_device,
 )
 from .memory import SideMeter, fix_malloc, rss_bytes
@@ -69,23 +70,13 @@ def _mlp(params: int, width: int):
 
 
 def _wrap(strategy: str, model, opt, extra: dict):
-    import torch
-
     from ... import core_parallel
 
     if strategy == "gemini":
         return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra))
     if strategy == "zero2":
         return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=2))
-    if strategy == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, **ddp_options()), opt
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)[0]
+    return torch_baseline(strategy, model)
 
 
 def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):

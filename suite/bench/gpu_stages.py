@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .harness import SUITE, Side, SideRun, run_side
+from .harness import SUITE, Side, SideRun, run_side, write_text
 
 __all__ = ["Recorder", "StageContext", "checks", "child_env", "kernels", "parse_pytest_summary", "run_child"]
 
@@ -70,9 +70,7 @@ class Recorder:
         self.flush()
 
     def flush(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
+        write_text(self.path, json.dumps(self.data, indent=1, default=str))
 
 
 def child_env(device: str) -> dict[str, str]:

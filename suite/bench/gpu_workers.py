@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .harness import count, emit, fast_optimizer, peak_over, step_times, torch_device
+from .harness import count, emit, fast_optimizer, peak_over, step_times, timed, torch_device
 from .memory import hwm_bytes, rss_bytes
 
 __all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
@@ -396,9 +396,8 @@ def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
     cuda = device.type == "cuda"
     if record and cuda:
         torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=spec["max_entries"])
-    t0 = time.perf_counter()
-    model, step, _ = train_setup("gemini", device, count(spec["params"]), spec["width"], spec["batch"], 1, extra)
-    setup_s = time.perf_counter() - t0
+    (model, step, _), setup_s = timed(train_setup, "gemini", device, count(spec["params"]), spec["width"],
+                                      spec["batch"], 1, extra)
     times, peak = peak_over(lambda: step_times(step, spec["steps"], sync=torch.cuda.synchronize if cuda else None),
                             device)
     row = {"params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s,

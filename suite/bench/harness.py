@@ -4,9 +4,9 @@
   cap (page cache charged, the kernel kills past it; `suite.bench.memory`), the peak and wall time collected,
   stdout/stderr to a log or captured, the JSON lines a side prints (`emit`) and its per-step times (`log_step`, or
   the run's CSV log) read back (`SideRun`, whose `row()` is a whole-command side's row). Sides that run as ranks
-  (`core_parallel.run_on_ranks`) time their steps with `step_times`, take a span's peak with `peak_over` and the
-  charged memory with `memory.SideMeter`; `torch_device` and `pin_to_core` place them.
-- Baselines at their best as users run them: `fast_optimizer` (fused, else foreach), `ddp_options`.
+  (`core_parallel.run_on_ranks`) time their steps with `step_times` (one call: `timed`), take a span's peak with
+  `peak_over` and the charged memory with `memory.SideMeter`; `torch_device` and `pin_to_core` place them.
+- Baselines at their best as users run them: `fast_optimizer` (fused, else foreach), `ddp_options`, `torch_baseline`.
 - Rows are dicts; `ratio` and `add_ratios` compare a side with its baseline; `publish` prints every table, writes
   the JSON (`--json`, machine info added), the Markdown tables (`--markdown`) and a plot of the ratios (`--plot`).
 - Flag parsers shared by the benches: `int_list`, `count`, `names`.
@@ -36,8 +36,8 @@ from .memory import hwm_bytes, reset_peak_rss, run_command
 __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
            "csv_step_seconds", "ddp_options", "drop_cached", "emit", "fast_optimizer", "int_list", "kill_group",
            "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "peak_over",
-           "pin_to_core", "plot", "print_table", "publish", "ratio", "run_side", "safe_env", "step_seconds",
-           "step_times", "text_table", "time_fn", "torch_device", "write_json", "write_text"]
+           "pin_to_core", "plot", "publish", "ratio", "run_side", "safe_env", "step_seconds",
+           "step_times", "text_table", "time_fn", "timed", "torch_baseline", "torch_device", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -107,6 +107,12 @@ def step_times(step: Callable[[], Any], steps: int, *, warmup: int = 0, sync: Ca
     return times
 
 
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """`fn(*args, **kwargs)`'s result and its wall seconds."""
+    t0 = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - t0
+
+
 def peak_over(fn: Callable[[], Any], device) -> tuple[Any, int]:
     """`fn()`'s result and the peak memory while it ran, bytes: on CUDA `max_memory_allocated` (reset first), else
     the resident set's high-water mark (VmHWM, reset first where Linux allows; its growth is the caller's)."""
@@ -124,11 +130,7 @@ def peak_over(fn: Callable[[], Any], device) -> tuple[Any, int]:
 def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3,
             sync: Callable[[], None] | None = None) -> float:
     """Median wall time of `fn()` in seconds over `repeat` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    if sync:
-        sync()
-    times = step_times(fn, repeat, sync=sync)
+    times = step_times(fn, repeat, warmup=warmup, sync=sync)
     return sorted(times)[len(times) // 2]
 
 
@@ -155,6 +157,23 @@ def optimizer_impl(cls: type | None = None) -> str:
 def ddp_options() -> dict[str, Any]:
     """Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
     return {"gradient_as_bucket_view": True}
+
+
+def torch_baseline(strategy: str, model: Any, lr: float = 1e-4) -> tuple[Any, Any]:
+    """`model` under torch DDP (`ddp_options`) or FSDP2 (`fully_shard` on each layer that has parameters, then on
+    the whole), with torch's Adam at its best (`fast_optimizer`): (model, optimizer), as their users run them."""
+    import torch
+
+    if strategy == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, **ddp_options())
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=lr)[0]
 
 
 def torch_device(name: str = "auto", rank: int | None = None):
@@ -431,13 +450,6 @@ def text_table(rows: Sequence[dict], columns: Sequence[str] | None = None, title
     return "\n".join(lines) + "\n"
 
 
-def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None, title: str | None = None) -> str:
-    """Print `text_table` and return the text."""
-    text = text_table(rows, columns, title)
-    print(text, end="", flush=True)
-    return text
-
-
 def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> list[str]:
     """Rows as Markdown table lines: booleans yes / **no**, numbers as in the text table, `|` escaped."""
     if not rows:
@@ -522,7 +534,7 @@ def publish(args: argparse.Namespace, payload: dict[str, Any],
     """A bench's output: each (title, rows, columns) table printed, then the notes; `payload` to `--json`, the
     tables to `--markdown` and the first table's ratios to `--plot`."""
     for title, rows, columns in tables:
-        print_table(rows, columns, title)
+        print(text_table(rows, columns, title), end="", flush=True)
     for note in notes:
         print(note, flush=True)
     write_json(getattr(args, "json", None), payload)

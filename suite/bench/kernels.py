@@ -26,8 +26,8 @@ import sys
 import time
 
 from ..errors import UsageError
-from .harness import Side, emit, int_list, names, publish, run_side, safe_env
-from .memory import fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
+from .harness import Side, emit, int_list, names, peak_over, publish, run_side, safe_env
+from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -152,27 +152,11 @@ def _worker(spec: dict) -> dict:
     if spec["measure"] == "time":
         wall, cpu = _timings(step, spec["repeat"], torch.cuda.synchronize if cuda else None, 0.05 if cuda else 0.0)
         return {"ms": wall * 1e3, "cpu_ms": None if cuda else cpu * 1e3}
-    return {"extra_mib": (_extra_cuda(step) if cuda else _extra_cpu(step)) / 2**20}
-
-
-def _extra_cuda(step) -> int:
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
-def _extra_cpu(step) -> int:
     gc.collect()
-    if not reset_peak_rss():
+    if not cuda and not reset_peak_rss():
         raise RuntimeError("measuring extra memory on CPU needs Linux /proc/self/clear_refs")
-    before = rss_bytes()
-    step()
-    return hwm_bytes() - before
+    before = torch.cuda.memory_allocated(device) if cuda else rss_bytes()  # extra: the peak's growth over this
+    return {"extra_mib": (peak_over(step, device)[1] - before) / 2**20}
 
 
 def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float, float]:

@@ -23,12 +23,12 @@ from ..errors import UsageError
 from .harness import (
     add_ratios,
     count,
-    ddp_options,
     fast_optimizer,
     names,
     optimizer_impl,
     publish,
     step_times,
+    torch_baseline,
     torch_device,
 )
 from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
@@ -67,22 +67,11 @@ def _wrap(variant: str, model, bucket_mb: float):
 
     from ... import core_parallel
 
-    if variant == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model, **ddp_options())
-        return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)[0]
-    if variant == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        fully_shard(model)
-        return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)[0]
-    stage = 1 if variant == "zero1" else 2
+    if variant in ("ddp", "fsdp2"):
+        return torch_baseline(variant, model)
     opt, _ = fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)
-    return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=stage, bucket_mb=bucket_mb))
+    return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=1 if variant == "zero1" else 2,
+                                                                   bucket_mb=bucket_mb))
 
 
 def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int, cuda: bool) -> list[float]:
