@@ -242,11 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("folder")
     add_shape_arguments(w)
     p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
-    p.add_argument("base")
-    p.add_argument("out")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--resolution", type=int, default=256)
+    for name in ("base", "out"):
+        p.add_argument(name)
+    for flag, default in (("steps", 3), ("batch", 2), ("resolution", 256)):
+        p.add_argument(f"--{flag}", type=int, default=default)
     args = parser.parse_args(argv)
     if args.what == "write_pipeline":
         write_pipeline(args.folder, vars(args))

@@ -1,20 +1,13 @@
 """`suite bench gemini`: Gemini against torch FSDP2, DDP and ZeRO-2 (per-rank peak memory, step time), and
 `--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier.
 
-Each strategy runs in freshly spawned ranks, so the peak resident memory of a rank is its own. The peak is
-read from the kernel (VmHWM) after resetting it once the model is set up, so it measures training, not
-model construction; the resident memory right after the imports (torch alone is ~0.4 GiB) is subtracted,
-so `peak` is what training itself holds. Beside it, `charged` is the same span as the kernel charges it: each
-rank moves into its own memory cgroup before the model is built and reads the cgroup's peak over the steps,
-page cache included (the NVMe tier's pages); where no cgroup can be made, peak RSS plus the offload files'
-resident pages (`suite.bench.memory`; the JSON says which).
-
-Baselines run as their users would: torch's Adam with `fused=True` (else `foreach=True`) for DDP, FSDP2 and
-the optimizer ZeRO-2 wraps; DDP with `gradient_as_bucket_view=True`. Gemini runs its own fused Adam kernel.
-
-In `--ram-budget` mode the baseline is taken after setup instead
-(minus what Gemini holds on its "device"), so memory left behind by building the full model first, which a
-meta-device init avoids, is not counted. On a GPU the same code reports CUDA peaks instead.
+The method is docs/gemini.md, "Benchmark": each strategy in freshly spawned ranks (`_rank_run`); `peak` is the
+rank's VmHWM over the steps minus its resident memory after a one-layer warm-up run on the same code path (CUDA:
+its peaks). Beside it, `charged` is the same span as the kernel charges it (each rank's own memory cgroup, page
+cache included, else peak RSS plus the offload files' resident pages: `suite.bench.memory`, the JSON says which).
+Baselines run as their users would (`harness.torch_baseline`); Gemini runs its own fused Adam. In `--ram-budget`
+mode the baseline is taken after setup (less what Gemini holds on its "device"), so what building the full model
+first leaves behind, which a meta-device init avoids, is not counted.
 """
 
 from __future__ import annotations
@@ -145,10 +138,7 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
     backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     outs = run_on_ranks(_rank_run, ranks, strategy, params, args.width, args.batch, args.steps, extra,
                         timeout=args.timeout, backend=backend)
-    return {"peak": max(o["peak"] for o in outs), "peak_since_setup": max(o["peak_since_setup"] for o in outs),
-            "step_s": max(o["step_s"] for o in outs), "report": outs[0]["report"],
-            "charged": max(o["charged"] for o in outs), "memory_method": outs[0]["memory_method"],
-            "baseline": outs[0]["baseline"]}
+    return {**outs[0], **{k: max(o[k] for o in outs) for k in ("peak", "peak_since_setup", "step_s", "charged")}}
 
 
 def _size(text: str) -> int:
