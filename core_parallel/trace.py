@@ -89,7 +89,7 @@ class CollectiveTrace:
         self.step = 0
         """The optimizer steps finished (the owner calls `end_step`)."""
         self.last: Record | None = None
-        self._store, self._prefix = _group_store(group) if self.world > 1 else (None, "")
+        self._prefix = _key_prefix(group) if self.world > 1 else None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, publish: bool | None = None) -> CollectiveTrace:
@@ -143,15 +143,17 @@ class CollectiveTrace:
         return record
 
     def _publish(self) -> None:
-        if self._store is None or self.last is None:
+        store = _default_store() if self._prefix is not None else None
+        if store is None or self.last is None:
             return
         with contextlib.suppress(RuntimeError, ValueError, OSError):  # a store gone with its host: nothing to tell
-            self._store.set(f"{self._prefix}{self.rank}", json.dumps(dataclasses.asdict(self.last)))
+            store.set(f"{self._prefix}{self.rank}", json.dumps(dataclasses.asdict(self.last)))
 
     def _records(self, wait_s: float) -> dict[int, Record]:
         """The other ranks' published records, waiting up to `wait_s` for those not published yet."""
         found: dict[int, Record] = {}
-        if self._store is None:
+        store = _default_store() if self._prefix is not None else None
+        if store is None:
             return found
         deadline = time.monotonic() + wait_s
         others = [r for r in range(self.world) if r != self.rank]
@@ -159,8 +161,8 @@ class CollectiveTrace:
             while True:
                 for r in others:
                     key = f"{self._prefix}{r}"
-                    if r not in found and self._store.check([key]):
-                        found[r] = Record(**json.loads(self._store.get(key)))
+                    if r not in found and store.check([key]):
+                        found[r] = Record(**json.loads(store.get(key)))
                 if len(found) == len(others) or time.monotonic() > deadline:
                     return found
                 time.sleep(0.05)
@@ -198,11 +200,19 @@ class CollectiveTrace:
         return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where)
 
 
-def _group_store(group: dist.ProcessGroup | None) -> tuple[dist.Store | None, str]:
-    """The default store and a key prefix unique to `group` (None when the store is not reachable)."""
+def _key_prefix(group: dist.ProcessGroup | None) -> str:
+    """The store keys of `group`'s records: 'lowmem-trace/GROUP_NAME/' + rank."""
     try:
-        store = dist.distributed_c10d._get_default_store()
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return store, f"lowmem-trace/{getattr(pg, 'group_name', '') or 'default'}/"
+        return f"lowmem-trace/{getattr(pg, 'group_name', '') or 'default'}/"
     except (AttributeError, RuntimeError, ValueError):
-        return None, ""
+        return "lowmem-trace/default/"
+
+
+def _default_store() -> dist.Store | None:
+    """The default group's store, looked up when needed: a trace never keeps it (or its server's threads) alive
+    after `destroy_process_group`, which must close it in order (`groups.end_process_groups`)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
