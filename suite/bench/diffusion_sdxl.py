@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import shutil
@@ -269,10 +268,10 @@ def _full_checks(out: str) -> dict:
     # its own empty working folder: `-m` puts the working folder first on sys.path, and a checkout's `kernels/`
     # there would shadow Hugging Face's, which diffusers imports
     with tempfile.TemporaryDirectory() as cwd:
-        done = subprocess.run([sys.executable, "-m", _MODULE, "check_pipeline", os.path.abspath(out)],
-                              capture_output=True, text=True, cwd=cwd)
-    lines = done.stdout.strip().splitlines()
-    loaded = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+        done = run_side(Side("check_pipeline", [sys.executable, "-m", _MODULE, "check_pipeline", os.path.abspath(out)],
+                             cwd=cwd, measure=False))
+    lines = done.json_lines()
+    loaded = lines[-1] if done.returncode == 0 and lines else {
         "loads": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return {"losses": losses, "loss_finite": bool(losses) and all(math.isfinite(v) for v in losses),
             "pipeline": loaded}
