@@ -10,12 +10,15 @@ Importing this module stays free of torch (the launch helper and parsers import 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..utils.errors import InputError
 
 __all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "check_backend", "end_process_groups", "group_timeout",
            "world_rank"]
+
+logger = logging.getLogger(__name__)
 
 GLOO = "gloo"
 """CPU tensors (and the fallback where NCCL is missing)."""
@@ -73,6 +76,10 @@ def end_process_groups() -> bool:
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    dist.barrier()
+    try:
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - this rank's work is done; another rank's failure is its own exit code
+        logger.warning("ending the process group: the closing barrier failed (another rank stopped or is gone: %s); "
+                       "this rank's work had finished", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     dist.destroy_process_group()
     return True

@@ -46,3 +46,19 @@ def test_a_failed_run_does_not_wait_at_a_barrier(job, tmp_path):
     # after a failure another rank may be gone: a barrier would wait for it for the whole collective timeout
     assert cli.main(["pgjob", "--store", str(tmp_path / "store"), "--fail"]) == 2
     assert job == []
+
+
+def test_a_failed_closing_barrier_is_named_and_the_group_still_ends(job, tmp_path, monkeypatch, caplog):
+    """Another rank that failed and exited breaks the closing barrier: this rank's finished work keeps its exit code
+    (no traceback, no hang), the warning says why, and the group is destroyed all the same."""
+
+    def broken_barrier(*args, **kwargs):
+        job.append("barrier")
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500\nmore detail")
+
+    monkeypatch.setattr(dist, "barrier", broken_barrier)
+    with caplog.at_level("WARNING"):
+        assert cli.main(["pgjob", "--store", str(tmp_path / "store")]) == 0
+    assert job == ["barrier", "destroy"] and not dist.is_initialized()
+    assert "closing barrier failed" in caplog.text and "Connection closed by peer" in caplog.text
+    assert "more detail" not in caplog.text
