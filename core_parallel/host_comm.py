@@ -196,20 +196,18 @@ class HostCollectives:
                 deadline, next_check = now + self.timeout, now + _LIVENESS_S
             elif now > deadline:
                 missing = [r for r in range(self.world) if every[r] < self._seq]
+                alive = self._alive(missing)
                 raise PeerLostError(f"host collectives: ranks {missing} did not arrive within {self.timeout:.0f}s "
-                                    f"({self._liveness(missing)})", missing, dead=False)
+                                    f"({_liveness(missing, alive)})", missing, dead=False, alive=alive)
             elif now > next_check:
                 next_check = now + _LIVENESS_S
                 self._check_alive()
             time.sleep(0.0002)
 
-    def _liveness(self, ranks: list[int]) -> str:
-        """What this rank can tell of `ranks`' processes: alive (checked in /proc just now) or not visible."""
+    def _alive(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` whose processes run (checked in /proc just now)."""
         watched = {r: (pid, start) for r, pid, start in self._watched}
-        seen = [r for r in ranks if r in watched and running(*watched[r])]
-        if seen == ranks:
-            return "alive but not answering"
-        return f"alive but not answering: {seen}; not visible from this host: {[r for r in ranks if r not in seen]}"
+        return [r for r in ranks if r in watched and running(*watched[r])]
 
     def _check_alive(self) -> None:
         """Raise `PeerLostError` if a rank this one is waiting for has exited."""
@@ -217,6 +215,13 @@ class HostCollectives:
             if self._arrived[r] < self._seq and not running(pid, start):
                 raise PeerLostError(f"host collectives: rank {r} (pid {pid}) exited; rank {self.rank} cannot "
                                     f"complete the collective it waits in", [r], dead=True)
+
+
+def _liveness(ranks: list[int], alive: list[int]) -> str:
+    """What this rank can tell of `ranks`' processes, given those seen running (`alive`)."""
+    if alive == ranks:
+        return "alive but not answering"
+    return f"alive but not answering: {alive}; not visible from this host: {[r for r in ranks if r not in alive]}"
 
 
 # ---- process identity (core_parallel.peers) -----------------------------------------------------------

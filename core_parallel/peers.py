@@ -32,11 +32,13 @@ class PeerLostError(dist.DistBackendError):
     A `torch.distributed.DistBackendError`, as gloo and NCCL raise when a peer is lost, so callers that handle
     those (the Lightning strategies' message, `recipes.faults`) handle this one too. `ranks`: the ranks that
     exited or did not arrive; `dead`: whether they are known to have exited (False: alive, or not visible from
-    here, but late); `where`: where each rank was when a timeout was explained (`core_parallel.trace`), else ""."""
+    here, but late); `where`: where each rank was when a timeout was explained (`core_parallel.trace`), else "";
+    `alive`: the ranks whose processes were seen running when it was raised (only these may be called alive)."""
 
-    def __init__(self, message: str, ranks: list[int], dead: bool, where: str = "") -> None:
+    def __init__(self, message: str, ranks: list[int], dead: bool, where: str = "",
+                 alive: list[int] | None = None) -> None:
         super().__init__(message)
-        self.ranks, self.dead, self.where = list(ranks), dead, where
+        self.ranks, self.dead, self.where, self.alive = list(ranks), dead, where, list(alive or [])
 
 
 def pid_namespace() -> int:

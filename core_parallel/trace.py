@@ -175,7 +175,7 @@ class CollectiveTrace:
         records = self._records(min(_MAX_WAIT_S, timeout))
         now = time.time()
         watched = {r: (pid, start) for r, pid, start in (self.watch.watched if self.watch else [])}
-        lines, alive = [], []
+        lines, alive, alive_ranks = [], [], []
         for r in range(self.world):
             if r == self.rank:
                 lines.append(self.last.describe(now) if self.last else f"rank {r}: no record")
@@ -185,6 +185,7 @@ class CollectiveTrace:
             elif running(*watched[r]):
                 seen = "alive"
                 alive.append(f"rank {r} (pid {watched[r][0]})")
+                alive_ranks.append(r)
             else:  # exited since the check for exited ranks: its process is gone now
                 seen = "exited"
             lines.append(records[r].describe(now) + f" ({seen})" if r in records else
@@ -197,7 +198,7 @@ class CollectiveTrace:
                 "each rank's process as far as this host sees it below")
         head = f"rank {self.rank}: {what} timed out after {timeout:g}s; {seen}"
         where = "; ".join(lines)
-        return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where)
+        return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where, alive=alive_ranks)
 
 
 def _key_prefix(group: dist.ProcessGroup | None) -> str:

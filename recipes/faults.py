@@ -84,8 +84,10 @@ def peer_failure_message(exc: BaseException, rank: int, world: int, timeout_s: f
         what = f"lost contact with {who}: its process exited"
     elif named is not None:
         where = f" Where each rank is: {named.where}" if getattr(named, "where", "") else ""
-        what = (f"{who} did not answer within the collective timeout of {timeout_s:g}s; no process died (alive "
-                f"but elsewhere).{where}")
+        unseen = [r for r in ranks if r not in getattr(named, "alive", [])]
+        liveness = ("no process died (alive but elsewhere)" if not unseen else
+                    f"whether rank(s) {unseen} are alive cannot be seen from this rank")
+        what = f"{who} did not answer within the collective timeout of {timeout_s:g}s; {liveness}.{where}"
     elif _CONNECTION_CLOSED.search(str(exc)):
         what = f"lost contact with {who}: its connection closed (its process exited or its host went away)"
     else:

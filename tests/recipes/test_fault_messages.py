@@ -28,8 +28,7 @@ def _claims_death(message: str) -> bool:
 def test_an_alive_rank_is_named_with_where_it_is_not_as_dead():
     where = "rank 0 in all_gather (chunk 3, step 2) for 1800.0s; rank 1 in barrier(after_fit) (step 2) for 1799.9s"
     late = PeerLostError(f"rank 0: all_gather (chunk 3, step 2) timed out after 1800s. Where each rank is: {where}",
-                         [1], dead=False)
-    late.where = where
+                         [1], dead=False, where=where, alive=[1])
     wrapped = RuntimeError("step failed")
     wrapped.__cause__ = late
     for exc in (late, wrapped):
@@ -37,6 +36,15 @@ def test_an_alive_rank_is_named_with_where_it_is_not_as_dead():
         assert not _claims_death(message), message
         assert message.startswith("rank 0: rank 1 did not answer within the collective timeout of 1800s"), message
         assert "alive" in message and "rank 1 in barrier(after_fit)" in message.split(" Cause: ")[0], message
+
+
+def test_a_late_rank_not_seen_alive_is_not_called_alive():
+    """A timeout whose rank could not be looked up (another host) claims neither a death nor a live process."""
+    late = PeerLostError("host collectives: ranks [1] did not arrive within 1800s", [1], dead=False, where="", alive=[])
+    message = _message(late)
+    assert not _claims_death(message), message
+    assert "alive but elsewhere" not in message and "no process died" not in message, message
+    assert "whether rank(s) [1] are alive cannot be seen from this rank" in message, message
 
 
 def test_a_rank_whose_process_exited_is_named_as_exited():
