@@ -60,9 +60,11 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ..core_parallel.gemini.config import GeminiConfig
 from ..core_parallel.groups import check_backend
 from ..core_parallel.preemption import Preemption
 from ..core_parallel.presets import GEMINI_OFFLOADS, PRESETS, gemini_config
+from ..core_parallel.zero.config import ZeroConfig
 from ..utils.errors import InputError
 from ..utils.fileio import atomic_write, replace_dir
 from .checkpoints import LIGHTNING_STATE, check_state_dict_type, load_full_checkpoint, optimizer_param_names
@@ -76,6 +78,7 @@ from .faults import (
     watch_sigterm,
 )
 from .precision import ShardedPrecision
+from .strategy_options import LIGHTNING_KEYWORDS, declare_keywords, keywords_given
 
 __all__ = [
     "LIGHTNING_STATE",
@@ -374,25 +377,27 @@ class ZeroStrategy(_ShardedStrategy):
 
     Give the config (`ZeroStrategy(config=ZeroConfig(stage=1))`) or its fields as keywords (`stage`, `offload`,
     `bucket_mb`, `overlap`, loss-scaler settings, ...), not both; `precision` comes from `Trainer(precision=...)`.
+    Every `ZeroConfig` field is a keyword of this signature (`recipes.strategy_options`), so LightningCLI's
+    `init_args` take them too.
 
     Args:
         config: the `ZeroConfig` to hold (precision left at "fp32").
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
         state_dict_type: "sharded" (default): a checkpoint is a folder; "full": one Lightning checkpoint file that
             any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
-        **kwargs: `ZeroConfig` fields (stage 2, no offload by default) and Lightning's strategy arguments.
     """
 
-    def __init__(self, *, config: Any = None, collective_timeout_s: float = 1800.0, state_dict_type: str = "sharded",
-                 **kwargs: Any) -> None:
-        from ..core_parallel import ZeroConfig
-
+    def __init__(self, *, config: ZeroConfig | None = None, collective_timeout_s: float = 1800.0,
+                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
         check_state_dict_type(state_dict_type)
-        fields, strategy_kwargs = _split_config_kwargs(kwargs, ZeroConfig)
+        fields, strategy_kwargs = _split_config_kwargs(keywords_given(ZeroStrategy, kwargs), ZeroConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)
         config = ZeroConfig(**fields) if config is None else _given_config(type(self), ZeroConfig, config, fields)
         super().__init__(config=config, collective_timeout_s=collective_timeout_s, state_dict_type=state_dict_type,
                          **strategy_kwargs)
+
+
+declare_keywords(ZeroStrategy, ZeroConfig)
 
 
 class GeminiStrategy(_ShardedStrategy):
@@ -400,7 +405,8 @@ class GeminiStrategy(_ShardedStrategy):
 
     Give the config (`GeminiStrategy(config=GeminiConfig(...))`) or keywords, not both: `offload` below and
     `GeminiConfig`'s fields (`placement`, `device_memory_budget`, `chunk_mb`, `prefetch`, `offload_tier`,
-    `offload_dir`, the static fractions, ...); `precision` comes from `Trainer(precision=...)`.
+    `offload_dir`, the static fractions, ...); `precision` comes from `Trainer(precision=...)`. Every `GeminiConfig`
+    field is a keyword of this signature (`recipes.strategy_options`), so LightningCLI's `init_args` take them too.
 
     Args:
         config: the `GeminiConfig` to hold (precision left at "fp32").
@@ -417,12 +423,10 @@ class GeminiStrategy(_ShardedStrategy):
             any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
     """
 
-    def __init__(self, *, config: Any = None, offload: str | None = None, collective_timeout_s: float = 1800.0,
-                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
-        from ..core_parallel import GeminiConfig
-
+    def __init__(self, *, config: GeminiConfig | None = None, offload: str | None = None,
+                 collective_timeout_s: float = 1800.0, state_dict_type: str = "sharded", **kwargs: Any) -> None:
         check_state_dict_type(state_dict_type)
-        fields, strategy_kwargs = _split_config_kwargs(kwargs, GeminiConfig)
+        fields, strategy_kwargs = _split_config_kwargs(keywords_given(GeminiStrategy, kwargs), GeminiConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)
         if offload is not None:
             fields["offload"] = offload
@@ -454,9 +458,16 @@ class GeminiStrategy(_ShardedStrategy):
         super().model_to_device()
 
 
+_FRACTION_DOC = ("static only: fraction of chunks whose fp32 {what} live off the device; None: 0.0, or 1.0 with "
+                 "offload='cpu'/'nvme'.")
+declare_keywords(GeminiStrategy, GeminiConfig, overrides={
+    "offload_param_frac": (float | None, None, _FRACTION_DOC.format(what="parameter shards")),
+    "offload_optim_frac": (float | None, None, _FRACTION_DOC.format(what="gradient shards and optimizer states")),
+})
+
+
 def strategy_class(config: Any) -> type[ZeroStrategy] | type[GeminiStrategy]:
     """`ZeroStrategy` for a `core_parallel.ZeroConfig`, `GeminiStrategy` for a `GeminiConfig`."""
-    from ..core_parallel import GeminiConfig, ZeroConfig
 
     if isinstance(config, ZeroConfig):
         return ZeroStrategy
@@ -505,16 +516,13 @@ def _split_config_kwargs(kwargs: dict[str, Any], config_cls: type) -> tuple[dict
 
 
 def _check_strategy_keywords(rest: dict[str, Any], fields: set[str]) -> None:
-    """A keyword that is neither a config field nor one of DDPStrategy's named arguments is a TypeError naming it
-    (DDPStrategy would pass it to a DistributedDataParallel wrapper these strategies never build, i.e. ignore it)."""
+    """A keyword that is neither a config field nor one of `LIGHTNING_KEYWORDS` is a TypeError naming it (DDPStrategy
+    would pass it to a DistributedDataParallel wrapper these strategies never build, i.e. ignore it)."""
     import difflib
-    import inspect
 
-    ddp = {n for n, p in inspect.signature(DDPStrategy.__init__).parameters.items()
-           if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - {"self", "timeout"}
     for name in rest:
-        if name not in ddp:
-            known = sorted(fields | ddp | {"offload", "collective_timeout_s", "state_dict_type"})
+        if name not in LIGHTNING_KEYWORDS:
+            known = sorted(fields | set(LIGHTNING_KEYWORDS) | {"offload", "collective_timeout_s", "state_dict_type"})
             close = ["collective_timeout_s"] if name == "timeout" else difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"unknown strategy keyword {name!r}{hint}")
