@@ -1,8 +1,5 @@
 """`suite bench collectives`: all-gather and reduce-scatter between local CPU ranks, gloo against the
 shared-memory host collectives Gemini uses (`core_parallel.host_comm`).
-
-Each rank runs every size through both paths: `--warmup` untimed calls, then the median of `--repeat` timed
-calls, each timed call starting after a barrier. The table shows the slowest rank's milliseconds and host / gloo.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """`suite bench command`: the whole-command peak memory of a command, and of a baseline command beside it, as a
 container limit or `/usr/bin/time -v` would see it: the process tree from start to exit, page cache included.
-
-    suite bench command --baseline "python plain_loop.py" --offload_dir /nvme/x -- suite diffusion finetune ...
-
-Each command is a side (`harness.run_side`) in its own memory cgroup where the machine allows (`memory.peak`;
-cgroup v1: `memory.max_usage_in_bytes`), else its tree's RSS is sampled, compared with its `ru_maxrss` and the
-offload folders' resident page-cache pages are added (`suite.bench.memory`; the method is printed and written).
 """
 
 from __future__ import annotations

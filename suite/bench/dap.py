@@ -1,10 +1,4 @@
-"""`suite bench dap`: the Evoformer stack (AlphaFold2 model_1 channel sizes) on 1, 2, ... DAP ranks.
-
-The method is docs/dap.md, "Benchmark": per rank count, fresh processes (one thread each, pinned to cores where
-there are enough) measure the per-rank peak of one pass and the time per pass (slowest rank, median of
-`--repeat`); 1 rank runs the plain unsplit stack. `--budget_mb`: the longest N_res whose per-rank peak fits,
-a quadratic fit's guess then measured by bracketing and bisection to `--budget_tol` (`search_longest`).
-"""
+"""`suite bench dap`: the Evoformer stack (AlphaFold2 model_1 channel sizes) on 1, 2, ... DAP ranks."""
 
 from __future__ import annotations
 

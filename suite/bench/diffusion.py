@@ -1,14 +1,8 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution.
 
-The method is docs/diffusion.md, "Benchmark": both variants run the whole step of `train_text_to_image.py`
-(`_make_step`); plain is what a diffusers user runs without `--mixed_precision`, at its best (fp32, SDPA, fused
-AdamW, DDP with `gradient_as_bucket_view=True`); ours adds our attention, `--checkpointing`, bf16 frozen encoders
-and Gemini (`_setup`). `train_mib` is one rank's training memory from before the models are built
-(`max_memory_allocated` on CUDA; on CPU VmHWM minus RSS, in processes with a fixed mmap threshold). Beside it, as
-the kernel charges it (`suite.bench.memory`): `charged_mib`, each rank's own memory cgroup over setup and steps,
-page cache included (`mem_ratio`); `whole_mib`, each side's processes start to exit in one cgroup. Times: the
-median of `--steps` after `--warmup`, with the default allocator; on CPU plain and ours take turns step by step
-(`_taking_turns`) and `time_ratio` is the median of the per-step ratios. `--whole_command`: `diffusion_whole`.
+The method (what each side runs, how memory and time are taken) is docs/diffusion.md, "Benchmark", and
+docs/benchmarks.md; `--whole_command`: `diffusion_whole`. `setup_variant` and `make_step` are also the SD row of
+`suite bench gpu` (`--device cuda --mixed_precision bf16`).
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from .diffusion_whole import add_shape_arguments, add_whole_arguments, encoder_m
 from .harness import add_ratios, ddp_options, fast_optimizer, optimizer_impl, publish, time_fn, torch_device
 from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "make_step", "options", "run", "setup_variant"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where Gemini keeps fp32 shards, gradient shards and Adam states "
                              "(default: nvme on cpu, where the CPU tier is the device's own memory; cpu on cuda)")
     parser.add_argument("--chunk_mb", type=float, default=4.0,
-                        help="Gemini chunk size in MiB (raised to fit the largest parameter)")
+                        help="Gemini chunk size in MiB (raised to fit the largest parameter; 0: Gemini picks)")
+    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
+                        help="bf16: both sides' UNet under bf16 autocast, ours' Gemini computing in bf16")
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
                         help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
     parser.add_argument("--prefetch", type=int, default=1,
@@ -68,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- models ------------------------------------------------------------------------------------------------
 
 
-def _setup(variant: str, opts: dict, rank: int, world: int, device):
+def setup_variant(variant: str, opts: dict, rank: int, world: int, device):
     """(unet, optimizer, gemini optimizer or None, vae, text encoder, offload folder or None) of a variant."""
     import torch
 
@@ -110,13 +106,14 @@ def _gemini(model, optimizer, opts: dict):
     frac = 0.0 if offload == "none" else 1.0
     config = core_parallel.GeminiConfig(offload_param_frac=frac, offload_optim_frac=frac, offload_dir=folder,
                                         offload_tier="nvme" if offload == "nvme" else "cpu",
-                                        chunk_mb=opts["chunk_mb"], prefetch=opts.get("prefetch", 1),
+                                        chunk_mb=opts["chunk_mb"] or None, prefetch=opts.get("prefetch", 1),
+                                        precision="bf16" if opts.get("mixed_precision") == "bf16" else "fp32",
                                         keep_gathered=opts.get("keep_gathered"))
     model, optimizer = core_parallel.setup(model, optimizer, config)
     return model, optimizer, folder
 
 
-def _make_step(parts, opts: dict, rank: int, device):
+def make_step(parts, opts: dict, rank: int, device):
     """The training step of a variant: encode (no grad), noise, predict, loss, backward, update."""
     import torch
     import torch.nn.functional as F
@@ -141,8 +138,9 @@ def _make_step(parts, opts: dict, rank: int, device):
                 latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample().float() * vae.config.scaling_factor
                 states = text_encoder(ids, return_dict=False)[0].float()
         noise = torch.randn_like(latents)
-        pred = model(scheduler.add_noise(latents, noise, timesteps), timesteps, states).sample
-        loss = F.mse_loss(pred, noise)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.get("mixed_precision") == "bf16"):
+            pred = model(scheduler.add_noise(latents, noise, timesteps), timesteps, states).sample
+        loss = F.mse_loss(pred.float(), noise)
         if core is not None:
             core.backward(loss)
         else:
@@ -192,8 +190,8 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
     sync = torch.cuda.synchronize if cuda else None
     small = {**opts, "channels": "32,64", "layers_per_block": 1, "resolution": 32, "batch": 1,
              "encoders": "none" if opts["encoders"] == "none" else "small"}
-    parts = _setup(variant, small, rank, world, device)
-    _make_step(parts, small, rank, device)()
+    parts = setup_variant(variant, small, rank, world, device)
+    make_step(parts, small, rank, device)()
     _cleanup(parts)
     del parts
     gc.collect()
@@ -202,12 +200,12 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device) if cuda else rss_bytes()
     meter = SideMeter().start() if mode != "time" else None
-    parts = _setup(variant, opts, rank, world, device)
+    parts = setup_variant(variant, opts, rank, world, device)
     if meter is not None and parts[-1]:
         meter.offload_paths.append(parts[-1])
     out: dict = {}
     try:
-        step = _make_step(parts, opts, rank, device)
+        step = make_step(parts, opts, rank, device)
         gc.collect()
         out["state_mib"] = ((torch.cuda.memory_allocated(device) if cuda else rss_bytes()) - base) / 2**20
         if cuda:
@@ -315,6 +313,13 @@ def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
     return row
 
 
+def options(argv: list[str]) -> dict:
+    """The run's settings from `suite bench diffusion`'s flags `argv` (defaults filled in, checked)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return _defaults(parser.parse_args(argv))
+
+
 def _defaults(args: argparse.Namespace) -> dict:
     if args.resolution % 8 or args.resolution < 16:
         raise UsageError(f"--resolution must be a multiple of 8 and >= 16, got {args.resolution}")
@@ -349,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
         ", DDP(gradient_as_bucket_view=True)" if opts["world"] > 1 else "") + ")"
     if opts["no_gemini"]:
         ours = ours[:-1] + f", AdamW {impl})"
+    if opts["mixed_precision"] == "bf16":
+        plain, ours = (v[:-1] + ", UNet under bf16 autocast)" for v in (plain, ours))
     plain_row, ours_row, ratios = _measure_all(opts)
     rows = [{"variant": plain, **plain_row}, {"variant": ours, **ours_row}]
     whole = {"whole_ratio": "whole_mib"} if "whole_mib" in rows[0] and "whole_mib" in rows[1] else {}

@@ -1,22 +1,5 @@
 """`suite bench diffusion-sdxl`: SDXL at its released size (UNet 2.57B parameters), random weights, whole
-commands from start to exit, each side its own process (`suite.bench.memory.run_command`: a memory cgroup with
-page cache where the machine allows, else RSS plus offload residency).
-
-Rows:
-- `lora`: diffusers' `train_dreambooth_lora_sdxl.py` loop reduced to its work (`plain_lora` below: the frozen UNet
-  and text encoders in the weight dtype, the VAE in fp32, peft LoRA rank r on the UNet's attention, its
-  parameters in fp32, AdamW, SDPA, gradient checkpointing when asked) against
-  `suite diffusion train_dreambooth_lora_sdxl` with the same flags (and a Gemini strategy when given).
-- `full`: diffusers' `train_text_to_image_sdxl.py` loop reduced to its work (`plain_full`: fp32 UNet, AdamW) needs
-  16 bytes per UNet parameter before activations (41 GB); it runs inside a memory cgroup limited to the machine's
-  memory less 1.5 GiB, so where it does not fit the kernel kills it there and the row says so (without a cgroup it
-  is not started, and the row says what it needs); `suite diffusion train_text_to_image_sdxl --strategy
-  gemini_nvme` runs under `--cap_gib` as a cgroup limit, and the row records its losses (finite?) and whether the
-  exported pipeline loads in diffusers (`check_pipeline`, a process of its own).
-
-The pipeline is written once into `--cache` (`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR`),
-with the released configs of SDXL base 1.0 (UNet, VAE, CLIP ViT-L and OpenCLIP bigG text encoders at their
-49408-token width) and the tiny byte-level tokenizer.
+commands from start to exit, each side its own process: rows `lora` and `full`.
 """
 
 from __future__ import annotations

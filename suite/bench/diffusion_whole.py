@@ -1,15 +1,5 @@
-"""`suite bench diffusion --whole_command`, and the two commands it compares as a user runs them.
-
-`python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels 160,320,640,640 ...]` writes a pipeline
-folder of random weights of the benchmark's shapes; `python -m lowmem.suite.bench.diffusion plain_loop BASE OUT`
-is the plain diffusers loop a user runs, as a whole process (what `suite diffusion finetune` is compared with):
-
-    suite bench command --baseline "python -m lowmem.suite.bench.diffusion plain_loop BASE OUT1" -- \\
-        suite diffusion finetune --pretrained_model_name_or_path BASE --strategy gemini_nvme ...
-
-`--whole_command` runs each of the two as a side (`harness.run_side`) in its own memory cgroup, start to exit.
-The UNet and frozen encoders of the benchmark's shapes (`unet_model`, `encoder_models`) and the plain loops' step
-(`noise_loss`, `plain_step`, also the SDXL bench's) live here.
+"""`suite bench diffusion --whole_command`, and the two commands it compares as a user runs them:
+`python -m lowmem.suite.bench.diffusion write_pipeline DIR` and `... plain_loop BASE OUT`.
 """
 
 from __future__ import annotations

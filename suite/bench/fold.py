@@ -1,8 +1,5 @@
 """`suite bench fold`: per-stage time of `suite fold` (features, model, relax) for one target, and the wall
 time of N targets with Ray feature jobs against one after another.
-
-Features run jackhmmer against a synthetic database the benchmark writes (homologs of each target among
-random decoys), so the alignment stage does real work; without jackhmmer the targets are single-sequence.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Small sequence databases in the real formats of AlphaFold's searches, for the feature-workflow benchmark and
-its tests: FASTA for jackhmmer (UniRef90, MGnify), HH-suite ffindex databases (`<prefix>_a3m.ffdata/.ffindex`
-and the column-state `<prefix>_cs219.ffdata/.ffindex` HHblits prefilters on) for HHblits (BFD, UniRef30) and
-HHsearch (PDB70).
-
-Sequences: for each query a family of mutated copies (5% to 50% of the residues changed), optional extra
-sequences (such as the ungapped rows of the repository's own alignment files), and random decoys. The HH-suite
-databases are built with the installed `ffindex_build` and `cstranslate` (Debian's hhsuite package keeps the
-latter in /usr/libexec/hhsuite); `hhsuite_missing()` says what is missing.
+"""Small sequence databases in the real formats of AlphaFold's searches (FASTA, HH-suite ffindex), for the
+feature-workflow benchmark and its tests.
 """
 
 from __future__ import annotations

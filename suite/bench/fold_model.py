@@ -1,15 +1,5 @@
-"""`suite bench fold-model`: one AlphaFold2 pass with the released channel sizes, chunked against unchunked.
-
-The method is docs/fastfold-model.md, "Benchmark": each (n_res, variant) runs in a fresh process (`_child`); its
-peak is `max_memory_allocated` on CUDA, on CPU the growth of VmHWM over the resident set before the timed passes,
-with glibc's mmap threshold fixed at 1 MiB, after a 32-residue warm-up pass and `malloc_trim` (`_rss_baseline`).
-
-`--multimer` (issue 22; docs/multimer.md, "DAP and benchmark"): AlphaFold-Multimer at model_1_multimer_v3 widths
-on `--chains`: unchunked against chunked as above, then the unchunked model on each of `--dap_ranks` (fresh
-processes, one thread per rank, pinned as `suite bench dap`; `_dap_rank`): the largest per-rank peak of the first
-timed pass and the slowest rank's time. The first rank count is the baseline of the DAP ratios.
-
-`--openfold DIR` (issue 18): our model against OpenFold's, whole processes (`suite.bench.fold_openfold`).
+"""`suite bench fold-model`: one AlphaFold2 pass with the released channel sizes, chunked against unchunked;
+`--multimer` (AlphaFold-Multimer, with DAP rows) and `--openfold DIR` (`fold_openfold`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,4 @@
-"""`suite bench fold-model --openfold DIR` (issue 18): our AlphaFold against OpenFold's, whole process, side by side.
-
-    suite bench fold-model --openfold /path/to/openfold --n_res 128 --chunk_size 4 --repeat 2
-
-The method (docs/benchmarks.md, "Against OpenFold, `suite bench fold-model --openfold`"): the same random
-parameters (`--preset` at full size) and feature batch are written once (`write_inputs`, or `--inputs_dir`) and
-read into the page cache; then each side runs `--repeat` times as its own process, interleaved ours / OpenFold,
-measured from start to exit as `suite bench command` measures (`run_one`). Ours: `fastfold.params.from_params`
-and one forward with `InferenceOptions(chunk_size=N, residual="in_place")`; OpenFold: `_child_openfold`, its own
-`model_config`, chunk size and weight import from `--openfold DIR` (no OpenFold code is in this repository), its
-CUDA softmax replaced by `standin_softmax_` where that extension is missing (the title says which ran). Each child
-prints its load, forward time and mean pLDDT (`_finish`); pLDDTs that differ by `PLDDT_TOLERANCE` void the
-comparison (exit 1), else `compare` gives the medians and ratios ours / OpenFold.
-"""
+"""`suite bench fold-model --openfold DIR` (issue 18): our AlphaFold against OpenFold's, whole process, side by side."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
 """`suite bench fold-workflow`: the feature workflow (`--enable_workflow`) against the serial searches, and fold on
 a Ray cluster of 1 vs 2 raylets.
-
-1. Feature generation of one target (the repository's 73-residue query): jackhmmer on UniRef90 and MGnify,
-   HHblits on BFD + UniRef30, HHsearch on PDB70, one after another (`--cpus` threads each, as `suite fold` without
-   the workflow) against the workflow on a running local Ray of `--cpus` CPUs.
-2. The features of `--targets` targets: one after another, per-target Ray tasks (`--num_workers` CPUs, the
-   path without the workflow) and the workflow on the same Ray.
-3. Fold of `--fold_targets` short targets (tiny random model, single sequence, no relax): in this process, then
-   on a `ray.cluster_utils.Cluster` (every node on 127.0.0.1) of one raylet and of two, `--raylet_cpus` CPUs each
-   (cluster start-up timed apart).
-
-The databases (`suite.bench.fold_dbs`: homolog families of every query, the ungapped rows of the repository's
-own alignment files, random decoys; FASTA for jackhmmer, HH-suite ffindex databases) are written once to
-`--cache_dir` and reused. Every run starts with empty result folders, so nothing is cached between rows.
 """
 
 from __future__ import annotations

@@ -1,25 +1,23 @@
 """`suite bench gemini`: Gemini against torch FSDP2, DDP and ZeRO-2 (per-rank peak memory, step time), and
-`--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier.
-
-The method is docs/gemini.md, "Benchmark": each strategy in freshly spawned ranks (`_rank_run`); `peak` is the
-rank's VmHWM over the steps minus its resident memory after a one-layer warm-up run on the same code path (CUDA:
-its peaks). Beside it, `charged` is the same span as the kernel charges it (each rank's own memory cgroup, page
-cache included, else peak RSS plus the offload files' resident pages: `suite.bench.memory`, the JSON says which).
-Baselines run as their users would (`harness.torch_baseline`); Gemini runs its own fused Adam. In `--ram-budget`
-mode the baseline is taken after setup (less what Gemini holds on its "device"), so what building the full model
-first leaves behind, which a meta-device init avoids, is not counted.
+`--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier. The method (what `peak` and
+`charged` span, the baselines) is docs/gemini.md, "Benchmark", and docs/benchmarks.md; the flags `--offload cpu`,
+`--cap_gib` and `--memory_snapshot` are the GPU proof's rows (`suite bench gpu`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
+import os
+import shutil
 import tempfile
 
 from ..errors import UsageError
 from .harness import (
     count,
     ddp_options,
+    emulate_card,
     fast_optimizer,
     names,
     optimizer_impl,
@@ -50,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16M,32M,64M", help="--ram-budget: model sizes to try, ascending")
     parser.add_argument("--offload-dir", default=None, help="--ram-budget: NVMe folder (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned run")
+    parser.add_argument("--offload", choices=["none", "cpu"], default="none",
+                        help="gemini: master weights and Adam state in the CPU tier (states and samples/s reported)")
+    parser.add_argument("--cap_gib", type=float, default=None, help="CUDA: each rank on an emulated card this size")
+    parser.add_argument("--memory_snapshot", metavar="FILE", default=None,
+                        help="CUDA: record rank 0's allocations over setup and steps to FILE (gzipped over 15 MiB)")
 
 
 def _mlp(params: int, width: int):
@@ -97,12 +100,14 @@ def train_setup(strategy: str, device, params: int, width: int, batch: int, worl
 
 
 def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, batch: int, steps: int,
-              extra: dict) -> dict:
+              extra: dict, cap_gib: float | None = None, snapshot: str | None = None) -> dict:
     import torch
 
     fix_malloc(128 * 1024, trim_threshold=128 * 1024)
     torch.manual_seed(0)
     device = torch_device("auto", rank)
+    card = emulate_card(cap_gib, device)
+    snapshot = snapshot if device.type == "cuda" and rank == 0 else None
     # One step of a one-layer model on the same code path first: lazy imports (torch.optim pulls in dynamo,
     # FSDP2 its DTensor stack), gloo buffers and thread pools are then in the baseline, not in `peak`.
     warm, _, _ = train_setup(strategy, device, width * width, width, batch, world, extra)
@@ -112,6 +117,8 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
     gc.collect()
     baseline = 0 if device.type == "cuda" else rss_bytes()
     meter = SideMeter([extra["offload_dir"]] if extra.get("offload_dir") else ()).start()
+    if snapshot:
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=50000)
     model, step, setup_rss = train_setup(strategy, device, params, width, batch, world, extra)
     # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
     # not) is not training memory; what Gemini itself holds is.
@@ -122,11 +129,26 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
     report = model.memory_report() if hasattr(model, "memory_report") else None
     charged = meter.peak()
     meter.close()
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        snapshot = _gzipped(snapshot)
     optimizer = "gemini fused Adam" if strategy == "gemini" else f"torch Adam {optimizer_impl()}"
     if strategy == "ddp":
         optimizer += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
     return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": sorted(times)[len(times) // 2],
-            "report": report, "charged": charged, "memory_method": meter.method, "baseline": optimizer}
+            "report": report, "charged": charged, "memory_method": meter.method, "baseline": optimizer,
+            **({"card": card} if card else {}), **({"snapshot": snapshot} if snapshot else {})}
+
+
+def _gzipped(path: str, max_mib: float = 15) -> str:
+    """The snapshot file, gzipped when it is over `max_mib` (what comes back from a lent GPU has a size limit)."""
+    if os.path.getsize(path) <= max_mib * 2**20:
+        return path
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    return path + ".gz"
 
 
 def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, extra: dict) -> dict:
@@ -137,7 +159,7 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
 
     backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     outs = run_on_ranks(_rank_run, ranks, strategy, params, args.width, args.batch, args.steps, extra,
-                        timeout=args.timeout, backend=backend)
+                        args.cap_gib, args.memory_snapshot, timeout=args.timeout, backend=backend)
     return {**outs[0], **{k: max(o[k] for o in outs) for k in ("peak", "peak_since_setup", "step_s", "charged")}}
 
 
@@ -152,10 +174,11 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
     import torch
 
     params = _size(args.params)
+    tier = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
     results = {}
     for s in args.strategies:
         try:
-            results[s] = _spawn(s, args.ranks, params, args, {})
+            results[s] = _spawn(s, args.ranks, params, args, tier if args.offload == "cpu" else {})
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
             results[s] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"}
     base = results.get("fsdp2", {})
@@ -169,9 +192,12 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
         if "peak" in base:
             row.update(peak_vs_fsdp2=r["peak"] / base["peak"], time_vs_fsdp2=r["step_s"] / base["step_s"],
                        charged_vs_fsdp2=ratio(r["charged"], base["charged"], float("nan")))
+        if args.offload == "cpu":
+            row.update(states_GiB=16 * params / 2**30, samples_per_s=args.batch / r["step_s"])
+        row.update({k: r[k] for k in ("card", "snapshot") if k in r})
         rows.append({**row, "ran": r["baseline"], "memory_method": r["memory_method"]})
     columns = ["strategy", "train_peak_MiB", "charged_MiB", "step_s", "peak_vs_fsdp2", "charged_vs_fsdp2",
-               "time_vs_fsdp2", "ran", "note"]
+               "time_vs_fsdp2", "states_GiB", "samples_per_s", "ran", "card", "note"]
     methods = sorted({r["memory_method"] for r in rows if "memory_method" in r})
     peak = ("torch.cuda.max_memory_allocated over the steps (device memory)" if torch.cuda.is_available() else
             "peak RSS (VmHWM) over the steps minus RSS before the model was built")

@@ -1,20 +1,6 @@
 """`suite bench gpu`: the GPU proof in one command (issue 35), sized for a 15-minute lend of one H100 or H200.
 
     suite bench gpu --out DIR [--budget-s 420] [--device cuda|cpu] [--smoke] [--rows checks,kernels,...]
-
-Stages (`STAGES`: checks, kernels, sd, gemini, fold), in order of importance, each a process of its own with its own
-time slice (its share of `--budget-s` plus what earlier stages left unused), so a hang or an out-of-memory error in
-one stage costs that stage only; docs/benchmarks.md ("GPU proof: how to run") says what each measures.
-
-A stage that would start with less than its minimum left is skipped and says so. After every stage `DIR/gpu.json`
-and `DIR/gpu.md` (a table per measurement, the targets of the issues, met or not) are rewritten, so a run cut
-off from outside still leaves what it measured; `DIR/gpu.log` holds every child's output. Inside a stage each
-measurement is a child process with a limit within the slice (`gpu_stages`, `gpu_rows`, `gpu_workers`), and the
-parent reads what a stage recorded even when it had to be killed.
-
-`--device cpu --smoke` runs every stage end to end at tiny sizes on CPU (seconds each): the command is tested
-there (tests/suite/test_bench_gpu.py) so that a lent GPU is never spent on a typo. Exit code 0 when the run
-completed (whatever the measurements say: read the targets), 2 for bad input.
 """
 
 from __future__ import annotations

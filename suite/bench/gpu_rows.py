@@ -1,8 +1,4 @@
-"""The model rows of `suite bench gpu`: SD-1.5's UNet, Gemini vs FSDP2 vs DDP, the AlphaFold model's chunking.
-
-Each function is a stage (see `gpu_stages`): its measurements run in child processes in order of importance,
-each within what is left of the stage's time slice, and every result is recorded as it comes.
-"""
+"""The model rows of `suite bench gpu`: SD-1.5's UNet, Gemini vs FSDP2 vs DDP, the AlphaFold model's chunking."""
 
 from __future__ import annotations
 
@@ -15,12 +11,10 @@ __all__ = ["fold", "gemini", "sd"]
 
 # ---- SD-1.5 ---------------------------------------------------------------------------------------------------
 
-SD_TITLE = ("SD-1.5 UNet (859.5M, released config, random weights), 512 px: latents 4x64x64, text states 77x768 "
-            "(the frozen VAE and CLIP are not in this row). plain = diffusers-style loop (fp32 weights, SDPA, fused "
-            "AdamW, bf16 autocast); ours = `suite diffusion finetune --strategy gemini_offload --mixed_precision bf16 "
-            "--gradient_checkpointing` (kernels attention, attention-keeping checkpointing, Gemini bf16 with fp32 "
-            "master weights and AdamW state in CPU memory). peak = max_memory_allocated over warm-up and steps; "
-            "step = median of CUDA-event-timed steps; batches doubled until one does not fit")
+SD_TITLE = ("SD-1.5 UNet (859.5M, random weights), 512 px, random latents and text states (no VAE, CLIP): `suite "
+            "bench diffusion --encoders none --mixed_precision bf16 --gemini_offload cpu`'s sides; "
+            "peak = max_memory_allocated over warm-up and steps; step = median of synchronised steps; batches "
+            "doubled until one does not fit")
 DOUBLING = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -101,6 +95,27 @@ def _gemini_sizes(ctx: StageContext) -> dict[str, Any]:
             "strategies": ("gemini", "fsdp2", "ddp")}
 
 
+def _gemini_run(ctx: StageContext, key: str, size: dict, want: float, reserve: float, *flags: str) -> list[dict]:
+    """`suite bench gemini --ranks 1` of `size` and `flags` within the stage's time, its rows into table `key`."""
+    path = ctx.work / f"{key}.json"
+    limit = ctx.limit(want, reserve) or 15
+    strategies = flags[flags.index("--strategies") + 1].split(",")
+    argv = ctx.suite("bench", "gemini", "--ranks", "1", "--params", size["params"], "--width", str(size["width"]),
+                     "--batch", str(size["batch"]), "--steps", str(size["steps"]), *flags,
+                     "--timeout", str(max(5, int(limit / len(strategies)) - 3)), "--json", str(path))
+    child = ctx.run(argv, want, reserve, what=f"{key}: {' '.join(flags)}")
+    rows = []
+    for row in json.loads(path.read_text())["rows"] if child and path.exists() else []:
+        if "note" in row:
+            ctx.rec.note(f"{key} {row['strategy']}: {row['note']}")
+            continue
+        rows.append(row)
+        ctx.rec.add(key, {k: v for k, v in row.items() if not k.endswith("_vs_fsdp2")})
+    if child is not None and not path.exists():
+        ctx.rec.note(f"{key}: {child.outcome()}, no results written")
+    return rows
+
+
 def gemini(ctx: StageContext) -> None:
     """`suite bench gemini --ranks 1` at 1B parameters (Gemini, FSDP2, DDP, each in its own spawned rank with
     the bench's own per-run limit); a memory snapshot of Gemini's run when its peak is above FSDP2's; Gemini's CPU
@@ -109,31 +124,27 @@ def gemini(ctx: StageContext) -> None:
     rec.table("gemini", f"suite bench gemini --ranks 1 --params {size['params']} --width {size['width']} --batch "
                         f"{size['batch']} --steps {size['steps']} (one device; fused Adam on every side, DDP "
                         "gradient_as_bucket_view; peak = max_memory_allocated over the steps on CUDA)")
-    path, strategies = ctx.work / "gemini.json", size["strategies"]
-    want, reserve = 40 * len(strategies), min(75.0, 0.4 * ctx.rec.left())  # the snapshot and the CPU tier after it
-    limit = ctx.limit(want, reserve) or 15
-    argv = ctx.suite("bench", "gemini", "--ranks", "1", "--params", size["params"], "--width", str(size["width"]),
-                     "--batch", str(size["batch"]), "--steps", str(size["steps"]), "--strategies", ",".join(strategies),
-                     "--timeout", str(max(5, int(limit / len(strategies)) - 3)), "--json", str(path))
-    child = ctx.run(argv, want, reserve, what="gemini vs fsdp2 vs ddp")
-    results: dict[str, dict] = {}
-    for row in json.loads(path.read_text())["rows"] if child and path.exists() else []:
-        if "note" in row:
-            rec.note(f"gemini {row['strategy']}: {row['note']}")
-            continue
-        results[row["strategy"]] = row
-        rec.add("gemini", {k: v for k, v in row.items() if not k.endswith("_vs_fsdp2")})
-    if child is not None and not path.exists():
-        rec.note(f"suite bench gemini: {child.outcome()}, no results written")
+    strategies = ",".join(size["strategies"])
+    want, reserve = 40 * len(size["strategies"]), min(75.0, 0.4 * ctx.rec.left())  # the snapshot and the CPU tier
+    results = {r["strategy"]: r for r in _gemini_run(ctx, "gemini", size, want, reserve, "--strategies", strategies)}
     _gemini_targets(ctx, results)
-    jobs = [job for job in (_snapshot_job(ctx, results, size), _tier_job(ctx, size)) if job]
-    if ctx.smoke:
-        children = ctx.run_batch([(name, spec) for name, spec, _ in jobs], want=120, what="gemini snapshot, tier")
+    g, f = results.get("gemini"), results.get("fsdp2")
+    if g and f and (g["train_peak_MiB"] > f["train_peak_MiB"] or ctx.smoke):  # the smoke run goes through it
+        rec.table("gemini_detail", "Gemini's run again, alone (torch.cuda.memory history recorded; snapshot for "
+                                   "https://pytorch.org/memory_viz)")
+        _gemini_run(ctx, "gemini_detail", size, 40, 35, "--strategies", "gemini", "--memory_snapshot",
+                    str(ctx.out / "gemini_snapshot.pickle"))
     else:
-        children = [ctx.run_worker(name, want=want, reserve=35 if name == "gemini_snapshot" else 0, what=name, **spec)
-                    for name, spec, want in jobs]
-    for (name, _, _), child in zip(jobs, children):
-        (_snapshot_rows if name == "gemini_snapshot" else _tier_rows)(ctx, child)
+        rec.note("no memory snapshot: " + ("Gemini's peak is not above FSDP2's" if g and f else
+                                           "Gemini or FSDP2 did not run"))
+    rec.table("gemini_tier", f"Gemini, master weights and Adam state in the CPU tier, {size['tier_params']} "
+                             "parameters (fp32 Adam states 16 B/parameter) on an emulated 24 GiB card")
+    rows = _gemini_run(ctx, "gemini_tier", {**size, "params": size["tier_params"], "steps": 1}, 90, 0,
+                       "--strategies", "gemini", "--offload", "cpu", "--cap_gib", "24")
+    measured = (f"{rows[0]['states_GiB']:.1f} GiB of states, {rows[0]['samples_per_s']:.1f} samples/s, step "
+                f"{rows[0]['step_s']:.2f} s" if rows else "not measured")
+    ctx.rec.target("Gemini's CPU tier trains a model whose states do not fit a 24 GiB card (throughput reported)",
+                   measured, (bool(rows) and rows[0]["states_GiB"] > 24) if ctx.device == "cuda" else None)
 
 
 def _gemini_targets(ctx: StageContext, results: dict[str, dict]) -> None:
@@ -150,41 +161,6 @@ def _gemini_targets(ctx: StageContext, results: dict[str, dict]) -> None:
         ctx.rec.target("Gemini vs DDP on one device (reported, no target)",
                        f"peak {results['gemini']['train_peak_MiB'] / d['train_peak_MiB']:.3f}, step "
                        f"{results['gemini']['step_s'] / d['step_s']:.3f}", None)
-
-
-def _snapshot_job(ctx: StageContext, results: dict[str, dict], size: dict) -> tuple[str, dict, float] | None:
-    """On CUDA only when Gemini's peak is above FSDP2's; the smoke run goes through it without recording."""
-    g, f = results.get("gemini"), results.get("fsdp2")
-    if not (g and f and g["train_peak_MiB"] > f["train_peak_MiB"]) and not ctx.smoke:
-        ctx.rec.note("no memory snapshot: " + ("Gemini's peak is not above FSDP2's" if g and f else
-                                                "Gemini or FSDP2 did not run"))
-        return None
-    ctx.rec.table("gemini_detail", "Gemini's run again, alone (torch.cuda.memory history recorded; snapshot for "
-                                   "https://pytorch.org/memory_viz)")
-    path = ctx.out / "gemini_snapshot.pickle" if ctx.device == "cuda" else ""
-    spec = {"path": str(path), "max_entries": 50000, **{k: size[k] for k in ("params", "width", "batch", "steps")}}
-    return "gemini_snapshot", spec, 40
-
-
-def _snapshot_rows(ctx: StageContext, child) -> None:
-    ctx.rec.take("gemini_detail", child, "gemini snapshot")
-
-
-def _tier_job(ctx: StageContext, size: dict) -> tuple[str, dict, float]:
-    ctx.rec.table("gemini_tier", f"Gemini, master weights and Adam state in the CPU tier, {size['tier_params']} "
-                                 "parameters (fp32 Adam states 16 B/parameter) on an emulated 24 GiB card")
-    spec = {"cap_gib": 24, "params": size["tier_params"], "width": size["width"], "batch": size["batch"],
-            "steps": 1}
-    return "gemini_tier", spec, 90
-
-
-def _tier_rows(ctx: StageContext, child) -> None:
-    rows = ctx.rec.take("gemini_tier", child, "gemini CPU tier")
-    ok = bool(rows) and child.returncode == 0
-    measured = (f"{rows[0]['states_gib']:.1f} GiB of states, {rows[0]['samples_per_s']:.1f} samples/s, step "
-                f"{rows[0]['step_s']:.2f} s" if rows else "not measured")
-    ctx.rec.target("Gemini's CPU tier trains a model whose states do not fit a 24 GiB card (throughput reported)",
-                   measured, (ok and rows[0]["states_gib"] > 24) if ctx.device == "cuda" else None)
 
 
 # ---- AlphaFold model ------------------------------------------------------------------------------------------
@@ -213,24 +189,15 @@ def fold(ctx: StageContext) -> None:
                           f"{shape[1]} Evoformer + 1 extra-MSA blocks, {shape[5]} MSA rows, {shape[7]} extra rows, "
                           "float32, no recycling; auto = fastfold's device-aware budget (a quarter of the free "
                           "device memory); peak = max_memory_allocated growth over the passes")
-    plan = _fold_plan(ctx)
-    jobs = []
-    for n, chunks, cap, warmup, repeat, _ in plan:
-        variant = "unchunked" if chunks == "none" else "chunked"
-        argv = ["bench", "fold-model", "--_child", f"{n}:{variant}", *shape, "--chunk_size",
-                "auto" if chunks == "none" else chunks, "--warmup", str(warmup), "--repeat", str(repeat)]
-        jobs.append({"argv": argv, "cap_gib": cap, "auto_budget": chunks == "auto"})
-    if small:
-        children = ctx.run_batch([("suite", spec) for spec in jobs], want=120, what="fold children")
-        for (n, chunks, cap, *_), child in zip(plan, children):
-            _fold_row(ctx, n, chunks, cap, child)
-        _fold_targets(ctx)
-        return
     failed_capped = False
-    for (n, chunks, cap, _, _, want), spec in zip(plan, jobs):
+    for n, chunks, cap, warmup, repeat, want in _fold_plan(ctx):
         if cap and failed_capped:
             continue
-        child = ctx.run_worker("suite", want=want, what=f"fold {n} {chunks} {card(ctx, cap)}", **spec)
+        variant, size = ("unchunked", "auto") if chunks == "none" else ("chunked", chunks)
+        argv = ["bench", "fold-model", "--_child", f"{n}:{variant}", *shape, "--chunk_size", size, "--warmup",
+                str(warmup), "--repeat", str(repeat)]
+        child = ctx.run_worker("suite", want=want, what=f"fold {n} {chunks} {card(ctx, cap)}", argv=argv, cap_gib=cap,
+                               auto_budget=chunks == "auto")
         fitted = _fold_row(ctx, n, chunks, cap, child)
         failed_capped = failed_capped or bool(cap and fitted is False)
     _fold_targets(ctx)

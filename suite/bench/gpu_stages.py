@@ -1,8 +1,5 @@
-"""The stages of `suite bench gpu`, each run in a process of its own by `suite bench gpu --_stage NAME`.
-
-A stage runs its measurements as child processes (existing `suite bench` subcommands where one measures the
-row, else a job of `gpu_workers`), each with a time limit inside the stage's deadline, and records every
-result as soon as it has it (`Recorder`: a JSON file the parent reads when the stage ends or is killed).
+"""The stages of `suite bench gpu`, each run in a process of its own by `suite bench gpu --_stage NAME`; every
+result is recorded as soon as it is measured (`Recorder`).
 """
 
 from __future__ import annotations
@@ -126,31 +123,6 @@ class StageContext:
             self.rec.note(f"not run, the stage's time slice is spent: {what or ' '.join(argv[2:6])}")
             return None
         return run_child(argv, limit, device=self.device, cwd=cwd or str(self.work))
-
-    def run_batch(self, jobs: list[tuple[str, dict]], want: float, what: str = "") -> list[SideRun | None]:
-        """Several `gpu_workers` jobs in one process (smoke runs: one interpreter start instead of several), split
-        back into one `SideRun` per job (a job that did not start: None)."""
-        limit = self.limit(want)
-        if limit is None:
-            self.rec.note(f"not run, the stage's time slice is spent: {what}")
-            return [None] * len(jobs)
-        deadline = time.time() + limit - 3
-        specs = [{"job": job, "device": self.device, "smoke": self.smoke, "deadline": deadline, **spec}
-                 for job, spec in jobs]
-        whole = run_child([self.python, "-m", WORKERS, json.dumps(specs)], limit, device=self.device,
-                          cwd=str(self.work))
-        parts: list[list[str]] = []
-        for line in whole.stdout.splitlines():
-            if line.startswith('{"job_index": '):
-                parts.append([])
-            elif parts:
-                parts[-1].append(line)
-        children: list[SideRun | None] = []
-        for i in range(len(jobs)):
-            last = i == len(parts) - 1
-            children.append(SideRun(whole.side, whole.returncode if last else 0, whole.wall_s, stdout="\n".join(
-                parts[i]), stderr=whole.stderr[-4000:] if last else "") if i < len(parts) else None)
-        return children
 
     def run_worker(self, job: str, want: float, reserve: float = 0.0, what: str = "",
                    **spec: Any) -> SideRun | None:

@@ -1,85 +1,31 @@
 """The jobs `suite bench gpu` runs each in a process of its own: `python -m lowmem.suite.bench.gpu_workers JSON`.
 
 A job prints one JSON object per line as soon as it has measured it, so a job cut off by its time limit (or
-killed by an out-of-memory error) still leaves what it measured. Jobs (the JSON's `job`):
-
-- `parity`: the kernels (Triton, compiled on CUDA) against a float64 reference, outputs and gradients, fp32 and
-  bf16, with the tests' rule (error <= 2x PyTorch's own error in that dtype + a dtype margin); Gemini's training
-  against plain torch AdamW (fp32 and bf16 compute, chunks on the device and master/optimizer state in the CPU
-  tier).
-- `sd`: SD-1.5's UNet (the released config, random weights): the plain diffusers-style loop (fp32 weights, SDPA,
-  fused AdamW, bf16 autocast) or ours as `suite diffusion finetune --strategy gemini_offload --mixed_precision
-  bf16 --gradient_checkpointing` builds it (kernels attention, attention-keeping checkpointing, Gemini bf16 with
-  fp32 master weights and AdamW state in CPU memory), at increasing batch sizes until one does not fit.
-- `gemini_snapshot`: `suite bench gemini`'s Gemini run on one device with `torch.cuda.memory` history recorded,
-  the snapshot written where the spec says.
-- `gemini_tier`: Gemini with master weights and optimizer state in the CPU tier on a model whose states do not
-  fit the (emulated) card.
-- `suite`: the `suite` command line in this process (`argv`), on an emulated smaller card and/or with
-  fastfold's device-aware `chunk_size="auto"` budget (`fastfold.model.options.device_budget_bytes`, what
-  `InferenceOptions.for_device` uses) passed to `suite bench fold-model` as `--memory_budget_mb`.
-
-An emulated card (`cap_gib`) is `torch.cuda.set_per_process_memory_fraction` plus `torch.cuda.mem_get_info`
-reporting the emulated total and what is left of it, so code that sizes itself from the free memory sees the
-smaller card.
+killed by an out-of-memory error) still leaves what it measured. Jobs (the JSON's `job`; docs/benchmarks.md, "GPU
+proof"): `parity` (the kernels against float64 and Gemini against torch AdamW on the device), `sd` (`suite bench
+diffusion`'s sides at SD-1.5's size and growing batches), `suite` (the `suite` command line in this process, on
+an emulated card, `harness.emulate_card`, with fastfold's device-aware budget for `chunk_size="auto"`).
 """
 
 from __future__ import annotations
 
 import gc
-import gzip
 import json
 import logging
 import os
-import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .harness import count, emit, fast_optimizer, peak_over, step_times, timed, torch_device
-from .memory import hwm_bytes, rss_bytes
+from .harness import emit, emulate_card, peak_over, step_times, torch_device
+from .memory import rss_bytes
 
-__all__ = ["SD15_UNET", "emulate_card", "gemini_parity", "kernel_parity", "main"]
+__all__ = ["SD15", "gemini_parity", "kernel_parity", "main"]
 
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
 """Dtype margins of the kernels' parity rule (as tests/kernels/_tolerance.py)."""
-
-SD15_UNET: dict[str, Any] = {
-    "sample_size": 64, "in_channels": 4, "out_channels": 4, "center_input_sample": False, "flip_sin_to_cos": True,
-    "freq_shift": 0, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "block_out_channels": [320, 640, 1280, 1280],
-    "layers_per_block": 2, "downsample_padding": 1, "mid_block_scale_factor": 1, "act_fn": "silu",
-    "norm_num_groups": 32, "norm_eps": 1e-5, "cross_attention_dim": 768, "attention_head_dim": 8,
-}
-"""`unet/config.json` of Stable Diffusion 1.5 (859.5M parameters), the fields that shape the model."""
-
-_SD_SMOKE = {**SD15_UNET, "sample_size": 8, "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-             "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "block_out_channels": [32, 64],
-             "layers_per_block": 1, "cross_attention_dim": 32, "attention_head_dim": 4}
-
-
-def emulate_card(gib: float | None, device) -> str:
-    """Limit this process's CUDA allocator to `gib` GiB and make `torch.cuda.mem_get_info` report that card;
-    returns a note (nothing happens on CPU or when the card is smaller)."""
-    import torch
-
-    if not gib or device.type != "cuda":
-        return "" if not gib else f"no {gib:g} GiB cap on {device.type}"
-    cap = int(gib * 2**30)
-    total = torch.cuda.get_device_properties(device).total_memory
-    if cap >= total:
-        return f"the card has {total / 2**30:.1f} GiB: no {gib:g} GiB cap needed"
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    real = torch.cuda.mem_get_info
-
-    def mem_get_info(dev=None):
-        free, _ = real(dev)
-        return min(free, max(0, cap - torch.cuda.memory_reserved(dev))), cap
-
-    torch.cuda.mem_get_info = mem_get_info
-    return f"emulated {gib:g} GiB card (allocator fraction {cap / total:.3f} of {total / 2**30:.1f} GiB)"
 
 
 # ---- parity ---------------------------------------------------------------------------------------------------
@@ -246,79 +192,13 @@ def _parity(spec: dict) -> None:
         emit(row)
 
 
-# ---- SD-1.5 UNet ----------------------------------------------------------------------------------------------
+# ---- SD-1.5 UNet: `suite bench diffusion`'s sides -----------------------------------------------------------
 
-
-def _sd_model(variant: str, cfg: dict, device) -> tuple[Any, Callable]:
-    """The UNet and its training step `step(inputs)` for `variant` ("plain" or "ours")."""
-    import torch
-    import torch.nn.functional as F
-    from diffusers import UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        unet = UNet2DConditionModel(**cfg)
-    unet.train()
-    optimizer, _ = fast_optimizer(torch.optim.AdamW, unet.parameters(), lr=1e-5)
-    backward: Callable = lambda loss: loss.backward()  # noqa: E731
-    if variant == "plain":
-        unet.set_attn_processor(AttnProcessor2_0())
-    else:
-        from ... import core_parallel
-        from ...diffusion.attention import set_kernels_attention
-        from ...diffusion.memory import enable_checkpointing, order_modules_by_use
-
-        set_kernels_attention(unet, "auto")
-        enable_checkpointing(unet, "keep_attention")
-        order_modules_by_use(unet)
-        config = core_parallel.GeminiConfig(precision="bf16", offload_tier="cpu", offload_param_frac=1.0,
-                                            offload_optim_frac=1.0)
-        unet, optimizer = core_parallel.setup(unet, optimizer, config)
-        backward = optimizer.backward
-
-    def step(inputs: dict) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            pred = unet(inputs["noisy"], inputs["t"], inputs["states"]).sample
-        loss = F.mse_loss(pred.float(), inputs["noise"])
-        backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return unet, step
-
-
-def _sd_inputs(batch: int, cfg: dict, device) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(batch)
-    side = cfg["sample_size"]
-    latents, noise = (torch.randn(batch, 4, side, side, generator=g) for _ in range(2))
-    t = torch.randint(0, 1000, (batch,), generator=g)
-    alpha = torch.linspace(0.9991, 0.0047, 1000)[t].view(-1, 1, 1, 1)  # SD's scaled-linear alphas_cumprod ends
-    inputs = {"noisy": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "noise": noise, "t": t,
-              "states": torch.randn(batch, 77, cfg["cross_attention_dim"], generator=g)}
-    return {k: v.to(device) for k, v in inputs.items()}
-
-
-def _timed_steps(step: Callable, inputs: dict, warmup: int, steps: int, device) -> tuple[list[float], int]:
-    """Seconds of each timed step (CUDA events around each, back to back, one synchronisation at the end) and
-    the peak memory in bytes over warm-up and steps (CUDA: max_memory_allocated; CPU: VmHWM)."""
-    import torch
-
-    if device.type != "cuda":
-        return peak_over(lambda: step_times(lambda: step(inputs), steps, warmup=warmup), device)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup):
-        step(inputs)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for start, end in events:
-        start.record()
-        step(inputs)
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) / 1e3 for s, e in events], torch.cuda.max_memory_allocated(device)
+SD15 = ["--channels", "320,640,1280,1280", "--layers_per_block", "2", "--cross_attention_dim", "768",
+        "--resolution", "512"]
+"""`suite bench diffusion`'s flags for SD 1.5's UNet (859.5M; its config's other fields are diffusers' defaults)."""
+SD_SMOKE = ["--channels", "32,64", "--layers_per_block", "1", "--cross_attention_dim", "32", "--attention_head_dim",
+            "4", "--resolution", "64"]
 
 
 def _allocated(device) -> int:
@@ -335,34 +215,40 @@ def _oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
 
 
-def _sd_variant(variant: str, spec: dict, cfg: dict, device) -> None:
+def _sd_variant(variant: str, spec: dict, opts: dict, device) -> None:
+    import torch
+
+    from .diffusion import make_step, setup_variant
+
     base, t0 = _allocated(device), time.perf_counter()
     head = {"variant": variant, "cap_gib": spec.get("cap_gib")}
     try:
-        _, step = _sd_model(variant, cfg, device)
+        parts = setup_variant(variant, opts, 0, 1, device)
     except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
         if not _oom(exc):
             raise
         emit({**head, "outcome": "OOM building the model"})
         return
     head.update(setup_s=time.perf_counter() - t0, state_mib=(_allocated(device) - base) / 2**20)
-    last = None
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    last, step = None, None
     for batch in spec["batches"]:
         if last is not None:
             need = last["step_s"] * batch / last["batch"] * (spec["warmup"] + spec["steps"]) + 2
             if time.time() + need > spec["deadline"]:
                 emit({**head, "batch": batch, "outcome": f"not tried: ~{need:.0f} s, time slice too short"})
                 return
-        inputs = _sd_inputs(batch, cfg, device)
         try:
-            times, peak = _timed_steps(step, inputs, spec["warmup"], spec["steps"], device)
+            step = make_step(parts, {**opts, "batch": batch}, 0, device)
+            times, peak = peak_over(lambda s=step: step_times(s, spec["steps"], warmup=spec["warmup"], sync=sync),
+                                    device)
         except RuntimeError as exc:
             if not _oom(exc):
                 raise
             emit({**head, "batch": batch, "outcome": "OOM"})
             return
         finally:
-            del inputs
+            step = None
             gc.collect()
         median = statistics.median(times)
         last = {**head, "batch": batch, "outcome": "ok", "step_s": median, "images_per_s": batch / median,
@@ -374,67 +260,16 @@ def _sd(spec: dict) -> None:
     from diffusers import UNet2DConditionModel  # noqa: F401  (imported before any setup_s is timed)
     from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: F401
 
+    from .diffusion import options
+
     device = torch_device(spec["device"])
     note = emulate_card(spec.get("cap_gib"), device)
     if note:
         emit({"note": note})
-    cfg = _SD_SMOKE if spec.get("smoke") else SD15_UNET
+    opts = options(["--device", device.type, "--encoders", "none", "--mixed_precision", "bf16", "--gemini_offload",
+                    "cpu", "--chunk_mb", "0", *(SD_SMOKE if spec.get("smoke") else SD15)])
     for variant in spec["variants"]:
-        _sd_variant(variant, spec, cfg, device)
-
-
-# ---- Gemini ---------------------------------------------------------------------------------------------------
-
-
-def _gemini_run(spec: dict, extra: dict, record: str | None = None) -> dict:
-    """`suite bench gemini`'s model and step (`gemini.train_setup`) on one device: peak and median step over `steps`."""
-    import torch
-
-    from .gemini import train_setup
-
-    device = torch_device(spec["device"])
-    cuda = device.type == "cuda"
-    if record and cuda:
-        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=spec["max_entries"])
-    (model, step, _), setup_s = timed(train_setup, "gemini", device, count(spec["params"]), spec["width"],
-                                      spec["batch"], 1, extra)
-    times, peak = peak_over(lambda: step_times(step, spec["steps"], sync=torch.cuda.synchronize if cuda else None),
-                            device)
-    row = {"params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s,
-           "step_s": statistics.median(times), "peak_mib": peak / 2**20, "host_peak_mib": hwm_bytes() / 2**20}
-    report = model.memory_report()
-    row["chunks"] = report.get("chunks")
-    row["device_bytes"] = report["bytes"].get("device")
-    if record and cuda:
-        torch.cuda.memory._dump_snapshot(record)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        row["snapshot"] = _shrink(record, spec.get("max_file_mib", 15))
-    model.gemini_manager.close()
-    return row
-
-
-def _shrink(path: str, max_mib: float) -> str:
-    """The snapshot file, gzipped when it is over `max_mib` (what comes back from the device has a size limit)."""
-    if os.path.getsize(path) <= max_mib * 2**20:
-        return path
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
-    return path + ".gz"
-
-
-def _gemini_snapshot(spec: dict) -> None:
-    emit({"job": "gemini_snapshot", **_gemini_run(spec, {}, record=spec["path"])})
-
-
-def _gemini_tier(spec: dict) -> None:
-    device = torch_device(spec["device"])
-    note = emulate_card(spec.get("cap_gib"), device)
-    extra = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
-    row = _gemini_run(spec, extra)
-    row.update(states_gib=16 * row["params"] / 2**30, samples_per_s=spec["batch"] / row["step_s"],
-               cap_gib=spec.get("cap_gib"), note=note)
-    emit({"job": "gemini_tier", **row})
+        _sd_variant(variant, spec, opts, device)
 
 
 # ---- the suite command line on an emulated card -------------------------------------------------------------
@@ -457,22 +292,13 @@ def _suite(spec: dict) -> int:
     return suite_main(argv)
 
 
-JOBS: dict[str, Callable[[dict], Any]] = {"parity": _parity, "sd": _sd, "gemini_snapshot": _gemini_snapshot,
-                                          "gemini_tier": _gemini_tier, "suite": _suite}
+JOBS: dict[str, Callable[[dict], Any]] = {"parity": _parity, "sd": _sd, "suite": _suite}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job of the JSON spec; a JSON list runs its jobs one after another in this process, each after a
-    line `{"job_index": i}` (a smoke run's way to start one interpreter instead of several)."""
+    """Run the job of the JSON spec."""
     spec = json.loads((argv or sys.argv[1:])[0])
-    if isinstance(spec, dict):
-        return int(JOBS[spec["job"]](spec) or 0)
-    for i, one in enumerate(spec):
-        emit({"job_index": i})
-        code = int(JOBS[one["job"]](one) or 0)
-        if code:
-            return code
-    return 0
+    return int(JOBS[spec["job"]](spec) or 0)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ from typing import Any
 from .memory import hwm_bytes, reset_peak_rss, run_command
 
 __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
-           "csv_step_seconds", "ddp_options", "drop_cached", "emit", "fast_optimizer", "int_list", "kill_group",
-           "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl", "peak_over",
-           "pin_to_core", "plot", "publish", "ratio", "run_side", "safe_env", "step_seconds",
-           "step_times", "text_table", "time_fn", "timed", "torch_baseline", "torch_device", "write_json", "write_text"]
+           "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card", "fast_optimizer", "int_list",
+           "kill_group", "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl",
+           "peak_over", "pin_to_core", "plot", "publish", "ratio", "run_side", "safe_env", "step_seconds",
+           "step_times", "text_table", "time_fn", "timed", "torch_baseline", "torch_device", "write_json",
+           "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -188,6 +189,28 @@ def torch_device(name: str = "auto", rank: int | None = None):
     device = torch.device("cuda", torch.cuda.current_device() if rank is None else rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+def emulate_card(gib: float | None, device) -> str:
+    """Limit this process's CUDA allocator to `gib` GiB and make `torch.cuda.mem_get_info` report that card;
+    returns a note (nothing happens on CPU or when the card is smaller)."""
+    import torch
+
+    if not gib or device.type != "cuda":
+        return "" if not gib else f"no {gib:g} GiB cap on {device.type}"
+    cap = int(gib * 2**30)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap >= total:
+        return f"the card has {total / 2**30:.1f} GiB: no {gib:g} GiB cap needed"
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    real = torch.cuda.mem_get_info
+
+    def mem_get_info(dev=None):
+        free, _ = real(dev)
+        return min(free, max(0, cap - torch.cuda.memory_reserved(dev))), cap
+
+    torch.cuda.mem_get_info = mem_get_info
+    return f"emulated {gib:g} GiB card (allocator fraction {cap / total:.3f} of {total / 2**30:.1f} GiB)"
 
 
 def pin_to_core(rank: int, world: int) -> int | None:

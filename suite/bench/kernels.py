@@ -1,19 +1,4 @@
-"""`suite bench kernels`: LayerNorm, masked-bias softmax and attention, ours against what users would run.
-
-Baselines: `F.layer_norm`; naive torch softmax of `x * scale + bias` with `masked_fill`; naive attention
-(matmul, + bias, masked_fill, softmax, matmul) and `F.scaled_dot_product_attention` with a float mask
-(bias with -inf where masked). Sizes: Evoformer (pair/triangle attention at N_res, H heads, D 32) and
-diffusion (sequence L, D 64, bias shared over heads, key-padding mask).
-
-Memory: each (case, implementation) runs in a fresh subprocess. On CPU the peak extra memory is the growth
-of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs exist) over
-the resident set just before the first call: every page the op touches counts, allocator caches do not
-hide anything (glibc's mmap threshold is pinned at 64 KiB so freed blocks are returned, not cached). On CUDA
-it is `max_memory_allocated` minus the allocation before the call. Times come from a second fresh subprocess
-with the default allocator: the median of `--repeat` samples, wall clock and process CPU time. On CPU a sample
-is one call; on CUDA it is as many back-to-back calls as fill 50 ms, synchronised once (one synchronised call
-of a small op times the launch and sync latency). Both runs make one warm-up call first.
-"""
+"""`suite bench kernels`: LayerNorm, masked-bias softmax and attention, ours against what users would run."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Memory as the kernel charges it, and this process's resident memory.
-
-Each measured side runs in its own memory cgroup (page cache included) or, where none can be made, is measured as
-resident memory plus the page-cache pages of the files it writes (mincore). Every figure says how it was taken
-(`method`): `cgroup2:memory.peak` / `cgroup1:memory.max_usage_in_bytes` (a fresh child of this process's memory
-cgroup: anonymous memory, page cache and kernel memory of its tasks at their highest; shared libraries already
-cached stay charged where they were first read, as under a container limit started on a warm machine), or
-`rss+mincore` (peak RSS plus the offload files' resident pages: the peaks need not coincide and a mapped file
-counts twice, so an upper bound). For whole commands (`run_command`) the cgroup holds the process tree from its
-first instruction to its exit; without one, the tree's summed RSS is sampled and compared with the children's
-`ru_maxrss` (what `/usr/bin/time -v` prints), plus the offload files' resident pages.
+"""Memory as the kernel charges it (a memory cgroup per side, else RSS plus the offload files' resident pages),
+and this process's resident memory. Every figure says how it was taken (`method`).
 """
 
 from __future__ import annotations

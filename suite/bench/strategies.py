@@ -1,15 +1,4 @@
-"""`suite bench strategies`: Lightning strategies side by side on one LightningModule.
-
-Runs the same MLP LightningModule (AdamW at its best: `fused=True`, else `foreach=True`; fixed sizes from the
-flags) under `ddp` (`DDPStrategy(gradient_as_bucket_view=True)`), Lightning's `fsdp`
-(where it runs), `zero2` and `gemini`, each in a fresh group of `--ranks` processes, and reports per-rank
-peak memory (CUDA peak allocated on GPU; on CPU the growth of peak RSS during fit, which is what training
-added on top of the imports) and the median step time after warm-up. `charged_mb_max` is the same span as the
-kernel charges it: each rank moves into its own memory cgroup before the Trainer is built and reads its peak
-(page cache included); without one, peak RSS plus offload pages (`suite.bench.memory` names the method).
-
-    suite bench strategies --ranks 2 --hidden 1024 --layers 8 --batch 16 --steps 6 --json out.json
-"""
+"""`suite bench strategies`: Lightning strategies side by side on one LightningModule."""
 
 from __future__ import annotations
 

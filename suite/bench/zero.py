@@ -1,19 +1,4 @@
-"""`suite bench zero`: per-rank memory and step time of torch DDP, torch FSDP2 (`fully_shard`), ZeRO-1, ZeRO-2.
-
-Same model (a stack of square Linear layers), same batch, Adam, on `--ranks` local processes (gloo on CPU,
-NCCL with one GPU per rank when CUDA is present). Each variant runs in fresh processes, so its peak is
-its own. Memory is the peak resident set size on CPU (the CUDA peak on GPU); "states" is the peak minus
-what the process held before the model was built, i.e. parameters, gradients, optimizer state and
-communication buffers (plus the small activations). Theory for fp32 Adam, bytes per parameter:
-DDP 16; ZeRO-1 4 + 4 + 8/N during backward; ZeRO-2 4 + 12/N. `charged_MiB` is the same span as the kernel
-charges it (the rank's own memory cgroup from before the model is built, page cache included; else peak RSS
-plus offload pages: `suite.bench.memory`, the JSON names the method).
-
-Every variant runs torch's Adam at its best (`fused=True`, else `foreach=True`): DDP and FSDP2 step it directly,
-ZeRO wraps it. DDP runs with `gradient_as_bucket_view=True`.
-
-    suite bench zero --ranks 2 --params 200M --json zero.json
-"""
+"""`suite bench zero`: per-rank memory and step time of torch DDP, torch FSDP2 (`fully_shard`), ZeRO-1, ZeRO-2."""
 
 from __future__ import annotations
 

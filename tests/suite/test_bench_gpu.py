@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lowmem.suite.bench import gpu, gpu_workers
+from lowmem.suite.bench import gpu, gpu_workers, harness
 from lowmem.suite.bench.gpu_stages import parse_pytest_summary
 
 
@@ -129,8 +129,8 @@ def test_floor_baseline_runs_forward_and_backward(lead):
 
 
 def test_emulated_card_is_a_no_op_on_cpu():
-    assert gpu_workers.emulate_card(8, torch.device("cpu")) == "no 8 GiB cap on cpu"
-    assert gpu_workers.emulate_card(None, torch.device("cpu")) == ""
+    assert harness.emulate_card(8, torch.device("cpu")) == "no 8 GiB cap on cpu"
+    assert harness.emulate_card(None, torch.device("cpu")) == ""
 
 
 def test_emulated_card_caps_the_allocator_and_reports_the_smaller_card(monkeypatch):
@@ -143,10 +143,10 @@ def test_emulated_card_caps_the_allocator_and_reports_the_smaller_card(monkeypat
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
-    note = gpu_workers.emulate_card(24, torch.device("cuda", 0))
+    note = harness.emulate_card(24, torch.device("cuda", 0))
     assert fractions == [0.3] and "emulated 24 GiB card" in note
     assert torch.cuda.mem_get_info(0) == (21 * gib, 24 * gib)  # what fastfold's auto chunks size themselves by
-    assert gpu_workers.emulate_card(100, torch.device("cuda", 0)).startswith("the card has 80.0 GiB")
+    assert harness.emulate_card(100, torch.device("cuda", 0)).startswith("the card has 80.0 GiB")
 
 
 # ---- on a GPU: run by `suite bench gpu`'s first stage (pytest -m gpu) ------------------------------------------
