@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .param_reads import BackwardCall, outside_modes, owner_of, set_owner
+from .param_reads import BackwardCall, eager, outside_modes, owner_of, set_owner
 
 __all__ = ["GeminiParamError", "guard", "unguard"]
 
@@ -176,6 +176,7 @@ def _move(name: str, mgr, pidx: int, args, kwargs):
     )
 
 
+@eager
 def _intercept(func, args, kwargs):
     name = _op_name(func)
     if name in _METADATA or name in ("__get__", "__set__", "__delete__"):

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from .fallback import guard, unguard
 from .manager import ChunkManager
-from .param_reads import BackwardCall, outside_modes, set_owner
+from .param_reads import BackwardCall, eager, outside_modes, set_owner
 
 __all__ = ["register_hooks"]
 
@@ -69,8 +69,8 @@ def _module_hooks(module: torch.nn.Module, mgr: ChunkManager, ids: tuple[int, ..
                 t.register_hook(call.pre)
 
     return [
-        module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, with_kwargs=True, always_call=True),
+        module.register_forward_pre_hook(eager(pre), with_kwargs=True),
+        module.register_forward_hook(eager(post), with_kwargs=True, always_call=True),
     ]
 
 
@@ -114,8 +114,8 @@ def register_hooks(model: torch.nn.Module, mgr: ChunkManager, index_of: dict[int
         handles += _state_dict_hooks(module, mgr, names)
     for pidx, p in enumerate(mgr.params):
         if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(_grad_hook(mgr, pidx)))
-    handles.append(model.register_forward_hook(lambda mod, args, out: mgr.end_forward()))
+            handles.append(p.register_post_accumulate_grad_hook(eager(_grad_hook(mgr, pidx))))
+    handles.append(model.register_forward_hook(eager(lambda mod, args, out: mgr.end_forward())))
     for pidx, p in enumerate(mgr.params):
         set_owner(p, mgr, pidx)
     guard(mgr.params)

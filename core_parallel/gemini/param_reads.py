@@ -1,18 +1,28 @@
 """What the two read paths of a chunked parameter share: the module hooks (`hooks.py`, the fast path) and the
 guarded fallback (`fallback.py`, any other read). Both tag a tensor with the chunk manager and parameter index it
 reads from (`set_owner`, `owner_of`), gather and release outside any dispatch mode (`outside_modes`), and gather
-a forward use's chunks again around its backward (`BackwardCall`).
+a forward use's chunks again around its backward (`BackwardCall`). Every hook either path registers runs outside
+torch.compile's graphs (`eager`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["BackwardCall", "outside_modes", "owner_of", "set_owner"]
+__all__ = ["BackwardCall", "eager", "outside_modes", "owner_of", "set_owner"]
+
+
+def eager(fn: Callable) -> Callable:
+    """`fn` run eagerly, never traced by torch.compile (dynamo breaks the graph around it). Gemini's hooks gather and
+    release chunks: collectives, waits and bookkeeping that differ from call to call (which chunk is gathered,
+    prefetched or kept), so a trace of them diverges between dynamo's passes (`SpeculationLogDivergence`) or fails
+    its guards on every chunk (a recompile per chunk until the limit). Outside them the module's own ops compile."""
+    return torch.compiler.disable(fn, reason="Gemini gathers and releases chunks here (collectives, bookkeeping)")
 
 
 def set_owner(t: torch.Tensor, mgr: Any, pidx: int) -> None:
@@ -45,6 +55,7 @@ class BackwardCall:
         self.mgr, self.ids = mgr, ids
         self.gathered = self.released = False
 
+    @eager
     def pre(self, grad: torch.Tensor) -> None:
         if not self.gathered:
             self.gathered = True
@@ -52,6 +63,7 @@ class BackwardCall:
             with outside_modes():
                 self.mgr.access(self.ids)
 
+    @eager
     def post(self, grad: torch.Tensor) -> None:
         if self.gathered and not self.released and self.mgr.in_backward:
             self.released = True
