@@ -6,7 +6,8 @@ owned by the `core_parallel` optimizer wrapper, and fp16 loss scaling is that wr
 each of those calls to the wrapper:
 
 - backward: `optimizer.backward(loss)` (scales the loss under `16-mixed`);
-- clipping by norm: `optimizer.clip_grad_norm(max_norm)` (the global norm over all shards);
+- clipping by norm: `optimizer.clip_grad_norm(max_norm)` (the global norm over all shards); by value:
+  `optimizer.clip_grad_value(clip)` (elementwise on the reduced gradient shards, no communication);
 - step: the closure runs (forward and backward), then `optimizer.step()`.
 
 The precisions mean what they mean in Lightning (and torch): `*-mixed` keeps the parameters in fp32 and runs
@@ -163,10 +164,7 @@ class ShardedPrecision(Precision):
         unwrap_optimizer(optimizer).clip_grad_norm(float(clip_val))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        raise InputError(
-            "gradient_clip_algorithm='value' is not supported by the sharded strategies "
-            "(gradients live in shards); use gradient_clip_algorithm='norm'"
-        )
+        unwrap_optimizer(optimizer).clip_grad_value(float(clip_val))
 
 
 def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,8 @@ The keywords (`GeminiStrategy(offload="nvme", chunk_mb=64)`, the registered name
 Both are `DDPStrategy` subclasses that replace the DDP wrapper with `core_parallel.setup(model,
 optimizer, config, group)`, the group being the default process group that Lightning's cluster
 environment created. The optimizer wrapper then carries the training step: backward (loss scaling under
-fp16), `no_sync()` while Lightning accumulates gradients, the global-norm clip for `gradient_clip_val`,
+fp16), `no_sync()` while Lightning accumulates gradients, the clip for `gradient_clip_val` (global norm, or
+elementwise on the shards for `gradient_clip_algorithm="value"`),
 and the step. Checkpoints (`state_dict_type="sharded"`, the default; `"full"` writes one Lightning file
 instead: `recipes.checkpoints`) are folders: `core_parallel`'s sharded format (index JSON + safetensors
 shards, loadable on any number of ranks, `suite checkpoint consolidate`) plus `lightning_state.pt` with
@@ -186,7 +187,6 @@ class _ShardedStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)  # as DDPStrategy: *-true converts, before the optimizer
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_clipping(trainer)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(
@@ -526,13 +526,6 @@ def _check_strategy_keywords(rest: dict[str, Any], fields: set[str]) -> None:
             close = ["collective_timeout_s"] if name == "timeout" else difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"unknown strategy keyword {name!r}{hint}")
-
-
-def _check_clipping(trainer: Any) -> None:
-    if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
-        raise InputError(
-            "gradient_clip_algorithm='value' is not supported by the sharded strategies; use 'norm' (the default)"
-        )
 
 
 def _load_lightning_state(path: Path) -> dict[str, Any]:

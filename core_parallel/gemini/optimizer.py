@@ -172,6 +172,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         return total
 
+    def clip_grad_value(self, clip_value: float) -> None:
+        """Clamp every element of the gradient shards into [-clip_value, clip_value], as
+        `torch.nn.utils.clip_grad_value_` on one process: elementwise, no communication. After an fp16 overflow
+        changes nothing (the step is skipped)."""
+        if self._prepare():
+            return
+        for g in self._grad_shards():
+            g.clamp_(-clip_value, clip_value)
+
     def _grad_norm(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float64)
         for c in self.manager.trainable_chunks:
@@ -205,9 +214,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
         hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
                   for g in self.param_groups]
         try:
-            for c in self.manager.trainable_chunks:
-                if c.grad.allocated:
-                    self._step_chunk(c, used, hypers)
+            with self.manager.master_writes():  # peers reading this rank's masters wait for the new values
+                for c in self.manager.trainable_chunks:
+                    if c.grad.allocated:
+                        self._step_chunk(c, used, hypers)
         finally:
             for pages in self._scratch.values():
                 pages.drop()
@@ -382,13 +392,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
         names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]
         restore_param_groups(self.param_groups, reader.param_groups, names)
         saved = set(reader.param_names())
-        for pidx, name in enumerate(mgr.names):
-            if name not in saved:
-                if pidx in self.steps:
-                    raise CheckpointError(f"{reader.path}: checkpoint has no trained parameter {name!r}")
-                continue  # a frozen parameter ZeRO saved in model.safetensors: loaded with the model file
-            reader.check_param(name, tuple(mgr.params[pidx].shape))
-            self._load_param(reader, pidx, name)
+        with mgr.master_writes():
+            for pidx, name in enumerate(mgr.names):
+                if name not in saved:
+                    if pidx in self.steps:
+                        raise CheckpointError(f"{reader.path}: checkpoint has no trained parameter {name!r}")
+                    continue  # a frozen parameter ZeRO saved in model.safetensors: loaded with the model file
+                reader.check_param(name, tuple(mgr.params[pidx].shape))
+                self._load_param(reader, pidx, name)
         self.loss_scaler.load_state_dict(reader.loss_scaler)
         mgr.zero_grad()
 

@@ -279,6 +279,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     @_names_lost_ranks
+    def clip_grad_value(self, clip_value: float) -> None:
+        """Clamp every gradient element into [-clip_value, clip_value], as `torch.nn.utils.clip_grad_value_` on one
+        process with the whole batch: elementwise on each rank's reduced, unscaled shards, so no communication beyond
+        reducing pending gradients. After an fp16 overflow changes nothing (the step is skipped)."""
+        if self._prepare_grads():
+            return
+        for s in self._slots:
+            if s.master.grad is not None:
+                s.master.grad.clamp_(-clip_value, clip_value)
+
+    @_names_lost_ranks
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (reduced, unscaled) gradients across all shards, as a float32 scalar."""
         self._prepare_grads()

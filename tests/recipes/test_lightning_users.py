@@ -1,0 +1,99 @@
+"""What Lightning users do with ddp, under the sharded strategies, against ddp on 2 gloo ranks (issue 44).
+
+One 2-rank launch (`_all_cases`): clipping by value (`gradient_clip_algorithm="value"` in automatic optimization,
+`self.clip_gradients(..., gradient_clip_algorithm="value")` in manual optimization) under zero2, gemini and
+gemini_offload against Lightning's ddp. The model is `test_strategies`' tiny module (a frozen layer, two param groups,
+AdamW, a per-step LR schedule, accumulation 2 in automatic optimization).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lowmem.core_parallel import run_on_ranks
+from tests.recipes.test_strategies import make_module, make_trainer
+
+CLIP_NAMES = ("zero2", "gemini", "gemini_offload")
+CLIP_VALUE = 0.01  # below most gradient elements of the tiny model: most of them are clamped
+TOL = 1e-6  # fp32 rounding (relative to the largest weight): the shards reduce in another order than ddp's buckets
+
+
+def assert_close(actual: dict, expected: dict, label: str) -> None:
+    """Every tensor within `TOL` of `expected`, relative to the largest value of the whole state."""
+    assert set(actual) == set(expected), f"{label}: keys differ: {set(actual) ^ set(expected)}"
+    scale = max(float(v.abs().max()) for v in expected.values())
+    for key, ref in expected.items():
+        diff = float((actual[key].float() - ref.float()).abs().max())
+        assert diff <= TOL * scale, f"{label}: {key} differs by {diff:.3g} (largest value {scale:.3g})"
+
+
+def _sd(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _manual_clip_module():
+    module = make_module()
+
+    class ManualClip(type(module)):
+        def __init__(self) -> None:  # not called: the instance is re-classed below
+            raise AssertionError
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+
+    module.__class__ = ManualClip
+    module.automatic_optimization = False
+    return module
+
+
+def _clip_value(root: Path) -> dict:
+    out = {}
+    for name in ("ddp", *CLIP_NAMES):
+        module = make_module()
+        make_trainer(name, 2, root, 2, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value").fit(module)
+        out[f"auto-{name}"] = _sd(module)
+        module = _manual_clip_module()
+        make_trainer(name, 2, root, 2, gradient_clip_val=None, accumulate_grad_batches=1).fit(module)
+        out[f"manual-{name}"] = _sd(module)
+    module = make_module()
+    make_trainer("ddp", 2, root, 2, gradient_clip_val=None).fit(module)
+    out["unclipped-ddp"] = _sd(module)
+    return out
+
+
+def _all_cases(rank: int, world: int, root: str) -> dict:
+    root = Path(root)
+    return {"clip_value": _clip_value(root / "clip")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning_users")
+    t0 = time.perf_counter()
+    results = run_on_ranks(_all_cases, 2, str(root), backend="none", timeout=300, env={"OMP_NUM_THREADS": "1"})
+    print(f"2-rank Lightning-users run: {time.perf_counter() - t0:.1f}s")
+    return root, results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CLIP_NAMES)
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_clip_by_value_equals_ddp(two_ranks, name, mode):
+    _, results = two_ranks
+    for rank, res in enumerate(r["clip_value"] for r in results):
+        assert_close(res[f"{mode}-{name}"], res[f"{mode}-ddp"], f"{mode} {name} rank {rank}")
+    # the clip does something: without it ddp ends elsewhere
+    ddp, unclipped = results[0]["clip_value"]["auto-ddp"], results[0]["clip_value"]["unclipped-ddp"]
+    assert max(float((ddp[k] - unclipped[k]).abs().max()) for k in ddp) > 1e-3
