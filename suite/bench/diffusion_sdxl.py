@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from ..errors import UsageError
-from .harness import Side, csv_metric, drop_cached, emit, publish, ratio, run_side
+from .harness import Side, add_ratios, csv_metric, drop_cached, emit, publish, run_side
 from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -306,10 +306,7 @@ def run(args: argparse.Namespace) -> int:
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
         if r["side"] == "ours" and r["row"] in plain:
-            base = plain[r["row"]]
-            r.update(peak_ratio=r["peak_mib"] / base["peak_mib"], wall_ratio=r["wall_s"] / base["wall_s"])
-            if ratio(r["step_s"], base["step_s"]):
-                r["step_ratio"] = r["step_s"] / base["step_s"]
+            add_ratios([r], plain[r["row"]], {"peak_ratio": "peak_mib", "wall_ratio": "wall_s", "step_ratio": "step_s"})
     notes = [f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}" for r in rows]
     notes += [f"{r['row']}/{r['side']}: losses {r['losses']}, exported pipeline {r['pipeline']}"
               for r in rows if "pipeline" in r]

@@ -218,23 +218,15 @@ def _child_probe(opts: argparse.Namespace) -> int:
     return 0
 
 
-def _child_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lowmem.suite.bench.fold_openfold",
-                                description="one side of suite bench fold-model --openfold (started by the bench)")
-    p.add_argument("side", choices=["ours", "openfold", "probe"])
-    p.add_argument("--params", default=None)
-    p.add_argument("--features", default=None)
-    p.add_argument("--preset", default="model_1_ptm")
-    p.add_argument("--chunk_size", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--path", action="append", default=[], help="folders put first on sys.path (OpenFold side)")
-    p.add_argument("--tiny", action="store_true", help="ours only: the tiny test model (config.tiny())")
-    return p
+_CHILD_DEFAULTS = {"params": None, "features": None, "preset": "model_1_ptm", "chunk_size": 4, "threads": 2,
+                   "device": "cpu", "path": [], "tiny": False}
+"""A child's settings (`path`: folders put first on sys.path on OpenFold's side; `tiny`: ours on `config.tiny()`)."""
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    opts = _child_parser().parse_args(argv)
+    """`python -m lowmem.suite.bench.fold_openfold JSON`: one side ("ours", "openfold", "probe") of the comparison."""
+    spec = json.loads((argv or sys.argv[1:])[0])
+    opts = argparse.Namespace(**{**_CHILD_DEFAULTS, **spec})
     return {"ours": _child_ours, "openfold": _child_openfold, "probe": _child_probe}[opts.side](opts)
 
 
@@ -242,18 +234,7 @@ def child_main(argv: list[str] | None = None) -> int:
 
 
 def _child_argv(side: str, **opts) -> list[str]:
-    argv = [sys.executable, "-m", __name__, side]
-    for key, value in opts.items():
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(f"--{key}")
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                argv += [f"--{key}", str(v)]
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv
+    return [sys.executable, "-m", __name__, json.dumps({"side": side, **opts})]
 
 
 def run_one(side: str, *, timeout: float | None = None, use_cgroup: bool = True, **opts) -> dict:

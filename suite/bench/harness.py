@@ -225,7 +225,7 @@ def pin_to_core(rank: int, world: int) -> int | None:
 
 # ---- per-step times written by a side -------------------------------------------------------------------------
 
-_STEP = re.compile(r"plain step \d+/\d+ s ([0-9.]+)")
+_STEP = re.compile(r"^plain step \d+/\d+ s ([0-9.]+)", re.M)
 
 
 def log_step(step: int, steps: int, seconds: float, loss: float) -> None:
@@ -233,10 +233,9 @@ def log_step(step: int, steps: int, seconds: float, loss: float) -> None:
     print(f"plain step {step + 1}/{steps} s {seconds:.3f} loss {loss:.4f}", flush=True)
 
 
-def step_seconds(log: str) -> list[float]:
-    """Seconds of each step a plain loop's log reports (its `log_step` lines), in order."""
-    with open(log, errors="replace") as f:
-        return [float(m.group(1)) for line in f if (m := _STEP.match(line))]
+def step_seconds(text: str) -> list[float]:
+    """Seconds of each step a plain loop's output reports (its `log_step` lines), in order."""
+    return [float(m.group(1)) for m in _STEP.finditer(text)]
 
 
 def csv_metric(folder: str, column: str) -> list[float]:
@@ -340,9 +339,10 @@ class SideRun:
         """Per-step seconds: the `suite diffusion` CSV log in `csv_folder`, else the side's `log_step` lines."""
         if csv_folder:
             return csv_step_seconds(csv_folder, batch)
-        return step_seconds(self.side.log) if self.side.log else [float(m.group(1)) for line in
-                                                                   self.stdout.splitlines()
-                                                                   if (m := _STEP.match(line))]
+        if self.side.log:
+            with open(self.side.log, errors="replace") as f:
+                return step_seconds(f.read())
+        return step_seconds(self.stdout)
 
     def outcome(self) -> str:
         if self.timed_out:
