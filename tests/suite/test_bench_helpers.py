@@ -246,12 +246,12 @@ def test_a_capped_command_keeps_page_cache_under_the_cap_and_is_killed_past_it(t
     assert out["returncode"] != 0 and out["oom_kills"] >= 1, out
 
 
-def test_step_seconds_reads_the_plain_loops_log(tmp_path):
+def test_step_seconds_reads_the_plain_loops_lines(tmp_path):
     from lowmem.suite.bench.harness import step_seconds
 
     plain = tmp_path / "plain.log"
     plain.write_text("noise\nplain step 1/3 s 10.5 loss 0.1\nplain step 2/3 s 4.25 loss 0.1\nplain step 3/3 s 4.75\n")
-    assert step_seconds(str(plain)) == [10.5, 4.25, 4.75]
+    assert step_seconds(plain.read_text()) == [10.5, 4.25, 4.75]
 
 
 def test_csv_step_seconds_reads_the_runs_metrics(tmp_path):
