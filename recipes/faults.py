@@ -15,7 +15,9 @@
   the next batch, possibly mid-accumulation, without a checkpoint and with exit code 0. The checkpoint is
   written by the first trainer callback that has a `save_on_signal(trainer, module)` method (returning the
   path; the diffusion recipe's checkpoint-N writer does), else as `preempted-step=N.ckpt` in the
-  ModelCheckpoint folder or `default_root_dir`.
+  ModelCheckpoint folder or `default_root_dir`. A rank that cannot reach the step boundary because it waits in a
+  collective its peers do not join is ended within seconds (`Preemption`'s watchdog, `LOWMEM_SIGTERM_GRACE_S`):
+  exit 143, one line naming where it waits and the last complete checkpoint.
 
 The strategies hold the state (the SIGTERM flag, the last checkpoint) and run the collective that makes the ranks
 agree; this module holds the parts that need no process group.
@@ -111,8 +113,15 @@ def watch_sigterm(trainer: Any, preemption: Preemption) -> None:
     """Install `preemption`'s SIGTERM handler (`core_parallel.preemption`, acted on at the next optimizer-step
     boundary, `StopOnSigterm`), still calling the handler that was there before Lightning's. Call after Lightning
     registered its own handler (Trainer._run), which is replaced: it runs a collective inside the handler and
-    stops at the next batch without a checkpoint, exiting 0. Lightning's teardown restores the handler it found."""
+    stops at the next batch without a checkpoint, exiting 0. Lightning's teardown restores the handler it found.
+    A rank that waits in a collective after SIGTERM is ended by `preemption`'s watchdog (exit 143, one line naming
+    the strategy's traced collective and the last checkpoint)."""
     connector = getattr(trainer, "_signal_connector", None)
+    strategy = trainer.strategy
+    # a rank stuck in a collective is ended by the watchdog: its line names the strategy's traced collective
+    preemption.trace = getattr(getattr(strategy, "_core_optimizer", None), "collectives", None)
+    preemption.context = lambda: resume_hint(getattr(strategy, "_last_checkpoint", None),
+                                             getattr(strategy, "_resume_advice", None))
     preemption.install(chain=getattr(connector, "_original_handlers", {}).get(signal.SIGTERM))
 
 
