@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from ..errors import UsageError
-from .harness import Side, add_ratios, csv_metric, drop_cached, emit, publish, run_side
+from .harness import Side, add_ratios, csv_metric, drop_cached, emit, publish, run_side, tool_main
 from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -131,7 +131,7 @@ def _train(unet, latents_of, hidden, cond, optimizer, scheduler, steps: int, che
                    lambda s=step: noise_loss(unet, scheduler, latents_of(s), hidden, added_cond_kwargs=cond))
 
 
-def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, rank: int,
+def plain_lora(base: str, out: str, *, steps: int = 2, batch: int = 1, resolution: int = 256, rank: int = 4,
                checkpointing: bool = True) -> None:
     """`train_dreambooth_lora_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: the
     UNet and both text encoders loaded with `from_pretrained` and cast to bf16, the VAE kept in fp32 (as the script
@@ -167,7 +167,8 @@ def plain_lora(base: str, out: str, *, steps: int, batch: int, resolution: int, 
     StableDiffusionXLPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
 
 
-def plain_full(base: str, out: str, *, steps: int, batch: int, resolution: int, checkpointing: bool = True) -> None:
+def plain_full(base: str, out: str, *, steps: int = 2, batch: int = 1, resolution: int = 256,
+               checkpointing: bool = True) -> None:
     """`train_text_to_image_sdxl.py --mixed_precision bf16 [--gradient_checkpointing]` reduced to its loop: every
     part loaded with `from_pretrained`, the text encoders cast to bf16, the prompt embeddings and the images' VAE
     latents computed first and the encoders and VAE deleted (the script's `dataset.map` pre-computation), then the
@@ -319,32 +320,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR | plain_lora BASE OUT ... | plain_full BASE
-    OUT ... | check_pipeline OUT`."""
-    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
-    sub = parser.add_subparsers(dest="what", required=True)
-    sub.add_parser("write_pipeline", help="the random-weight SDXL pipeline folder").add_argument("folder")
-    sub.add_parser("check_pipeline", help="whether an exported pipeline loads").add_argument("folder")
-    for name, help_ in (("plain_lora", "the plain DreamBooth LoRA SDXL loop as a whole process"),
-                        ("plain_full", "the plain SDXL full fine-tune loop as a whole process")):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("base")
-        p.add_argument("out")
-        for flag, default in (("steps", 2), ("batch", 1), ("resolution", 256)):
-            p.add_argument(f"--{flag}", type=int, default=default)
-        if name == "plain_lora":
-            p.add_argument("--rank", type=int, default=4)
-    args = parser.parse_args(argv)
-    if args.what == "write_pipeline":
-        write_pipeline(args.folder)
-    elif args.what == "check_pipeline":
-        check_pipeline(args.folder)
-    elif args.what == "plain_lora":
-        plain_lora(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution,
-                   rank=args.rank)
-    else:
-        plain_full(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
-    return 0
+    """`python -m lowmem.suite.bench.diffusion_sdxl write_pipeline DIR | check_pipeline OUT | plain_lora BASE OUT
+    [--steps 2 --batch 1 --resolution 256 --rank 4] | plain_full BASE OUT [--steps ...]`."""
+    return tool_main({"write_pipeline": write_pipeline, "check_pipeline": check_pipeline, "plain_lora": plain_lora,
+                      "plain_full": plain_full}, argv)
 
 
 if __name__ == "__main__":

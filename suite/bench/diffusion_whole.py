@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 
-from .harness import Side, add_ratios, drop_cached, fast_optimizer, log_step, publish, run_side
+from .harness import Side, add_ratios, drop_cached, fast_optimizer, log_step, publish, run_side, tool_main
 
 __all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
            "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
@@ -225,20 +225,14 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lowmem.suite.bench.diffusion write_pipeline | plain_loop ...`."""
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
-    sub = parser.add_subparsers(dest="what", required=True)
-    w = sub.add_parser("write_pipeline", help="a pipeline folder of the benchmark's shapes, random weights")
-    w.add_argument("folder")
-    add_shape_arguments(w)
-    p = sub.add_parser("plain_loop", help="the plain diffusers loop as a whole process")
-    for name in ("base", "out"):
-        p.add_argument(name)
-    for flag, default in (("steps", 3), ("batch", 2), ("resolution", 256)):
-        p.add_argument(f"--{flag}", type=int, default=default)
-    args = parser.parse_args(argv)
-    if args.what == "write_pipeline":
-        write_pipeline(args.folder, vars(args))
-    else:
-        plain_loop(args.base, args.out, steps=args.steps, batch=args.batch, resolution=args.resolution)
+    """`python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels ...] | plain_loop BASE OUT [--steps 3
+    --batch 2 --resolution 256]`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["write_pipeline"]:
+        return tool_main({"plain_loop": plain_loop}, argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE} write_pipeline")
+    parser.add_argument("folder")
+    add_shape_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    write_pipeline(args.folder, vars(args))
     return 0

@@ -37,7 +37,7 @@ __all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "co
            "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card", "fast_optimizer", "int_list",
            "kill_group", "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl",
            "peak_over", "pin_to_core", "plot", "publish", "ratio", "run_side", "safe_env", "step_seconds",
-           "step_times", "text_table", "time_fn", "timed", "torch_baseline", "torch_device", "write_json",
+           "step_times", "text_table", "time_fn", "timed", "tool_main", "torch_baseline", "torch_device", "write_json",
            "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
@@ -261,6 +261,29 @@ def drop_cached(folder: str) -> None:
     for top, _, files in os.walk(folder):
         for name in files:
             drop_page_cache(os.path.join(top, name), write_back=True)
+
+
+def tool_main(tools: dict[str, Callable[..., Any]], argv: Sequence[str] | None = None) -> int:
+    """`python -m MODULE NAME ARG... [--key value ...]`: `tools[NAME](*ARGS, key=value, ...)`, each value read as the
+    type of that keyword's default (a bench's whole-process sides and tools)."""
+    import inspect
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in tools:
+        raise SystemExit(f"usage: python -m MODULE {{{','.join(tools)}}} ARG... [--key value ...]")
+    fn, positional, keywords = tools[args.pop(0)], [], {}
+    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            positional.append(arg)
+            continue
+        key, value = arg[2:], args.pop(0)
+        default = defaults[key]
+        keywords[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else value if default in (
+            None, inspect.Parameter.empty) else type(default)(value)
+    fn(*positional, **keywords)
+    return 0
 
 
 # ---- sides as processes ---------------------------------------------------------------------------------------
