@@ -389,7 +389,7 @@ class FineTuneConfig:
     dataset: DatasetSection = section(DatasetSection)
     """Where the training images come from."""
     data: DataConfig = section(DataConfig, rename={"interpolation": "image_interpolation_mode"},
-                               hide=("max_length", "attention_mask"))
+                               hide=("max_length", "attention_mask", "default_caption"))
     """How images become training tensors (`data_config()` adds the caption length from tokenizer_max_length and
     the attention mask from text_encoder_use_attention_mask)."""
     loss: LossConfig = section(LossConfig, default=functools.partial(LossConfig, prediction_type=None))
@@ -422,9 +422,14 @@ class FineTuneConfig:
         if self.use_ema and (self.strategy.startswith("gemini") or isinstance(self.launch.parallel, GeminiConfig)):
             raise ValueError("use_ema is not supported with the gemini strategies (parameters live in shards); "
                              "use zero2 or ddp")
+        if self.caption_column is None and not (self.instance_data_dir or self.dataset_name
+                                                and self.instance_prompt is not None):
+            raise ValueError("caption_column None (every image with the instance prompt) needs dataset_name and "
+                             "instance_prompt")
         if self.with_prior_preservation:
-            if not self.instance_data_dir:
-                raise ValueError("with_prior_preservation needs instance_data_dir (DreamBooth)")
+            if not (self.instance_data_dir or self.dataset_name and self.instance_prompt is not None):
+                raise ValueError("with_prior_preservation needs instance_data_dir, or dataset_name with "
+                                 "instance_prompt (DreamBooth)")
             if self.class_data_dir is None or self.class_prompt is None:
                 raise ValueError("with_prior_preservation needs class_data_dir and class_prompt")
             if self.num_class_images < 1:  # diffusers' DreamBooth data set indexes class images modulo this
@@ -453,9 +458,11 @@ class FineTuneConfig:
 
     def data_config(self) -> DataConfig:
         """The data component's settings (captions padded to tokenizer_max_length, else 77; their attention masks
-        with text_encoder_use_attention_mask)."""
+        with text_encoder_use_attention_mask; DreamBooth from a dataset, dataset_name with instance_prompt: the
+        instance prompt for images without a caption, as train_dreambooth_lora_sdxl.py)."""
         return dataclasses.replace(self.data, max_length=self.tokenizer_max_length or 77,
-                                   attention_mask=self.text_encoder_use_attention_mask)
+                                   attention_mask=self.text_encoder_use_attention_mask,
+                                   default_caption=self.instance_prompt if self.dataset_name else None)
 
     def loss_config(self, scheduler_prediction_type: str = "epsilon") -> LossConfig:
         """The loss settings; `prediction_type` falls back to the scheduler's."""

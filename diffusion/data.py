@@ -64,8 +64,11 @@ class DataConfig:
     """Flip each image horizontally with probability 1/2."""
     image_column: str = "image"
     """metadata.jsonl key holding the image path when it is not `file_name`."""
-    caption_column: str = "text"
-    """metadata.jsonl key holding the caption."""
+    caption_column: str | None = "text"
+    """metadata.jsonl key holding the caption; None: none, every image gets `default_caption`."""
+    default_caption: str | None = None
+    """The caption of an image whose caption is missing, null or empty, and of every image when `caption_column`
+    is None: DreamBooth's instance prompt with `--dataset_name` (train_dreambooth_lora_sdxl.py's custom captions)."""
     skip_bad_images: bool = False
     """Skip unreadable images with a warning instead of stopping."""
     max_length: int = 77
@@ -82,7 +85,7 @@ class DataConfig:
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         for name in ("image_column", "caption_column"):
-            if not getattr(self, name):
+            if not getattr(self, name) and (name == "image_column" or self.caption_column is not None):
                 raise ValueError(f"{name} must be a non-empty string")
         if self.interpolation not in _RESAMPLING:
             raise ValueError(f"interpolation must be one of {', '.join(_RESAMPLING)}, got {self.interpolation!r}")
@@ -124,13 +127,22 @@ def _metadata_record(folder: Path, meta: Path, lineno: int, line: str, cfg: Data
     return _row_record(folder, where, row, cfg)
 
 
+def _caption(row: dict[str, Any], where: str, cfg: DataConfig) -> Any:
+    """The caption of a metadata or dataset row: `cfg.default_caption` where the row has none (no caption column,
+    the key missing, null or empty), as train_dreambooth_lora_sdxl.py gives such images the instance prompt."""
+    if cfg.caption_column is None:
+        return cfg.default_caption
+    if cfg.caption_column not in row and cfg.default_caption is None:
+        raise InputError(f"{where}: missing caption column '{cfg.caption_column}' (keys: {', '.join(row)})")
+    caption = row.get(cfg.caption_column)
+    return cfg.default_caption if cfg.default_caption is not None and caption in (None, "", []) else caption
+
+
 def _row_record(folder: Path, where: str, row: dict[str, Any], cfg: DataConfig) -> ImageRecord:
     name = row.get("file_name", row.get(cfg.image_column))
     if not isinstance(name, str) or not name:
         raise InputError(f"{where}: missing 'file_name'")
-    if cfg.caption_column not in row:
-        raise InputError(f"{where}: missing caption column '{cfg.caption_column}' (keys: {', '.join(row)})")
-    caption = row[cfg.caption_column]
+    caption = _caption(row, where, cfg)
     if isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption):
         caption = tuple(caption)
     elif not isinstance(caption, str):
@@ -140,6 +152,14 @@ def _row_record(folder: Path, where: str, row: dict[str, Any], cfg: DataConfig) 
     if not path.is_file():
         raise InputError(f"{where}: image file '{name}' does not exist in {folder}")
     return ImageRecord(path=path, caption=caption, source=where)
+
+
+def _require_caption_column(meta: Path, rows: list[dict[str, Any]], cfg: DataConfig) -> None:
+    """With a default caption a row may lack the caption, but the column must be somewhere (the script's
+    `--caption_column` check of the dataset's columns)."""
+    if cfg.caption_column is not None and not any(cfg.caption_column in row for row in rows):
+        raise InputError(f"{meta}: no column '{cfg.caption_column}' (--caption_column; columns: "
+                         f"{', '.join(dict.fromkeys(k for row in rows for k in row))})")
 
 
 def scan_image_folder(folder: str | Path, cfg: DataConfig) -> list[ImageRecord]:
@@ -152,6 +172,7 @@ def scan_image_folder(folder: str | Path, cfg: DataConfig) -> list[ImageRecord]:
         records = [_metadata_record(folder, meta, i, ln, cfg) for i, ln in enumerate(lines, 1) if ln.strip()]
         if not records:
             raise InputError(f"{meta}: no records (the file is empty)")
+        _require_caption_column(meta, [json.loads(ln) for ln in lines if ln.strip()], cfg)
         return records
     meta = folder / "metadata.csv"
     if meta.is_file():
@@ -164,10 +185,13 @@ def scan_image_folder(folder: str | Path, cfg: DataConfig) -> list[ImageRecord]:
         records = [_row_record(folder, f"{meta}:{i}", row, cfg) for i, row in enumerate(rows, 2)]
         if not records:
             raise InputError(f"{meta}: no records (only a header, or empty)")
+        _require_caption_column(meta, rows, cfg)
         return records
     images = _images_in(folder)
     if not images:
         raise InputError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) and no metadata.jsonl/metadata.csv")
+    if cfg.caption_column is None:  # an imagefolder without metadata: its images, each with the default caption
+        return [ImageRecord(path=p, caption=cfg.default_caption, source=str(p)) for p in images]
     records = []
     for image in images:
         txt = image.with_suffix(".txt")
@@ -190,7 +214,7 @@ def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, 
     ds = _load_offline(name, config_name, cache_dir)
     columns = list(ds.column_names)
     for column in (cfg.image_column, cfg.caption_column):
-        if column not in columns:
+        if column is not None and column not in columns:
             raise InputError(f"--dataset_name {name}: no column '{column}' (columns: {', '.join(columns)})")
     out = Path(export_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +226,7 @@ def scan_dataset(name: str, cfg: DataConfig, *, config_name: str | None = None, 
 
             with atomic_write(path, "wb") as f:
                 row[cfg.image_column].convert("RGB").save(f, format="PNG")
-        caption = row[cfg.caption_column]
+        caption = _caption(row, f"{name}[{i}]", cfg)
         caption = tuple(caption) if isinstance(caption, list) else str(caption)
         records.append(ImageRecord(path=path, caption=caption, source=f"{name}[{i}]"))
     if not records:

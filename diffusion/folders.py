@@ -143,8 +143,11 @@ def check_scheduler(folder: Path, prediction_type: str | None = None) -> None:
                          "default betas, a different objective: not supported")
     pred = prediction_type or ddpm.config.prediction_type
     if pred not in _PREDICTION_TYPES:
+        from .training import SAMPLE_REFUSAL
+
         given = "--prediction_type" if prediction_type else f"{path}: prediction_type"
-        raise InputError(f"{given} {pred!r}: not supported (the loss trains epsilon or v_prediction)")
+        why = SAMPLE_REFUSAL if pred == "sample" else "not supported (the loss trains epsilon or v_prediction)"
+        raise InputError(f"{given} {pred!r}: {why}")
 
 
 # -- the VAE ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,13 @@
 
 The adapter follows diffusers' LoRA scripts: rank r, alpha r, gaussian init, on the attention projections
 (`to_q`, `to_k`, `to_v`, `to_out.0` in the UNet; `q_proj`, `k_proj`, `v_proj`, `out_proj` in CLIP).
+
+Text-encoder layers are written in CLIP's `text_model.` layout (`text_encoder.text_model.encoder.layers.0.
+self_attn.q_proj.lora_linear_layer.down.weight`) whatever transformers runs here (`lora_file_key`): transformers
+5 flattened `CLIPTextModel` (no `text_model` module; `CLIPTextModelWithProjection` kept it), so peft's names of the
+first SDXL encoder lost the prefix. That layout is the one every SD/SDXL LoRA file trained before had, the one a
+transformers 4 `CLIPTextModel` needs, and the one transformers 5's `load_adapter` maps onto the flat model, so
+`load_lora_weights` applies it in every diffusers version (newer ones also strip the prefix themselves).
 """
 
 from __future__ import annotations
@@ -15,11 +22,23 @@ import torch
 
 from ..utils.fileio import fsync_dir
 
-__all__ = ["LORA_WEIGHT_NAME", "add_lora", "lora_state_dicts", "save_lora_weights"]
+__all__ = ["LORA_WEIGHT_NAME", "TEXT_ENCODER_PARTS", "add_lora", "lora_file_key", "lora_state_dicts",
+           "save_lora_weights"]
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 UNET_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+TEXT_ENCODER_PARTS = ("text_encoder", "text_encoder_2")
+"""The LoRA file's prefixes of text-encoder layers."""
+
+
+def lora_file_key(key: str) -> str:
+    """`key` of a LoRA file (`<part>.<layer>...`) in the layout written here: a text encoder's layer under CLIP's
+    `text_model.` (added when peft named it on transformers 5's flat `CLIPTextModel`), other keys unchanged."""
+    part, _, rest = key.partition(".")
+    if part in TEXT_ENCODER_PARTS and rest.startswith(("encoder.", "embeddings.", "final_layer_norm.")):
+        return f"{part}.text_model.{rest}"
+    return key
 
 
 def add_lora(model: Any, rank: int, *, text_encoder: bool = False) -> list[torch.nn.Parameter]:
@@ -56,12 +75,19 @@ def lora_state_dicts(unet: Any, text_encoder: Any | None = None,
     return out
 
 
+def _text_model_key(layers: str, key: str) -> str:
+    """`key` of the `layers` argument (`text_encoder_lora_layers`, ...) in the layout `lora_file_key` gives."""
+    part = layers.removesuffix("_lora_layers")
+    return lora_file_key(f"{part}.{key}").removeprefix(f"{part}.")
+
+
 def save_lora_weights(folder: str | Path, layers: dict[str, dict | None], *, sdxl: bool | None = None) -> Path:
     """Write `pytorch_lora_weights.safetensors` into `folder` atomically (a kill leaves the old file), as the
     pipeline's `save_lora_weights` writes it: `StableDiffusionXLPipeline`'s with `sdxl` (by default when `layers`
     holds `text_encoder_2_lora_layers`: SDXL's pipeline writes the second text encoder's layers), else
     `StableDiffusionPipeline`'s. `layers`: `unet_lora_layers` and optionally `text_encoder_lora_layers`,
-    `text_encoder_2_lora_layers` (None: not written)."""
+    `text_encoder_2_lora_layers` (None: not written). Text-encoder keys are written in CLIP's `text_model.`
+    layout (`lora_file_key`)."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     if sdxl is None:
@@ -69,7 +95,8 @@ def save_lora_weights(folder: str | Path, layers: dict[str, dict | None], *, sdx
     pipeline = StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    layers = {k: None if v is None else {n: t.detach().float().cpu().contiguous() for n, t in v.items()}
+    layers = {k: None if v is None else {_text_model_key(k, n): t.detach().float().cpu().contiguous()
+                                         for n, t in v.items()}
               for k, v in layers.items()}
     with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
         pipeline.save_lora_weights(tmp, safe_serialization=True, **layers)

@@ -192,28 +192,24 @@ SDXL_HANDLING: dict[str, Accept | Refuse] = {
     "use_dora": Refuse(f"DoRA adapters are {_NOT_HERE}; LoRA (--rank) is"),
     "lora_dropout": Refuse(f"LoRA dropout is {_NOT_HERE}; the adapters train without dropout"),
     "output_kohya_format": Refuse(f"the Kohya file format is {_NOT_HERE}; the diffusers LoRA file is written"),
-    "dataset_name": Refuse("DreamBooth here reads --instance_data_dir (images + --instance_prompt)"),
-    "dataset_config_name": Refuse("DreamBooth here reads --instance_data_dir (images + --instance_prompt)"),
-    "caption_column": Refuse("DreamBooth here reads --instance_data_dir, every image with --instance_prompt"),
-    "image_column": Refuse("DreamBooth here reads --instance_data_dir (images + --instance_prompt)"),
 }
 """What becomes of the SDXL scripts' flags beyond the SD 1.x scripts' table (`diffusion.scripts.HANDLING`)."""
 
-_DREAMBOOTH_ONLY = ("dataset_name", "dataset_config_name", "caption_column", "image_column")
-
-
 def handling(script: str, name: str) -> Accept | Refuse:
     """What becomes of flag `name` of `script`."""
-    if name in _DREAMBOOTH_ONLY and script != "train_dreambooth_lora_sdxl":
-        return HANDLING[name]
     return SDXL_HANDLING.get(name) or HANDLING[name]
 
 
 def _checks(script: str, values: Mapping[str, Any]) -> None:
     """What the scripts themselves refuse, before anything loads."""
     if script == "train_dreambooth_lora_sdxl":
-        if not values.get("instance_data_dir"):
-            raise InputError("train_dreambooth_lora_sdxl needs --instance_data_dir (--dataset_name is refused here)")
+        # custom captions: --dataset_name's images, each with its --caption_column caption, the instance prompt
+        # where it has none (or for all without --caption_column), as the script's DreamBoothDataset
+        if not values.get("instance_data_dir") and not values.get("dataset_name"):
+            raise InputError("train_dreambooth_lora_sdxl needs --dataset_name or --instance_data_dir")
+        if values.get("instance_data_dir") and values.get("dataset_name"):
+            raise InputError("--dataset_name and --instance_data_dir exclude each other (the script: specify only "
+                             "one of them)")
     elif not values.get("dataset_name") and not values.get("train_data_dir"):
         raise InputError(f"{script} needs --dataset_name or --train_data_dir")
     if script == "train_dreambooth_lora_sdxl" and not values.get("with_prior_preservation"):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 __all__ = [
     "EMA",
     "LossConfig",
+    "SAMPLE_REFUSAL",
     "StepNoise",
     "compute_snr",
     "diffusion_loss",
@@ -32,6 +33,14 @@ __all__ = [
     "snr_weights",
     "step_generator",
 ]
+
+
+SAMPLE_REFUSAL = ("not supported: of diffusers' SD/SDXL training scripts only train_text_to_image_sdxl.py takes it, "
+                  "and it trains the UNet's output minus the noise against the clean latents, which a scheduler with "
+                  "prediction_type 'sample' (reading the output as the clean latents) does not sample from; the "
+                  "other scripts stop on it. Train epsilon or v_prediction")
+"""Why `prediction_type` 'sample' is refused (v0.40.0's scripts: the SDXL full fine-tune's `model_pred = model_pred
+- noise; target = model_input`, the others' `ValueError("Unknown prediction type")` in the first step)."""
 
 
 @dataclass(kw_only=True)
@@ -61,6 +70,8 @@ class LossConfig:
         if self.dream_training and self.prediction_type not in (None, "epsilon"):
             raise ValueError("dream_training: DREAM is defined for prediction_type epsilon only, got "
                              f"{self.prediction_type!r}")
+        if self.prediction_type == "sample":
+            raise ValueError(f"prediction_type 'sample': {SAMPLE_REFUSAL}")
         if self.prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {self.prediction_type!r}")
         # Negative noise_offset, input_perturbation, prior_loss_weight and dream_detail_preservation are taken

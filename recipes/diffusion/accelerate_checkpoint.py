@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...diffusion.errors import InputError
+from ...diffusion.lora import lora_file_key
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -105,7 +106,9 @@ def _lora_names(module: StableDiffusionFineTune) -> dict[str, str]:
     """The file key of each trained LoRA parameter -> its name in the module. The scripts' save hooks write
     `convert_state_dict_to_diffusers(get_peft_model_state_dict(model))` of the UNet and of each trained text encoder
     under the component's prefix (`save_lora_weights`: `unet.`, `text_encoder.`, `text_encoder_2.`), so the keys
-    are those renamings of peft's names (the adapter's name left out) of this module's own parameters."""
+    are those renamings of peft's names (the adapter's name left out) of this module's own parameters, text encoders'
+    in CLIP's `text_model.` layout (`lora_file_key`: a script run on transformers 5 wrote the first encoder's
+    without it, one on transformers 4 with it; both resume)."""
     from diffusers.utils import convert_state_dict_to_diffusers
 
     out = {}
@@ -115,7 +118,7 @@ def _lora_names(module: StableDiffusionFineTune) -> dict[str, str]:
             continue
         peft = {n.replace(".default.", "."): n for n, p in model.named_parameters() if p.requires_grad}
         if peft:
-            out.update({f"{part}.{key}": f"{part}.{name}"
+            out.update({lora_file_key(f"{part}.{key}"): f"{part}.{name}"
                         for key, name in convert_state_dict_to_diffusers(peft).items()})
     return out
 
@@ -127,7 +130,7 @@ def _lora(path: Path, module: StableDiffusionFineTune) -> dict[str, torch.Tensor
     own = dict(module.named_parameters())
     out = {}
     for key, value in _safetensors(path).items():
-        name = names.get(key)
+        name = names.get(lora_file_key(key))
         if name is None:
             trained = "the UNet's" + (" and the text encoders'" if module.config.train_text_encoder else "")
             raise InputError(f"{path}: {key} is not a LoRA layer of this run (rank {module.config.rank}, {trained} "
@@ -136,7 +139,7 @@ def _lora(path: Path, module: StableDiffusionFineTune) -> dict[str, torch.Tensor
             raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
         out[name] = value.to(own[name].dtype)
     if len(out) != len(names):
-        missing = sorted(set(names) - set(_safetensors(path)))
+        missing = sorted(set(names) - {lora_file_key(k) for k in _safetensors(path)})
         raise InputError(f"{path}: {len(out)} LoRA tensors, this run trains {len(names)} (missing {missing[0]})")
     return out
 

@@ -173,8 +173,12 @@ def test_ema_foreach_and_offload_match_diffusers(foreach, offload):
 
 
 def test_loss_config_validation():
-    with pytest.raises(ValueError, match="prediction_type"):
+    # issue 45: 'sample' is refused with why (the one script taking it trains output - noise against x0)
+    with pytest.raises(ValueError, match="prediction_type 'sample': not supported: .*train_text_to_image_sdxl.py.*"
+                                         "minus the noise against the clean latents"):
         LossConfig(prediction_type="sample")
+    with pytest.raises(ValueError, match="prediction_type must be 'epsilon' or 'v_prediction', got 'x0'"):
+        LossConfig(prediction_type="x0")
     with pytest.raises(ValueError, match="snr_gamma"):
         LossConfig(snr_gamma=0.0)
 
