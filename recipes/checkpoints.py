@@ -1,8 +1,9 @@
 """Checkpoint types of `ZeroStrategy` / `GeminiStrategy`, named as Lightning's `FSDPStrategy` names them.
 
-`state_dict_type="sharded"` (the default) writes a folder: `core_parallel`'s sharded format (index JSON +
-safetensors shards, loadable on any number of ranks) plus `lightning_state.pt` (loops, callbacks, schedulers).
-`state_dict_type="full"` writes ONE file in Lightning's own format, `torch.save`'s zip, which
+`state_dict_type="sharded"` writes a folder: `core_parallel`'s sharded format (index JSON + safetensors shards,
+loadable on any number of ranks) plus `lightning_state.pt` (loops, callbacks, schedulers).
+`state_dict_type="full"` (the default, as in Lightning's FSDPStrategy) writes ONE file in Lightning's own format,
+`torch.save`'s zip, which
 `LitModule.load_from_checkpoint(file)`, `Trainer(ckpt_path=file)` under any strategy (ddp, one process, these
 ones) and `torch.load(file, weights_only=True)` read:
 ```

@@ -20,7 +20,7 @@ config = RayConfig.from_args(args)                 # or RayConfig(address="auto"
 if config is not None:                             # None when --ray_address was not given
     result = fit_on_ray(build_job, config)
     result.metrics                                 # trainer.callback_metrics of rank 0, plus epoch and step
-    result.checkpoint_path                         # the final sharded checkpoint folder (or None)
+    result.checkpoint_path                         # the final checkpoint: one Lightning file (or None)
 ```
 
 How it works: `fit_on_ray` connects to the cluster (`connect_ray`: `address="local"` starts a private local Ray
@@ -31,7 +31,8 @@ port that is no Ray GCS or a token refusal is one `InputError` line within secon
 `collective_timeout_s`), and each worker builds the job and a `Trainer` with the Ray cluster environment and a
 Ray-compatible subclass of the named strategy (it also derives from Ray's `RayDDPStrategy`, so
 `ray.train.lightning.prepare_trainer` accepts it; "ddp" is `RayDDPStrategy` itself). At the end of training
-every rank writes its part of the final checkpoint (Lightning's one file for "ddp") into
+the final checkpoint is written (Lightning's one file; every rank writes its part of a folder under
+`strategy_kwargs={"state_dict_type": "sharded"}`) into
 `checkpoint_dir` (default: `<storage_path or a temporary folder>/<name>/final.ckpt`), and rank 0
 reports it with the metrics. For more than one node `checkpoint_dir` and `storage_path` must be on a
 filesystem all nodes share.
@@ -49,6 +50,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +92,8 @@ class RayConfig:
     name: str = "suite"
     """Name of the run under `storage_path`."""
     checkpoint_dir: str | None = None
-    """Folder of the final sharded checkpoint; None: `<storage_path>/<name>/final.ckpt`."""
+    """Where the final checkpoint goes (a file, or a folder under state_dict_type="sharded"); None:
+    `<storage_path>/<name>/final.ckpt`."""
     collective_timeout_s: float = 1800.0
     """Seconds before a collective waiting for a dead worker raises instead of hanging."""
     resource_wait_s: float = 0.0
@@ -141,11 +144,22 @@ class FitJob:
     """Keyword arguments of `lightning.pytorch.Trainer` (max_steps, precision, callbacks, ...)."""
     ckpt_path: str | None = None
     """Checkpoint folder to resume from."""
+    ignore_warnings: tuple[str, ...] = ()
+    """Regular expressions of warning messages the fit silences on every worker, as a local fit of the same job
+    does (`warnings.filterwarnings("ignore", message=...)`; e.g. the diffusion recipe's Lightning eval-mode
+    warning about its frozen modules)."""
 
     def __post_init__(self) -> None:
         reserved = sorted(set(self.trainer_kwargs) & set(_RESERVED))
         if reserved:
             raise ValueError(f"trainer_kwargs may not set {reserved}: Ray decides them (use FitJob.strategy)")
+
+    def fit(self, trainer: Any) -> None:
+        """`trainer.fit` of this job's module, data and checkpoint, with `ignore_warnings` silenced."""
+        with warnings.catch_warnings():
+            for message in self.ignore_warnings:
+                warnings.filterwarnings("ignore", message=message)
+            trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path)
 
 
 @dataclass(frozen=True)
@@ -155,8 +169,8 @@ class RayFitResult:
     metrics: dict[str, float]
     """Rank 0's final `trainer.callback_metrics`, plus `epoch` and `step`."""
     checkpoint_path: str | None
-    """The final checkpoint: our strategies' sharded folder, Lightning's one file for "ddp"; None when none was
-    written."""
+    """The final checkpoint: Lightning's one file (the sharded strategies' folder under state_dict_type="sharded");
+    None when none was written."""
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +223,7 @@ def _report_callback(checkpoint_dir: str, finished_file: str) -> Any:
     from ray.train import Checkpoint
 
     class _ReportAtEnd(pl.Callback):
-        """Write the final sharded checkpoint on all ranks; rank 0 reports it with the metrics, then writes
+        """Write the final checkpoint on all ranks; rank 0 reports it with the metrics, then writes
         `finished_file` (every rank has reported by then: the run is complete, whatever Ray says later)."""
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,9 +232,9 @@ def _report_callback(checkpoint_dir: str, finished_file: str) -> Any:
             trainer.save_checkpoint(checkpoint_dir)
             if not trainer.is_global_zero:
                 ray.train.report(metrics, checkpoint=None)
-            elif os.path.isdir(checkpoint_dir):  # our strategies' sharded folder
+            elif os.path.isdir(checkpoint_dir):  # our strategies' folder (state_dict_type="sharded")
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir))
-            else:  # Lightning's one file (ddp): Ray reports folders, and copies this one (SYNC upload) at once
+            else:  # Lightning's one file: Ray reports folders, and copies this one (SYNC upload) at once
                 with tempfile.TemporaryDirectory(prefix="suite-ray-report-") as folder:
                     linked = os.path.join(folder, os.path.basename(checkpoint_dir))
                     try:
@@ -253,8 +267,7 @@ def _train_worker(config: dict[str, Any]) -> None:
         callbacks=callbacks,
         **kwargs,
     )
-    trainer = prepare_trainer(trainer)
-    trainer.fit(job.module, datamodule=job.datamodule, ckpt_path=job.ckpt_path)
+    job.fit(prepare_trainer(trainer))
 
 
 def connect_ray(address: str, num_cpus: int = 1, *, flag: str = "--ray_address") -> bool:

@@ -32,11 +32,12 @@ optimizer, config, group)`, the group being the default process group that Light
 environment created. The optimizer wrapper then carries the training step: backward (loss scaling under
 fp16), `no_sync()` while Lightning accumulates gradients, the clip for `gradient_clip_val` (global norm, or
 elementwise on the shards for `gradient_clip_algorithm="value"`),
-and the step. Checkpoints (`state_dict_type="sharded"`, the default; `"full"` writes one Lightning file
-instead: `recipes.checkpoints`) are folders: `core_parallel`'s sharded format (index JSON + safetensors
-shards, loadable on any number of ranks, `suite checkpoint consolidate`) plus `lightning_state.pt` with
-the loop, callback and scheduler state. The folder replaces the old one in one rename once every rank
-has written its part, so a crash mid-save leaves the previous checkpoint intact.
+and the step. Checkpoints (`recipes.checkpoints`), as Lightning's FSDPStrategy: `state_dict_type="full"` (the
+default) writes one Lightning file that `LitModule.load_from_checkpoint` and any strategy read, streamed tensor by
+tensor by rank 0; `"sharded"` writes a folder: `core_parallel`'s sharded format (index JSON + safetensors shards,
+loadable on any number of ranks, `suite checkpoint consolidate`) plus `lightning_state.pt` with the loop, callback
+and scheduler state. Either replaces the old one in one rename once it is complete, so a crash mid-save leaves the
+previous checkpoint intact.
 
 Faults (a rank lost, SIGTERM) are turned into one message and a checkpoint: see `recipes.faults`.
 """
@@ -96,6 +97,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+FULL_CHECKPOINT_WARN_BYTES = 20 * 10**9
+"""Weights from which a full checkpoint (written by rank 0 alone) logs one line suggesting state_dict_type='sharded'."""
+
 
 class _ShardedStrategy(DDPStrategy):
     """What ZeRO and Gemini share: setup through `core_parallel`, the training hooks, checkpoints, faults."""
@@ -105,7 +109,7 @@ class _ShardedStrategy(DDPStrategy):
         *,
         config: Any,
         collective_timeout_s: float = 1800.0,
-        state_dict_type: str = "sharded",
+        state_dict_type: str = "full",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -134,7 +138,8 @@ class _ShardedStrategy(DDPStrategy):
         """The `core_parallel` config, validated once where it was built, handed to `core_parallel.setup`."""
         self.collective_timeout_s = float(collective_timeout_s)
         self.state_dict_type = check_state_dict_type(state_dict_type)
-        """"sharded": checkpoints are folders; "full": one Lightning file (`recipes.checkpoints`)."""
+        """"full": one Lightning file (`recipes.checkpoints`); "sharded": checkpoints are folders."""
+        self._warned_full_size = False
         self._core_optimizer: Any = None
         self._param_names: list[list[str]] | None = None
         self._last_checkpoint: str | None = None
@@ -284,6 +289,7 @@ class _ShardedStrategy(DDPStrategy):
 
         try:
             if self.is_global_zero:
+                self._warn_full_size()
                 state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
                 groups = None if self._core_optimizer is None else [
                     {k: v for k, v in g.items() if k != "params"} for g in self._core_optimizer.param_groups]
@@ -295,6 +301,18 @@ class _ShardedStrategy(DDPStrategy):
             if self.is_global_zero:
                 shutil.rmtree(staging, ignore_errors=True)
         self._last_checkpoint, self._resume_advice = os.fspath(path), None
+
+    def _warn_full_size(self) -> None:
+        """One line, once, where the model is too big for rank 0 alone to write a full file in sensible time."""
+        if self._warned_full_size:
+            return
+        self._warned_full_size = True
+        nbytes = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters())
+        if nbytes >= FULL_CHECKPOINT_WARN_BYTES:
+            logger.warning(
+                "%s: state_dict_type='full' has rank 0 alone write %.1f GB of weights (and the optimizer state) into "
+                "one file, streamed from the shards; pass %s(state_dict_type='sharded') for a folder every rank "
+                "writes its part of in parallel", type(self).__name__, nbytes / 1e9, type(self).__name__)
 
     def note_checkpoint(self, path: str | os.PathLike, resume: str | None = None) -> None:
         """Name where the last checkpoint now lives (after the app moved it into place) and, optionally, how
@@ -383,12 +401,13 @@ class ZeroStrategy(_ShardedStrategy):
     Args:
         config: the `ZeroConfig` to hold (precision left at "fp32").
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
-        state_dict_type: "sharded" (default): a checkpoint is a folder; "full": one Lightning checkpoint file that
-            any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
+        state_dict_type: "full" (default, as Lightning's FSDPStrategy): a checkpoint is one Lightning file that
+            `load_from_checkpoint`, `Trainer(ckpt_path=...)` under any strategy and `torch.load(weights_only=True)`
+            read, streamed by rank 0; "sharded": a folder every rank writes its part of (see `recipes.checkpoints`).
     """
 
     def __init__(self, *, config: ZeroConfig | None = None, collective_timeout_s: float = 1800.0,
-                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
+                 state_dict_type: str = "full", **kwargs: Any) -> None:
         check_state_dict_type(state_dict_type)
         fields, strategy_kwargs = _split_config_kwargs(keywords_given(ZeroStrategy, kwargs), ZeroConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)
@@ -419,12 +438,13 @@ class GeminiStrategy(_ShardedStrategy):
             folder: a new temporary folder. Given with offload="none"/"cpu" (the "cpu" tier) it is `GeminiConfig`'s
             error; given alone it selects the NVMe tier as before, with `GeminiConfig`'s DeprecationWarning.
         collective_timeout_s: seconds after which a collective waiting for a dead rank raises.
-        state_dict_type: "sharded" (default): a checkpoint is a folder; "full": one Lightning checkpoint file that
-            any strategy and `load_from_checkpoint` read (see `recipes.checkpoints`).
+        state_dict_type: "full" (default, as Lightning's FSDPStrategy): a checkpoint is one Lightning file that
+            `load_from_checkpoint`, `Trainer(ckpt_path=...)` under any strategy and `torch.load(weights_only=True)`
+            read, streamed by rank 0; "sharded": a folder every rank writes its part of (see `recipes.checkpoints`).
     """
 
     def __init__(self, *, config: GeminiConfig | None = None, offload: str | None = None,
-                 collective_timeout_s: float = 1800.0, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+                 collective_timeout_s: float = 1800.0, state_dict_type: str = "full", **kwargs: Any) -> None:
         check_state_dict_type(state_dict_type)
         fields, strategy_kwargs = _split_config_kwargs(keywords_given(GeminiStrategy, kwargs), GeminiConfig)
         _check_arguments(collective_timeout_s, strategy_kwargs)

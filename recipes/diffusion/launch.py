@@ -201,8 +201,9 @@ def _installed(name: str) -> bool:
 def build_strategy(cfg: FineTuneConfig) -> Any:
     """The Trainer's `strategy`: the sharded strategy holding `cfg.parallel` (the run's sharding config, the object
     itself: no registry lookup, no environment variable), or `--strategy`'s name as is when it shards nothing here
-    (auto, ddp, Lightning's own)."""
-    return cfg.strategy if cfg.parallel is None else strategy_from_config(cfg.parallel)
+    (auto, ddp, Lightning's own). The sharded ones keep their checkpoint-N/ folders sharded (every rank writes its
+    part; the frozen base is left out), not the one full file that is the strategies' default."""
+    return cfg.strategy if cfg.parallel is None else strategy_from_config(cfg.parallel, state_dict_type="sharded")
 
 
 def build_trainer(cfg: FineTuneConfig, length: RunLength | int, callbacks: list[pl.Callback] | None = None,
@@ -221,6 +222,15 @@ def build_trainer(cfg: FineTuneConfig, length: RunLength | int, callbacks: list[
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
+FIT_WARNINGS = (
+    # a resumed run restarts its epoch from the first batch, as diffusers' scripts do (diffusion.schedule)
+    "You're resuming from a checkpoint that ended before the epoch",
+    # Lightning flags every module in eval mode; the frozen ones are on purpose (the module checks the trained)
+    EVAL_MODE_WARNING,
+)
+"""Lightning's warnings a fine-tuning silences, on one process as on Ray's workers (`FitJob.ignore_warnings`)."""
+
+
 def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None, *,
                  module_cls: type[StableDiffusionFineTune] = StableDiffusionFineTune,
                  data_cls: type[ImageCaptionData] = ImageCaptionData, **trainer_overrides: Any) -> Any:
@@ -241,10 +251,8 @@ def fit_finetune(cfg: FineTuneConfig, callbacks: list[pl.Callback] | None = None
         ckpt_path = str(converted)
     try:
         with warnings.catch_warnings():
-            # a resumed run restarts its epoch from the first batch, as diffusers' scripts do (diffusion.schedule)
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-            # Lightning flags every module in eval mode; the frozen ones are on purpose (the module checks the trained)
-            warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+            for message in FIT_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     finally:
         if converted is not None:
@@ -275,7 +283,7 @@ def _ray_job(cfg: FineTuneConfig, parallel: Any, length: RunLength, ckpt: str | 
     data = ImageCaptionData(cfg, module.tokenizer)
     data.length = length
     strategy = parallel if parallel is not None else "ddp" if cfg.strategy == "auto" else cfg.strategy
-    return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt,
+    return FitJob(module=module, datamodule=data, strategy=strategy, ckpt_path=ckpt, ignore_warnings=FIT_WARNINGS,
                   trainer_kwargs=trainer_kwargs(cfg, length, None, length.start_step if ckpt else None,
                                                 progress_bar=False))
 

@@ -146,4 +146,5 @@ def test_unknown_state_dict_type_is_one_line(tmp_path):
             cls(state_dict_type="ful")
     with pytest.raises(InputError, match="not a sharded checkpoint folder"):
         recipes.load_sharded_checkpoint(tmp_path)
-    assert recipes.ZeroStrategy().state_dict_type == "sharded"
+    # the default is Lightning FSDPStrategy's: one full file
+    assert recipes.ZeroStrategy().state_dict_type == recipes.GeminiStrategy().state_dict_type == "full"

@@ -125,6 +125,7 @@ def _stages(name: str, root: Path) -> dict:
     out["test"] = trainer.test(module, verbose=False)[0]["test_sum"]
     out["predict"] = torch.cat(trainer.predict(module))
     out["after_eval"] = _sd(module)
+    trainer.strategy.state_dict_type = "sharded"  # the folder's layout is checked below; "full": CASES["full"]
     path = root / f"{name}-ckpt"
     trainer.save_checkpoint(path)
     trainer.save_checkpoint(root / f"{name}-ckpt-weights", weights_only=True)

@@ -1,9 +1,12 @@
 """What Lightning users do with ddp, under the sharded strategies, against ddp on 2 gloo ranks (issue 44).
 
-One 2-rank launch (`_all_cases`): clipping by value (`gradient_clip_algorithm="value"` in automatic optimization,
-`self.clip_gradients(..., gradient_clip_algorithm="value")` in manual optimization) under zero2, gemini and
-gemini_offload against Lightning's ddp. The model is `test_strategies`' tiny module (a frozen layer, two param groups,
-AdamW, a per-step LR schedule, accumulation 2 in automatic optimization).
+One 2-rank launch (`_all_cases`), against Lightning's ddp:
+- clipping by value (`gradient_clip_algorithm="value"` in automatic optimization, `self.clip_gradients(...,
+  gradient_clip_algorithm="value")` in manual optimization) under zero2, gemini and gemini_offload;
+- the default checkpoint under zero2 and gemini: `ModelCheckpoint`'s `best_model_path` is one file that
+  `load_from_checkpoint` reads here (another process) and that a fresh Trainer resumes exactly as ddp does.
+The model is `test_strategies`' tiny module (a frozen layer, two param groups, AdamW, a per-step LR schedule,
+accumulation 2 in automatic optimization).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from lowmem.core_parallel import run_on_ranks
 from tests.recipes.test_strategies import make_module, make_trainer
 
 CLIP_NAMES = ("zero2", "gemini", "gemini_offload")
+CKPT_NAMES = ("ddp", "zero2", "gemini")
 CLIP_VALUE = 0.01  # below most gradient elements of the tiny model: most of them are clamped
 TOL = 1e-6  # fp32 rounding (relative to the largest weight): the shards reduce in another order than ddp's buckets
 
@@ -73,9 +77,27 @@ def _clip_value(root: Path) -> dict:
     return out
 
 
+def _checkpoints(root: Path) -> dict:
+    """Fit one epoch with ModelCheckpoint (the strategy's default checkpoint type), then resume to two epochs from
+    the best checkpoint in a fresh Trainer and module."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = {}
+    for name in CKPT_NAMES:
+        module = make_module()
+        ckpt = ModelCheckpoint(dirpath=root / name, monitor="train_loss", save_top_k=1)
+        trainer = make_trainer(name, 2, root, 1, callbacks=[ckpt], enable_checkpointing=True)
+        trainer.fit(module)
+        out[name] = {"best": ckpt.best_model_path, "trained": _sd(module)}
+        module = make_module()
+        make_trainer(name, 2, root, 2).fit(module, ckpt_path=ckpt.best_model_path)
+        out[name]["resumed"] = _sd(module)
+    return out
+
+
 def _all_cases(rank: int, world: int, root: str) -> dict:
     root = Path(root)
-    return {"clip_value": _clip_value(root / "clip")}
+    return {"clip_value": _clip_value(root / "clip"), "checkpoints": _checkpoints(root / "ckpt")}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +119,27 @@ def test_clip_by_value_equals_ddp(two_ranks, name, mode):
     # the clip does something: without it ddp ends elsewhere
     ddp, unclipped = results[0]["clip_value"]["auto-ddp"], results[0]["clip_value"]["unclipped-ddp"]
     assert max(float((ddp[k] - unclipped[k]).abs().max()) for k in ddp) > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CKPT_NAMES[1:])
+def test_load_from_checkpoint_of_the_best_model_path(two_ranks, name):
+    """The default checkpoint is the one file Lightning users load (`state_dict_type="full"`, as FSDP's default)."""
+    _, results = two_ranks
+    res = results[0]["checkpoints"][name]
+    best = Path(res["best"])
+    assert best.is_file(), f"{name}: the default checkpoint is not one file: {best}"
+    torch.load(best, map_location="cpu", weights_only=True)  # a normal torch checkpoint
+    module = type(make_module()).load_from_checkpoint(best, map_location="cpu")
+    for key, value in res["trained"].items():
+        assert torch.equal(module.state_dict()[key], value), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CKPT_NAMES[1:])
+def test_resume_from_the_full_file_continues_like_ddp(two_ranks, name):
+    """Weights, AdamW moments, LR schedule and loops come back: the second epoch equals ddp's, resumed likewise."""
+    _, results = two_ranks
+    for rank, res in enumerate(r["checkpoints"] for r in results):
+        assert_close(res[name]["resumed"], res["ddp"]["resumed"], f"{name} rank {rank} resumed")
+        assert_close(res[name]["trained"], res["ddp"]["trained"], f"{name} rank {rank} first epoch")

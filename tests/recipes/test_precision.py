@@ -125,6 +125,7 @@ def _weights(strategy: str, trainer, module, root: Path, tag: str) -> dict[str, 
 
     if strategy == "ddp":
         return {k: v.detach().clone() for k, v in module.state_dict().items()} if trainer.is_global_zero else None
+    trainer.strategy.state_dict_type = "sharded"  # the fp32 masters themselves, consolidated below
     trainer.save_checkpoint(root / tag)
     if not trainer.is_global_zero:
         return None

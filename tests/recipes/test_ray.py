@@ -14,7 +14,7 @@ from lowmem.recipes.ray import FitJob, RayConfig, fit_on_ray
 from lowmem.utils.errors import InputError
 from lowmem.utils.ray_cluster import init_local_ray
 from tests._paths import tests_only_path as _tests_only_path
-from tests.recipes.test_strategies import assert_close, load, make_module, reference_weights, trainer_defaults
+from tests.recipes.test_strategies import assert_close, make_module, reference_weights, trainer_defaults
 
 pytest.importorskip("ray.train.lightning")
 
@@ -124,16 +124,15 @@ def test_every_cluster_here_is_on_the_loopback(local_ray):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_on_two_ray_workers_matches_reference(tmp_path, local_ray):
-    from lowmem import core_parallel
-
     config = RayConfig(address="local", num_workers=2, storage_path=str(tmp_path / "ray"), collective_timeout_s=120)
     result = fit_on_ray(_build_job, config)
     assert result.metrics["step"] == 4, result.metrics
     assert result.checkpoint_path is not None
     # issue 37: rank 0 wrote that every rank finished (a failure Ray reports after it does not fail the run)
     assert (tmp_path / "ray" / "suite" / "finished.json").is_file()
-    out = core_parallel.consolidate_checkpoint(result.checkpoint_path, tmp_path / "model.safetensors")
-    assert_close(load(str(out)), reference_weights(epochs=2), "zero2 on Ray")
+    # the strategies' default checkpoint: one Lightning file
+    weights = torch.load(result.checkpoint_path, map_location="cpu", weights_only=True)["state_dict"]
+    assert_close(weights, reference_weights(epochs=2), "zero2 on Ray")
 
 
 @pytest.mark.distributed

@@ -154,9 +154,16 @@ def reference_weights(epochs: int, start: dict[str, torch.Tensor] | None = None)
 
 
 def consolidated(ckpt: Path, out: Path) -> str:
-    """Merge the sharded folder into one safetensors file; returns its path (tensors do not cross processes)."""
+    """The weights of a checkpoint as one safetensors file: the sharded folder merged, or the full file's
+    state_dict (the strategies' default type); returns its path (tensors do not cross processes)."""
     from lowmem import core_parallel
 
+    if Path(ckpt).is_file():
+        from safetensors.torch import save_file
+
+        sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+        save_file({k: v.contiguous() for k, v in sd.items()}, out)
+        return str(out)
     core_parallel.consolidate_checkpoint(ckpt, out)
     return str(out)
 
@@ -183,6 +190,8 @@ def _fit_and_save(
     assert precision == "32-true" or trainer.precision_plugin.precision == precision
     suffix = f"{'-resumed' if ckpt_path else ''}{'' if precision == '32-true' else '-' + precision}"
     out = root / f"{name}-e{epochs}-w{world}{suffix}"
+    if name != "ddp":
+        trainer.strategy.state_dict_type = "sharded"  # these folders resume on 1 rank (the full file: elsewhere)
     trainer.save_checkpoint(out)
     return out
 
@@ -420,14 +429,20 @@ def test_dead_rank_stops_the_others_within_seconds_with_a_clear_error(fault_runs
     assert "lost contact with rank 1" in stderr[0], stderr[0][-3000:]
     named = re.search(r"Last complete checkpoint: (.+?); resume with trainer\.fit\(\.\.\., ckpt_path=", stderr[0])
     assert named, stderr[0][-3000:]
-    assert named.group(1).endswith("step=3.ckpt") and (Path(named.group(1)) / "lightning_state.pt").is_file()
+    assert named.group(1).endswith("step=3.ckpt") and _complete_file(named.group(1))
+
+
+def _complete_file(path: str | Path) -> bool:
+    """A checkpoint of the strategies' default type: one Lightning file, whole (torch reads it, weights and all)."""
+    path = Path(path)
+    return path.is_file() and "state_dict" in torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.distributed
 def test_last_checkpoint_before_the_death_is_intact_and_resumes(fault_runs, one_rank_run):
     ckpts = fault_runs["zero2"]["root"] / "ckpts"
     last = fault_runs["zero2"]["last"]
-    assert last is not None and (last / "lightning_state.pt").is_file(), list(ckpts.iterdir())
+    assert last is not None and _complete_file(last), list(ckpts.iterdir())
     assert not list(ckpts.glob(".*")), "a half-written checkpoint was left behind"
     # 3 epochs of 2 optimizer steps; the run resumed from step 3 finishes the schedule.
     assert one_rank_run["after_dead_step"] == 6
@@ -443,7 +458,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_nonzero(fault_runs, one_ra
     assert codes == [SIGTERM_EXIT_CODE, SIGTERM_EXIT_CODE], (codes, stderr[0][-3000:], stderr[1][-3000:])
     # signalled in the first micro-batch of step 4: the checkpoint holds the whole step, not half of it
     assert run["last"] is not None and run["last"].name == "preempted-step=4.ckpt", list(run["root"].iterdir())
-    assert (run["last"] / "lightning_state.pt").is_file()
+    assert _complete_file(run["last"])
     line = [ln for ln in stderr[0].splitlines() if "SIGTERM received" in ln]
     assert line and str(run["last"]) in line[0] and "resume with trainer.fit(" in line[0], stderr[0][-3000:]
     # resumed (on 1 rank), the run ends where an uninterrupted one does
