@@ -8,7 +8,7 @@ all-reduce), so all ranks stop after the same step, even when only one got the s
     from lowmem import core_parallel
     from lowmem.core_parallel.preemption import Preemption
 
-    with Preemption() as preemption:          # installs the SIGTERM handler; restores the old one at exit
+    with Preemption(trace=optimizer.collectives) as preemption:   # SIGTERM handler and watchdog; undone at exit
         for step in range(start, steps):
             ...                                # forward, optimizer.backward, optimizer.step, zero_grad
             if preemption.requested():         # collective: every rank calls it at the same step boundary
