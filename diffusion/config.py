@@ -392,7 +392,8 @@ class FineTuneConfig:
                                hide=("max_length", "attention_mask", "default_caption"))
     """How images become training tensors (`data_config()` adds the caption length from tokenizer_max_length and
     the attention mask from text_encoder_use_attention_mask)."""
-    loss: LossConfig = section(LossConfig, default=functools.partial(LossConfig, prediction_type=None))
+    loss: LossConfig = section(LossConfig, default=functools.partial(LossConfig, prediction_type=None),
+                               hide=("edm_style",))
     """The loss (`loss_config()` fills a prediction_type of None with the scheduler's)."""
     optimizer: OptimizerSection = section(OptimizerSection)
     """AdamW and the learning-rate schedule."""
@@ -465,8 +466,11 @@ class FineTuneConfig:
                                    default_caption=self.instance_prompt if self.dataset_name else None)
 
     def loss_config(self, scheduler_prediction_type: str = "epsilon") -> LossConfig:
-        """The loss settings; `prediction_type` falls back to the scheduler's."""
-        return dataclasses.replace(self.loss, prediction_type=self.prediction_type or scheduler_prediction_type)
+        """The loss settings; `prediction_type` falls back to the scheduler's; EDM-style training from the SDXL
+        settings (`extra["sdxl"].do_edm_style_training`)."""
+        edm = bool(getattr(self.extra.get("sdxl"), "do_edm_style_training", False))
+        return dataclasses.replace(self.loss, prediction_type=self.prediction_type or scheduler_prediction_type,
+                                   edm_style=edm)
 
     def total_steps(self, dataset_len: int, world_size: int) -> int:
         """Optimizer steps of the run: max_train_steps, else epochs x steps per epoch."""

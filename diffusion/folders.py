@@ -9,7 +9,9 @@ defaulting the rest. That is the folder's own forward process when the folder's 
 `alphas_cumprod` (DDIM, PNDM, Euler, DPM-Solver, UniPC, LCM, ...): such folders train as the scripts train them
 (`training_scheduler`). Otherwise DDPM's defaults would replace the schedule (flow matching, EDM sigmas, VE SDEs,
 CogVideoX's SNR shift): refused. EDM schedulers (a class name with `EDM`, as train_dreambooth_lora_sdxl.py tests
-the folder's `model_index.json`) mean EDM-style training, not supported yet.
+the folder's `model_index.json`) mean EDM-style training: train_dreambooth_lora_sdxl.py switches to it (an
+`EDMEulerScheduler` of the folder's config, `training.edm_loss`) and normalises the latents with the VAE's
+`latents_mean`/`latents_std`; the other scripts would train DDPM's defaults, so there both are refused.
 """
 
 from __future__ import annotations
@@ -96,11 +98,26 @@ def _check_latent_channels(folder: Path) -> None:
 
 
 # -- the noise schedule -----------------------------------------------------------------------------------------
-def training_scheduler(folder: Path) -> Any:
-    """The training scheduler of the pipeline folder `folder`, as diffusers' scripts build it."""
-    from diffusers import DDPMScheduler
+def _edm_class(folder: Path) -> str | None:
+    """The EDM scheduler class the folder names (its scheduler config's, else `model_index.json`'s), or None."""
+    name = str(_json(folder / "scheduler" / "scheduler_config.json").get("_class_name") or "")
+    indexed = _json(folder / "model_index.json").get("scheduler")
+    indexed = str(indexed[1]) if isinstance(indexed, list) and len(indexed) == 2 else ""
+    return name if "EDM" in name else indexed if "EDM" in indexed else None
 
-    return DDPMScheduler.from_pretrained(folder, subfolder="scheduler")
+
+def training_scheduler(folder: Path) -> Any:
+    """The training scheduler of the pipeline folder `folder`, as diffusers' scripts build it: an `EDMEulerScheduler`
+    of the folder's config when it names an EDM scheduler (train_dreambooth_lora_sdxl.py; the only command that
+    takes such a folder), else a `DDPMScheduler`, which keeps the folder's config as `folder_config` (the
+    `EulerDiscreteScheduler` of `--do_edm_style_training` is built from it, `training.euler_of`)."""
+    from diffusers import DDPMScheduler, EDMEulerScheduler
+
+    if _edm_class(folder):
+        return EDMEulerScheduler.from_pretrained(folder, subfolder="scheduler")
+    ddpm = DDPMScheduler.from_pretrained(folder, subfolder="scheduler")
+    ddpm.folder_config = _json(folder / "scheduler" / "scheduler_config.json") or None
+    return ddpm
 
 
 def _own_alphas_cumprod(cls: Any, folder: Path, path: Path) -> Any:
@@ -114,23 +131,28 @@ def _own_alphas_cumprod(cls: Any, folder: Path, path: Path) -> Any:
     return values if hasattr(values, "shape") else None
 
 
-def check_scheduler(folder: Path, prediction_type: str | None = None) -> None:
+def check_scheduler(folder: Path, prediction_type: str | None = None, *, edm_ok: bool = False) -> None:
     """Refuse (one `InputError`) a scheduler that diffusers' scripts would replace by DDPM's defaults, an EDM
-    scheduler (EDM-style training), or a prediction type their loss has no target for (`prediction_type`: the
-    `--prediction_type` override)."""
+    scheduler unless `edm_ok` (the command trains EDM-style, as train_dreambooth_lora_sdxl.py), or a prediction
+    type their loss has no target for (`prediction_type`: the `--prediction_type` override)."""
     import diffusers
     import torch
 
     path = folder / "scheduler" / "scheduler_config.json"
     config = _json(path)
     name = str(config.get("_class_name") or "")
-    indexed = _json(folder / "model_index.json").get("scheduler")
-    indexed = str(indexed[1]) if isinstance(indexed, list) and len(indexed) == 2 else ""
-    edm = name if "EDM" in name else indexed if "EDM" in indexed else None
+    edm = _edm_class(folder)
     if edm:
         where = path if edm == name else folder / "model_index.json"
-        raise InputError(f"{where}: {edm} is an EDM scheduler, which means EDM-style training "
-                         "(--do_edm_style_training): not supported yet")
+        if not edm_ok:
+            raise InputError(f"{where}: {edm} is an EDM scheduler, which means EDM-style training: only "
+                             "suite diffusion train_dreambooth_lora_sdxl (with --instance_data_dir) does it, as "
+                             "diffusers' scripts; the others would train DDPM's default schedule")
+        pred = prediction_type or config.get("prediction_type") or "epsilon"
+        if pred not in _PREDICTION_TYPES:
+            raise InputError(f"{path}: prediction_type {pred!r}: not supported (EDM-style training preconditions "
+                             "epsilon or v_prediction)")
+        return
     cls = getattr(diffusers, name, None)
     if cls is None or not name.endswith("Scheduler"):
         raise InputError(f"{path}: _class_name {name or '(none)'} is not a scheduler class of diffusers")
@@ -151,15 +173,16 @@ def check_scheduler(folder: Path, prediction_type: str | None = None) -> None:
 
 
 # -- the VAE ----------------------------------------------------------------------------------------------------
-def check_vae(config_path: Path) -> None:
-    """Refuse a VAE config with latent statistics (`latents_mean`/`latents_std`, Playground v2.5's): the SDXL
-    DreamBooth LoRA script normalises latents with them, the others ignore them while SDXL's pipeline applies
-    them; neither is done here yet."""
+def check_vae(config_path: Path, *, stats_ok: bool = False) -> None:
+    """Refuse a VAE config with latent statistics (`latents_mean`/`latents_std`, Playground v2.5's) unless
+    `stats_ok`: the SDXL DreamBooth LoRA script normalises latents with them (`training.encode_latents` does), the
+    others ignore them while SDXL's pipeline applies them at inference (a mismatch not reproduced here)."""
     config = _json(config_path)
     stats = [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]
-    if stats:
+    if stats and not stats_ok:
         raise InputError(f"{config_path}: {'/'.join(stats)} (a VAE with latent statistics, e.g. Playground v2.5's): "
-                         "not supported yet")
+                         "only suite diffusion train_dreambooth_lora_sdxl (with --instance_data_dir) normalises "
+                         "the latents with them, as diffusers' scripts")
 
 
 def check_model_folder(folder: Path, family: str, *, vae_folder: Path | None = None,
@@ -169,6 +192,8 @@ def check_model_folder(folder: Path, family: str, *, vae_folder: Path | None = N
     VAE folder). `lora` / `dreambooth` choose the command an error names."""
     _check_family(folder, family, lora=lora, dreambooth=dreambooth)
     _check_latent_channels(folder)
+    dreambooth_sdxl = family == "sdxl" and dreambooth  # train_dreambooth_lora_sdxl.py: EDM and latent statistics
     if (folder / "scheduler").is_dir():  # a folder missing it is refused by the loaders, naming the component
-        check_scheduler(folder, prediction_type)
-    check_vae(vae_folder / "config.json" if vae_folder is not None else folder / "vae" / "config.json")
+        check_scheduler(folder, prediction_type, edm_ok=dreambooth_sdxl)
+    check_vae(vae_folder / "config.json" if vae_folder is not None else folder / "vae" / "config.json",
+              stats_ok=dreambooth_sdxl)

@@ -52,7 +52,8 @@ def load_sdxl_components(pretrained: str, *, vae: str | None = None, revision: s
                          text_encoder_dtype: Any = None, stream_unet: bool = False) -> dict[str, Any]:
     """The components of the SDXL pipeline `pretrained` (a folder, or a hub id in the local cache): `unet`,
     `vae` (from the folder `vae` when given), `text_encoder`, `text_encoder_2`, `tokenizer`, `tokenizer_2`,
-    `scheduler` (a `DDPMScheduler` from the pipeline's scheduler config, as the scripts train with),
+    `scheduler` (the training scheduler the scripts build from the pipeline's scheduler config: DDPM, or EDM Euler
+    for an EDM folder, `folders.training_scheduler`),
     `inference_scheduler` (the pipeline's own) and `source` (the folder).
 
     The frozen models load directly in `vae_dtype` / `text_encoder_dtype` (None: fp32); `stream_unet` builds the

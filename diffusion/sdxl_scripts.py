@@ -50,6 +50,9 @@ class SDXLSettings:
     """AdamW weight decay of the text encoders' LoRA (DreamBooth LoRA; default: adam_weight_decay)."""
     repeats: int = 1
     """How many times the instance images are repeated per epoch (DreamBooth LoRA)."""
+    do_edm_style_training: bool = False
+    """EDM-style training (Karras et al. 2022 preconditioning, `training.edm_loss`) with the folder's own noise
+    schedule (DreamBooth LoRA); a folder whose scheduler is EDM (Playground v2.5, CosXL) trains so without it."""
     vae_in_training_dtype: bool = False
     """The frozen VAE in the training dtype (the LoRA and full scripts with a separate VAE); else fp32, since
     SDXL's own VAE overflows in fp16."""
@@ -160,7 +163,7 @@ SDXL_SCRIPTS: dict[str, str] = {
 _FIXED: dict[str, Any] = {"num_inference_steps": 25}
 
 _SDXL_FIELD = ("pretrained_vae_model_name_or_path", "proportion_empty_prompts", "repeats",
-               "adam_weight_decay_text_encoder")
+               "adam_weight_decay_text_encoder", "do_edm_style_training")
 
 
 def _text_encoder_lr(v: float | None) -> dict[str, Any]:
@@ -188,7 +191,6 @@ SDXL_HANDLING: dict[str, Accept | Refuse] = {
     "timestep_bias_end": Refuse("used only with --timestep_bias_strategy, which is refused here"),
     "timestep_bias_multiplier": Refuse("used only with --timestep_bias_strategy, which is refused here"),
     "timestep_bias_portion": Refuse("used only with --timestep_bias_strategy, which is refused here"),
-    "do_edm_style_training": Refuse(f"EDM-style training (Playground v2.5, CosXL) is {_NOT_HERE}"),
     "use_dora": Refuse(f"DoRA adapters are {_NOT_HERE}; LoRA (--rank) is"),
     "lora_dropout": Refuse(f"LoRA dropout is {_NOT_HERE}; the adapters train without dropout"),
     "output_kohya_format": Refuse(f"the Kohya file format is {_NOT_HERE}; the diffusers LoRA file is written"),
@@ -207,6 +209,9 @@ def _checks(script: str, values: Mapping[str, Any]) -> None:
         # where it has none (or for all without --caption_column), as the script's DreamBoothDataset
         if not values.get("instance_data_dir") and not values.get("dataset_name"):
             raise InputError("train_dreambooth_lora_sdxl needs --dataset_name or --instance_data_dir")
+        if values.get("do_edm_style_training") and values.get("snr_gamma") is not None:
+            raise InputError("--snr_gamma: Min-SNR weighting is not supported with --do_edm_style_training (the "
+                             "script refuses it too)")
         if values.get("instance_data_dir") and values.get("dataset_name"):
             raise InputError("--dataset_name and --instance_data_dir exclude each other (the script: specify only "
                              "one of them)")

@@ -15,6 +15,7 @@ exactly what the uninterrupted run drew.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,10 @@ __all__ = [
     "compute_snr",
     "diffusion_loss",
     "draw_step_noise",
+    "edm_loss",
     "encode_latents",
+    "euler_of",
+    "is_edm_scheduler",
     "snr_weights",
     "step_generator",
 ]
@@ -65,6 +69,9 @@ class LossConfig:
     dream_detail_preservation`, is added to the noisy input and to the target (epsilon prediction only)."""
     dream_detail_preservation: float = 1.0
     """DREAM's detail-preservation exponent."""
+    edm_style: bool = False
+    """EDM-style training with the folder's (non-EDM) noise schedule, through Euler's sigmas (train_dreambooth_lora_
+    sdxl.py's `--do_edm_style_training`); a folder with an EDM scheduler trains EDM-style without it."""
 
     def __post_init__(self) -> None:
         if self.dream_training and self.prediction_type not in (None, "epsilon"):
@@ -117,13 +124,21 @@ def draw_step_noise(
 
 
 def encode_latents(vae: Any, pixel_values: torch.Tensor, latent_eps: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled VAE latents `[B, 4, h, w]` of `pixel_values: [B, 3, H, W]` in [-1, 1].
+    """Scaled VAE latents `[B, 4, h, w]` of `pixel_values: [B, 3, H, W]` in [-1, 1]: `z * scaling_factor`, or
+    `(z - latents_mean) * scaling_factor / latents_std` for a VAE config with latent statistics.
 
     `latent_eps` is the standard normal draw of the posterior sample (`mean + std * eps`); None gives the mean.
     """
     dist = vae.encode(pixel_values.to(vae.dtype)).latent_dist
     z = dist.mean if latent_eps is None else dist.mean + dist.std * latent_eps.to(dist.mean)
-    return z * vae.config.scaling_factor
+    mean, std = (getattr(vae.config, k, None) for k in ("latents_mean", "latents_std"))
+    if mean is None and std is None:
+        return z * vae.config.scaling_factor
+    # a VAE with latent statistics (Playground v2.5's): normalised as train_dreambooth_lora_sdxl.py does
+    shape = (1, -1, *([1] * (z.ndim - 2)))
+    mean = torch.zeros(()) if mean is None else torch.tensor(mean).view(shape)
+    std = torch.ones(()) if std is None else torch.tensor(std).view(shape)
+    return (z - mean.to(z)) * vae.config.scaling_factor / std.to(z)
 
 
 def latent_shape(vae: Any, pixel_values: torch.Tensor) -> tuple[int, int, int, int]:
@@ -166,6 +181,8 @@ def diffusion_loss(
     `cfg.input_perturbation`, the UNet's input is noised with `noise + input_perturbation * perturbation`
     while the target keeps `noise` (diffusers' `--input_perturbation`).
     """
+    if cfg.edm_style or is_edm_scheduler(scheduler):
+        return edm_loss(unet, scheduler, latents, encoder_hidden_states, noise, timesteps, cfg)
     noisy_with = noise
     if cfg.input_perturbation:
         if perturbation is None:
@@ -184,6 +201,74 @@ def diffusion_loss(
     if cfg.snr_gamma is not None:
         snr = compute_snr(scheduler.alphas_cumprod, timesteps)
         per_sample = per_sample * snr_weights(snr, cfg.snr_gamma, cfg.prediction_type)
+    if not cfg.with_prior_preservation:
+        return per_sample.mean()
+    instance, prior = per_sample.chunk(2)
+    return instance.mean() + cfg.prior_loss_weight * prior.mean()
+
+
+def is_edm_scheduler(scheduler: Any) -> bool:
+    """Whether `scheduler` is one of diffusers' EDM schedulers (`EDM` in its class name, as the script tests it)."""
+    return "EDM" in type(scheduler).__name__
+
+
+_EULER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def euler_of(scheduler: Any) -> Any:
+    """The `EulerDiscreteScheduler` of the training scheduler's folder config (`folder_config`, set by
+    `diffusion.folders.training_scheduler`; else its own config), built once: what train_dreambooth_lora_sdxl.py
+    trains `--do_edm_style_training` with on a folder whose scheduler is not EDM."""
+    if scheduler not in _EULER:
+        from diffusers import EulerDiscreteScheduler
+
+        _EULER[scheduler] = EulerDiscreteScheduler.from_config(getattr(scheduler, "folder_config", None)
+                                                               or scheduler.config)
+    return _EULER[scheduler]
+
+
+def edm_loss(unet: Any, scheduler: Any, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
+             noise: torch.Tensor, indices: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """The scalar loss of EDM-style training as train_dreambooth_lora_sdxl.py (v0.40.0) computes it (Karras et al.
+    2022, "Elucidating the Design Space of Diffusion-Based Generative Models", sec. 5 and table 1).
+
+    `indices: [B]` are the step's uniform draws in [0, num_train_timesteps): the noise level of sample i is
+    `sigma = scheduler.sigmas[indices[i]]` and the UNet's time input `scheduler.timesteps[indices[i]]`
+    (`c_noise = 0.25 ln sigma` for an EDM scheduler). The noisy latents `x + sigma * noise` enter the UNet scaled by
+    `c_in`; its output `F` becomes the denoised estimate `D = c_skip x_noisy + c_out F`, regressed on the clean
+    latents. An EDM scheduler (Playground v2.5, CosXL) gives `c_in = 1 / sqrt(sigma^2 + sigma_data^2)`, `c_skip =
+    sigma_data^2 / (sigma^2 + sigma_data^2)`, `c_out = +-sigma sigma_data / sqrt(sigma^2 + sigma_data^2)` (-: v)
+    and no weighting; any other schedule (`cfg.edm_style`, Euler's sigmas of the folder's betas) `c_in = 1 /
+    sqrt(sigma^2 + 1)`, epsilon `D = x_noisy - sigma F`, v `D = x_noisy / (sigma^2 + 1) - sigma F / sqrt(sigma^2 +
+    1)`, weighted by `sigma^-2`. As in the script, the paper's loss weighting `lambda(sigma)` (table 1) is not
+    used (its comment: numerical problems), and sigma is drawn uniformly over the schedule's levels, not the
+    paper's log-normal.
+    """
+    from .errors import InputError
+
+    if cfg.snr_gamma is not None:
+        raise InputError("--snr_gamma: Min-SNR weighting is not supported with EDM-style training (the scripts "
+                         "refuse it too)")
+    edm = is_edm_scheduler(scheduler)
+    if not edm:
+        scheduler = euler_of(scheduler)
+    idx = indices.cpu().long()
+    timesteps = scheduler.timesteps[idx].to(latents.device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    sigmas = scheduler.sigmas[idx].to(device=latents.device, dtype=noisy.dtype)
+    sigmas = sigmas.view(-1, *([1] * (noisy.ndim - 1)))
+    inputs = scheduler.precondition_inputs(noisy, sigmas) if edm else noisy / (sigmas**2 + 1) ** 0.5
+    pred = unet(inputs, timesteps, encoder_hidden_states, return_dict=False)[0]
+    if edm:
+        pred = scheduler.precondition_outputs(noisy, pred, sigmas)
+    elif cfg.prediction_type == "epsilon":
+        pred = pred * (-sigmas) + noisy
+    else:
+        pred = pred * (-sigmas / (sigmas**2 + 1) ** 0.5) + noisy / (sigmas**2 + 1)
+    err = (pred.float() - latents.float()) ** 2
+    if not edm:
+        err = (sigmas**-2.0).float() * err
+    per_sample = err.reshape(err.shape[0], -1).mean(dim=1)
     if not cfg.with_prior_preservation:
         return per_sample.mean()
     instance, prior = per_sample.chunk(2)

@@ -93,8 +93,8 @@ def test_every_scheduler_class_trains_as_the_scripts_or_is_refused(tmp_path, sd_
     except InputError as exc:
         msg = str(exc)
         assert "\n" not in msg and name in msg and ("scheduler_config.json" in msg or "model_index.json" in msg), msg
-        if "EDM" in name:
-            assert "--do_edm_style_training" in msg and "not supported yet" in msg
+        if "EDM" in name:  # issue 45: EDM-style training is train_dreambooth_lora_sdxl's only
+            assert "EDM-style training: only suite diffusion train_dreambooth_lora_sdxl" in msg, msg
         return
     # accepted: trained with the scripts' scheduler (DDPMScheduler.from_pretrained of the folder's config), whose
     # noise schedule is the folder's own class's
@@ -166,25 +166,26 @@ def _cli_error(capsys, argv: list[str]) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("script", ["train_dreambooth_lora_sdxl", "train_text_to_image_lora_sdxl",
-                                    "train_text_to_image_sdxl"])
+@pytest.mark.parametrize("script", ["train_text_to_image_lora_sdxl", "train_text_to_image_sdxl"])
 def test_playground_folder_is_refused_before_loading(capsys, tmp_path, sdxl_folder, images, script):
+    """The text_to_image SDXL scripts would train a Playground folder as DDPM with default betas: refused, naming
+    the command that trains it EDM-style (train_dreambooth_lora_sdxl: tests/diffusion/test_edm.py and
+    test_sdxl_ported.py)."""
     folder = _playground_like(sdxl_folder, tmp_path / "playground")
-    data = (["--instance_data_dir", str(images), "--instance_prompt", "a photo of sks dog"]
-            if "dreambooth" in script else ["--train_data_dir", str(images)])
     err = _cli_error(capsys, ["diffusion", script, "--pretrained_model_name_or_path", str(folder), "--resolution",
-                              "32", "--max_train_steps", "1", "--output_dir", str(tmp_path / "out"), *data])
+                              "32", "--max_train_steps", "1", "--output_dir", str(tmp_path / "out"),
+                              "--train_data_dir", str(images)])
     assert "scheduler_config.json" in err and "EDMDPMSolverMultistepScheduler" in err, err
-    assert "--do_edm_style_training" in err and "not supported yet" in err, err
+    assert "EDM-style training: only suite diffusion train_dreambooth_lora_sdxl" in err, err
 
 
 def test_vae_latent_statistics_are_refused(capsys, tmp_path, sdxl_folder, images):
     folder = _playground_like(sdxl_folder, tmp_path / "stats", edm=False)
-    err = _cli_error(capsys, ["diffusion", "train_dreambooth_lora_sdxl", "--pretrained_model_name_or_path",
-                              str(folder), "--instance_data_dir", str(images), "--instance_prompt", "sks",
+    err = _cli_error(capsys, ["diffusion", "train_text_to_image_lora_sdxl", "--pretrained_model_name_or_path",
+                              str(folder), "--train_data_dir", str(images),
                               "--resolution", "32", "--max_train_steps", "1", "--output_dir", str(tmp_path / "o")])
     assert str(folder / "vae" / "config.json") in err and "latents_mean/latents_std" in err, err
-    assert "not supported yet" in err, err
+    assert "only suite diffusion train_dreambooth_lora_sdxl" in err, err
 
 
 # -- the model family -------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ changes, and why:
   checkpointing case's only by fewer steps and no checkpointing flags (`test_text_to_image_lora_sdxl`,
   `..._with_text_encoder`, `test_dreambooth_lora_sdxl`, `..._with_text_encoder`) asserts its checks on that case's
   run (module-scoped `runs`): what they assert of the LoRA file holds at any step.
-- The two EDM cases (`--do_edm_style_training`, `tiny-playground-v2-5-pipe`: an EDMDPMSolverMultistepScheduler
-  folder whose VAE has latent statistics) are refused here (EDM-style training is not implemented yet): they are
-  xfail, and check that the refusal is one line naming the reason, never a run with another objective.
+- `hf-internal-testing/tiny-playground-v2-5-pipe` is the tiny SDXL folder with Playground v2.5's scheduler
+  (EDMDPMSolverMultistepScheduler) and VAE latent statistics; the EDM objective these two cases train is checked
+  against a hand-computed loss in tests/diffusion/test_edm.py.
 """
 
 from __future__ import annotations
@@ -311,25 +311,26 @@ def test_dreambooth_lora_sdxl_text_encoder_checkpointing_checkpoints_total_limit
 
 
 # -- examples/dreambooth/test_dreambooth_lora_edm.py: TestDreamBoothLoRASDXLWithEDM --------------------------------
-EDM_CASES = {
-    "test_dreambooth_lora_sdxl_with_edm": (f"--pretrained_model_name_or_path {SDXL} --do_edm_style_training",
-                                           "--do_edm_style_training"),
-    "test_dreambooth_lora_playground": (f"--pretrained_model_name_or_path {PLAYGROUND}",
-                                        "EDMDPMSolverMultistepScheduler is an EDM scheduler"),
+EDM_CASES = {  # the objective itself is checked against a hand-computed EDM loss in tests/diffusion/test_edm.py
+    "test_dreambooth_lora_sdxl_with_edm": f"--pretrained_model_name_or_path {SDXL} --do_edm_style_training",
+    "test_dreambooth_lora_playground": f"--pretrained_model_name_or_path {PLAYGROUND}",
 }
 
 
 @pytest.mark.parametrize("case", sorted(EDM_CASES))
-@pytest.mark.xfail(reason="EDM-style training (Playground v2.5, CosXL) is not implemented yet (issue 45); refused "
-                          "in one line before anything loads", strict=True, raises=AssertionError)
-def test_dreambooth_lora_sdxl_edm(tmpdir, stand_ins, case):
-    model, refusal = EDM_CASES[case]
-    line = f"""examples/dreambooth/train_dreambooth_lora_sdxl.py {model} --instance_data_dir docs/source/en/imgs
-        --instance_prompt photo {COMMON.format(tmpdir=tmpdir)} --max_train_steps 2"""
-    rc, errors = run_command(line, stand_ins)
-    if rc != 0:  # what it does until then: exit 2, one line with the reason, nothing written
-        assert rc == 2 and len(errors) == 1 and refusal in errors[0] and "not" in errors[0], errors
-        assert not os.path.exists(os.path.join(tmpdir, "pytorch_lora_weights.safetensors"))
-    assert rc == 0, errors
+def test_dreambooth_lora_sdxl_edm(tmpdir, stand_ins, case, monkeypatch):
+    from lowmem.diffusion import training
+
+    real, calls = training.edm_loss, []
+
+    def spy(*args, **kwargs):  # every step's loss is the EDM one, with the scheduler the script would use
+        calls.append(type(args[1]).__name__)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "edm_loss", spy)
+    ok(f"""examples/dreambooth/train_dreambooth_lora_sdxl.py {EDM_CASES[case]} --instance_data_dir docs/source/en/imgs
+        --instance_prompt photo {COMMON.format(tmpdir=tmpdir)} --max_train_steps 2""", stand_ins)
     keys = lora_keys(tmpdir)
-    assert all("lora" in k for k in keys) and all(k.startswith("unet") for k in keys)
+    assert all("lora" in k for k in keys)
+    assert all(k.startswith("unet") for k in keys)
+    assert calls == ["EDMEulerScheduler" if "playground" in case else "DDPMScheduler"] * 2, calls
