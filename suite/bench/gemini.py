@@ -1,6 +1,6 @@
 """`suite bench gemini`: Gemini against torch FSDP2, DDP and ZeRO-2 (per-rank peak memory, step time), and
 `--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier. The method (what `peak` and
-`charged` span, the baselines) is docs/gemini.md, "Benchmark", and docs/benchmarks.md; the flags `--offload cpu`,
+`charged` span, the baselines) is docs/gemini.md, "Benchmark", and docs/benchmarks.md; the flags `--offload_tier cpu`,
 `--cap_gib` and `--memory_snapshot` are the GPU proof's rows (`suite bench gpu`).
 """
 
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16M,32M,64M", help="--ram-budget: model sizes to try, ascending")
     parser.add_argument("--offload-dir", default=None, help="--ram-budget: NVMe folder (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned run")
-    parser.add_argument("--offload", choices=["none", "cpu"], default="none",
+    parser.add_argument("--offload_tier", choices=["none", "cpu"], default="none",
                         help="gemini: master weights and Adam state in the CPU tier (states and samples/s reported)")
     parser.add_argument("--cap_gib", type=float, default=None, help="CUDA: each rank on an emulated card this size")
     parser.add_argument("--memory_snapshot", metavar="FILE", default=None,
@@ -178,7 +178,7 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
     results = {}
     for s in args.strategies:
         try:
-            results[s] = _spawn(s, args.ranks, params, args, tier if args.offload == "cpu" else {})
+            results[s] = _spawn(s, args.ranks, params, args, tier if args.offload_tier == "cpu" else {})
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
             results[s] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"}
     base = results.get("fsdp2", {})
@@ -192,7 +192,7 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
         if "peak" in base:
             row.update(peak_vs_fsdp2=r["peak"] / base["peak"], time_vs_fsdp2=r["step_s"] / base["step_s"],
                        charged_vs_fsdp2=ratio(r["charged"], base["charged"], float("nan")))
-        if args.offload == "cpu":
+        if args.offload_tier == "cpu":
             row.update(states_GiB=16 * params / 2**30, samples_per_s=args.batch / r["step_s"])
         row.update({k: r[k] for k in ("card", "snapshot") if k in r})
         rows.append({**row, "ran": r["baseline"], "memory_method": r["memory_method"]})

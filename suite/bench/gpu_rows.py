@@ -140,7 +140,7 @@ def gemini(ctx: StageContext) -> None:
     rec.table("gemini_tier", f"Gemini, master weights and Adam state in the CPU tier, {size['tier_params']} "
                              "parameters (fp32 Adam states 16 B/parameter) on an emulated 24 GiB card")
     rows = _gemini_run(ctx, "gemini_tier", {**size, "params": size["tier_params"], "steps": 1}, 90, 0,
-                       "--strategies", "gemini", "--offload", "cpu", "--cap_gib", "24")
+                       "--strategies", "gemini", "--offload_tier", "cpu", "--cap_gib", "24")
     measured = (f"{rows[0]['states_GiB']:.1f} GiB of states, {rows[0]['samples_per_s']:.1f} samples/s, step "
                 f"{rows[0]['step_s']:.2f} s" if rows else "not measured")
     ctx.rec.target("Gemini's CPU tier trains a model whose states do not fit a 24 GiB card (throughput reported)",
@@ -189,28 +189,39 @@ def fold(ctx: StageContext) -> None:
                           f"{shape[1]} Evoformer + 1 extra-MSA blocks, {shape[5]} MSA rows, {shape[7]} extra rows, "
                           "float32, no recycling; auto = fastfold's device-aware budget (a quarter of the free "
                           "device memory); peak = max_memory_allocated growth over the passes")
-    failed_capped = False
+    runs = []
     for n, chunks, cap, warmup, repeat, want in _fold_plan(ctx):
-        if cap and failed_capped:
-            continue
         variant, size = ("unchunked", "auto") if chunks == "none" else ("chunked", chunks)
         argv = ["bench", "fold-model", "--_child", f"{n}:{variant}", *shape, "--chunk_size", size, "--warmup",
                 str(warmup), "--repeat", str(repeat)]
-        child = ctx.run_worker("suite", want=want, what=f"fold {n} {chunks} {card(ctx, cap)}", argv=argv, cap_gib=cap,
-                               auto_budget=chunks == "auto")
-        fitted = _fold_row(ctx, n, chunks, cap, child)
+        runs.append(((n, chunks, cap, want), {"argv": argv, "cap_gib": cap, "auto_budget": chunks == "auto"}))
+    if small:  # one process for the tiny runs: interpreter starts would be most of the smoke run's time
+        child = ctx.run_worker("suite", want=120, what="fold children", runs=[spec for _, spec in runs])
+        parts: list[list[dict]] = []
+        for row in child.json_lines() if child else []:
+            if set(row) == {"run"}:
+                parts.append([])
+            elif parts:
+                parts[-1].append(row)
+        for ((n, chunks, cap, _), _), lines in zip(runs, parts):
+            _fold_row(ctx, n, chunks, cap, lines, child.outcome())
+        return _fold_targets(ctx)
+    failed_capped = False
+    for (n, chunks, cap, want), spec in runs:
+        if cap and failed_capped:
+            continue
+        child = ctx.run_worker("suite", want=want, what=f"fold {n} {chunks} {card(ctx, cap)}", **spec)
+        fitted = child and _fold_row(ctx, n, chunks, cap, child.json_lines(), child.outcome())
         failed_capped = failed_capped or bool(cap and fitted is False)
     _fold_targets(ctx)
 
 
-def _fold_row(ctx: StageContext, n: int, chunks: str, cap: float | None, child) -> bool | None:
-    """Record one pass; whether it ran (None: not started)."""
-    if child is None:
-        return None
-    lines = child.json_lines()
+def _fold_row(ctx: StageContext, n: int, chunks: str, cap: float | None, lines: list[dict], outcome: str) -> bool:
+    """Record one pass from its child's JSON lines (`outcome`: the child's, where the pass left no result);
+    whether it ran."""
     result = next((r for r in reversed(lines) if "n_res" in r), None)
     row = {"n_res": n, "chunks": chunks, "card": card(ctx, cap), "cap_gib": cap,
-           "outcome": child.outcome() if result is None else "ok"}
+           "outcome": outcome if result is None else "ok"}
     if result is not None:
         row.update(seconds=result["seconds"], peak_mib=result["peak_bytes"] / 2**20)
     row.update({k: v for r in lines for k, v in r.items() if k == "memory_budget_mb"})

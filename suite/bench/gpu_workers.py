@@ -276,20 +276,26 @@ def _sd(spec: dict) -> None:
 
 
 def _suite(spec: dict) -> int:
+    """Each of `spec["runs"]` (else the spec itself) after a line {"run": i}: smoke runs start one interpreter."""
     from ..cli import main as suite_main
 
     device = torch_device(spec["device"])
-    note = emulate_card(spec.get("cap_gib"), device)
-    if note:
-        print(f"gpu_workers: {note}", file=sys.stderr, flush=True)
-    argv = list(spec["argv"])
-    if spec.get("auto_budget") and device.type == "cuda":
-        from ...fastfold.model.options import device_budget_bytes
+    for i, run in enumerate(spec.get("runs") or [spec]):
+        emit({"run": i})
+        note = emulate_card(run.get("cap_gib"), device)
+        if note:
+            print(f"gpu_workers: {note}", file=sys.stderr, flush=True)
+        argv = list(run["argv"])
+        if run.get("auto_budget") and device.type == "cuda":
+            from ...fastfold.model.options import device_budget_bytes
 
-        budget_mb = max(1, device_budget_bytes(device) // 2**20)
-        emit({"memory_budget_mb": budget_mb})
-        argv += ["--memory_budget_mb", str(budget_mb)]
-    return suite_main(argv)
+            budget_mb = max(1, device_budget_bytes(device) // 2**20)
+            emit({"memory_budget_mb": budget_mb})
+            argv += ["--memory_budget_mb", str(budget_mb)]
+        code = suite_main(argv)
+        if code:
+            return code
+    return 0
 
 
 JOBS: dict[str, Callable[[dict], Any]] = {"parity": _parity, "sd": _sd, "suite": _suite}
