@@ -8,8 +8,9 @@ loadable on any number of ranks) plus `lightning_state.pt` (loops, callbacks, sc
 ones) and `torch.load(file, weights_only=True)` read:
 ```
 {"state_dict": {name: tensor},                      full tensors, the model's (working) dtype
- "optimizer_states": [{"state": {i: {...}}, "param_groups": [...]}],   torch's format, numbered as the
-                                                    user's optimizer numbers its parameters (as ddp saves)
+ "optimizer_states": [{"state": {i: {...}}, "param_groups": [...]}, ...],   one per optimizer, torch's
+                                                    format, numbered as the user's optimizer numbers its
+                                                    parameters (as ddp saves)
  "epoch", "global_step", "loops", "callbacks", "lr_schedulers", ...}   Lightning's own state, unchanged
 ```
 The file is written by rank 0 alone, tensor by tensor: every rank first writes its shard into a temporary
@@ -31,7 +32,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,11 @@ class _Pending:
         return t
 
 
-def _optimizer_state(reader: Any, param_groups: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """torch's optimizer `state_dict()` of the checkpoint, numbered in the saved groups' order (the user's
-    optimizer's order: ZeRO and Gemini list each group's parameters as the user's optimizer holds them)."""
-    saved = reader.param_groups
+def _optimizer_state(reader: Any, saved: list[dict[str, Any]], param_groups: list[dict[str, Any]] | None
+                     ) -> dict[str, Any]:
+    """torch's optimizer `state_dict()` of one optimizer of the checkpoint (its `saved` groups), numbered in the
+    saved groups' order (the user's optimizer's order: ZeRO and Gemini list each group's parameters as the user's
+    optimizer holds them)."""
     hyper = param_groups if param_groups is not None else [{k: v for k, v in g.items() if k != "params"}
                                                           for g in saved]
     state: dict[int, dict[str, Any]] = {}
@@ -115,12 +117,19 @@ def _optimizer_state(reader: Any, param_groups: list[dict[str, Any]] | None) -> 
     return {"state": state, "param_groups": groups}
 
 
-def lightning_checkpoint(reader: Any, state: dict[str, Any], param_groups: list[dict] | None = None
+def group_counts(reader: Any) -> list[int]:
+    """How many of the saved param groups belong to each optimizer (`core_parallel.api.OptimizerSet` records it)."""
+    counts = (reader.index.get("info") or {}).get("optimizers")
+    return [int(n) for n in counts] if counts else [len(reader.param_groups)]
+
+
+def lightning_checkpoint(reader: Any, state: dict[str, Any], param_groups: list[list[dict]] | None = None
                          ) -> dict[str, Any]:
     """Lightning's checkpoint dict of a sharded folder: `state` (Lightning's own) plus "state_dict" and, unless
-    the save was weights-only (no "lr_schedulers"), "optimizer_states", their tensors `_Pending`.
+    the save was weights-only (no "lr_schedulers"), "optimizer_states" (one per optimizer), their tensors `_Pending`.
 
-    `param_groups` (the live optimizer's hyperparameters, without "params") replace the index's JSON copies.
+    `param_groups` (per optimizer, the live optimizer's hyperparameters without "params") replace the index's JSON
+    copies.
     """
     ckpt = {k: v for k, v in state.items() if k not in ("state_dict", "optimizer_states")}
     sd: dict[str, Any] = {}
@@ -133,7 +142,11 @@ def lightning_checkpoint(reader: Any, state: dict[str, Any], param_groups: list[
             sd[alias] = sd[canonical]
     ckpt["state_dict"] = sd
     if "lr_schedulers" in state and reader.param_groups:
-        ckpt["optimizer_states"] = [_optimizer_state(reader, param_groups)]
+        ckpt["optimizer_states"], start = [], 0
+        for k, n in enumerate(group_counts(reader)):
+            hyper = None if param_groups is None else param_groups[k]
+            ckpt["optimizer_states"].append(_optimizer_state(reader, reader.param_groups[start:start + n], hyper))
+            start += n
     return ckpt
 
 
@@ -228,7 +241,7 @@ def _stream_save(obj: Any, f: Any) -> None:
 
 # ---------------------------------------------------------------------------------------- public calls
 def write_full_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, state: dict[str, Any] | None = None,
-                          param_groups: list[dict] | None = None) -> Path:
+                          param_groups: list[list[dict]] | None = None) -> Path:
     """Write the sharded `folder` as one Lightning checkpoint file `out`, streaming, atomically.
 
     `state`: Lightning's own state (default: the folder's `lightning_state.pt`); `param_groups`: see
@@ -279,9 +292,10 @@ class FullCheckpointReader:
     ZeRO or Gemini optimizer takes its own ranges of the full tensors. `names`: the parameter names of each of
     the user's optimizer's param groups, in its order (how torch numbers the optimizer state)."""
 
-    def __init__(self, path: Path, checkpoint: dict[str, Any], names: list[list[str]]) -> None:
+    def __init__(self, path: Path, checkpoint: dict[str, Any], names: list[list[str]], index: int = 0) -> None:
+        """`index`: which of the checkpoint's "optimizer_states" is this optimizer's."""
         self.path, self._sd = path, checkpoint["state_dict"]
-        opt = (checkpoint.get("optimizer_states") or [None])[0]
+        opt = (checkpoint.get("optimizer_states") or [None] * (index + 1))[index]
         flat = [n for group in names for n in group]
         self._state: dict[str, dict[str, Any]] = {}
         saved_groups = opt["param_groups"] if opt is not None else [{"params": []} for _ in names]
@@ -337,10 +351,11 @@ def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
-def load_full_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, names: list[list[str]] | None,
+def load_full_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, names: list[list[list[str]]] | None,
                          strict: bool = True) -> dict[str, Any]:
-    """Load a full checkpoint file into a set-up model (and its sharded optimizer, when fitting); return the
-    checkpoint without "state_dict" and with empty "optimizer_states" (both are in the model now)."""
+    """Load a full checkpoint file into a set-up model (and its sharded optimizer, or each optimizer of an
+    `OptimizerSet`, when fitting; `names`: per optimizer, `optimizer_param_names`); return the checkpoint without
+    "state_dict" and with empty "optimizer_states" (both are in the model now)."""
     from lightning.fabric.utilities.data import AttributeDict
 
     with torch.serialization.safe_globals([AttributeDict]):  # save_hyperparameters' container, as Lightning loads
@@ -349,8 +364,12 @@ def load_full_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, nam
     if optimizer is None or names is None:
         model.load_state_dict(sd, strict=strict)
     else:
-        reader = FullCheckpointReader(path, {"state_dict": sd, **checkpoint}, names)
-        managed = {n for group in names for n in group}
+        optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+        saved = checkpoint.get("optimizer_states") or []
+        if saved and len(saved) != len(optimizers):
+            raise InputError(f"{path}: the checkpoint holds the state of {len(saved)} optimizer(s), "
+                             f"configure_optimizers returned {len(optimizers)}")
+        managed = {n for per in names for group in per for n in group}
         expected = tensor_names(model)
         owner = {id(t): n for n, t in expected.items() if n in managed and t is not None}
         rest = {k: v for k, v in sd.items()
@@ -361,7 +380,8 @@ def load_full_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, nam
             raise InputError(f"{path}: state_dict does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         model.load_state_dict(rest, strict=False)
-        optimizer.load_sharded_state(reader)
+        for k, (opt, per) in enumerate(zip(optimizers, names)):
+            opt.load_sharded_state(FullCheckpointReader(path, {"state_dict": sd, **checkpoint}, per, k))
     checkpoint["state_dict"] = {}
     checkpoint["optimizer_states"] = []
     return checkpoint

@@ -79,6 +79,7 @@ from .faults import (
     save_at_sigterm,
     watch_sigterm,
 )
+from .optimizers import ToggleModelParameters, check_several
 from .precision import ShardedPrecision
 from .strategy_options import LIGHTNING_KEYWORDS, declare_keywords, keywords_given
 
@@ -141,7 +142,9 @@ class _ShardedStrategy(DDPStrategy):
         """"full": one Lightning file (`recipes.checkpoints`); "sharded": checkpoints are folders."""
         self._warned_full_size = False
         self._core_optimizer: Any = None
-        self._param_names: list[list[str]] | None = None
+        self._param_names: list[list[list[str]]] | None = None
+        """Per optimizer, per param group: the parameter names (torch's numbering of the optimizer state)."""
+        self._toggle: ToggleModelParameters | None = None
         self._last_checkpoint: str | None = None
         self._resume_advice: str | None = None
         self._preemption = Preemption()  # the default group, resolved when asked
@@ -193,11 +196,6 @@ class _ShardedStrategy(DDPStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"{type(self).__name__} supports exactly one optimizer (it may hold several param groups); "
-                    f"configure_optimizers returned {len(self.optimizers)}"
-                )
             self._setup_core(trainer)
         self.setup_precision_plugin()
 
@@ -206,16 +204,31 @@ class _ShardedStrategy(DDPStrategy):
 
         plugin = self.precision_plugin
         config = self.core_config(plugin.core_precision, plugin.loss_scaling)
-        user_optimizer = self.optimizers[0]
+        users = list(self.optimizers)
         logger.info("%s: core_parallel.setup with %s", type(self).__name__, config)
-        self._param_names = optimizer_param_names(self.model, user_optimizer)  # ZeRO swaps in master shards
-        model, optimizer = core_parallel.setup(self.model, user_optimizer, config, group=self.process_group)
+        # ZeRO swaps in master shards: record the names (and, for toggling, the parameters) first
+        self._param_names = [optimizer_param_names(self.model, o) for o in users]
+        toggle = None
+        if len(users) > 1:  # a GAN's optimizers: recipes.optimizers
+            check_several(type(self).__name__, users)
+            if isinstance(self.config, ZeroConfig):
+                toggle = ToggleModelParameters(self.lightning_module, users)
+        model, optimizer = core_parallel.setup(self.model, users if len(users) > 1 else users[0], config,
+                                               group=self.process_group)
         self.model = model
         self._core_optimizer = optimizer
-        self.optimizers = [optimizer]
+        self.optimizers = list(optimizer) if len(users) > 1 else [optimizer]
+        if len(users) > 1 and any(o.loss_scaler.enabled for o in self.optimizers):
+            raise InputError(f"{type(self).__name__}: fp16 loss scaling with {len(users)} optimizers is not supported "
+                             "(each keeps its own scaler); use precision='bf16-mixed' or '32-true'")
+        if self._toggle is not None:
+            self._toggle.remove()
+        self._toggle = toggle
+        if toggle is not None:
+            toggle.install(self.optimizers)
         plugin.bind(optimizer, self.root_device.type)
         for sched in self.lr_scheduler_configs:
-            if sched.scheduler.optimizer is not user_optimizer and sched.scheduler.optimizer is not optimizer:
+            if not any(sched.scheduler.optimizer is o for o in (*users, *self.optimizers)):
                 raise ValueError("an LR scheduler is attached to an optimizer that configure_optimizers did not return")
 
     @contextmanager
@@ -238,6 +251,9 @@ class _ShardedStrategy(DDPStrategy):
         # Not DDPStrategy.teardown: it would move the model and the optimizer state to the CPU, tearing
         # Gemini's parameter views off their chunks. The sharded model stays usable (save, validate) after fit.
         self.precision_plugin.bind(None, self.precision_plugin.device_type)
+        if self._toggle is not None:
+            self._toggle.remove()
+            self._toggle = None
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -292,7 +308,7 @@ class _ShardedStrategy(DDPStrategy):
                 self._warn_full_size()
                 state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
                 groups = None if self._core_optimizer is None else [
-                    {k: v for k, v in g.items() if k != "params"} for g in self._core_optimizer.param_groups]
+                    [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in self.optimizers]
                 if path.is_dir():  # a sharded checkpoint of the same name, as FSDPStrategy replaces it
                     shutil.rmtree(path)
                 write_full_checkpoint(staging, path, state, groups)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,13 @@ def _device_budget(config: GeminiConfig, device: torch.device) -> int:
     return psutil.virtual_memory().total
 
 
-def _param_infos(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list[ParamInfo]]:
-    in_optim = {id(p) for g in optimizer.param_groups for p in g["params"]}
+def _param_infos(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[list, list[ParamInfo]]:
+    in_optim: dict[int, int] = {}
+    for k, opt in enumerate(optimizers):
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            if in_optim.setdefault(id(p), k) != k:
+                raise ValueError(f"optimizers {in_optim[id(p)]} and {k} share a parameter: each optimizer must hold "
+                                 "its own parameters")
     params, infos = [], []
     for name, p in model.named_parameters():
         if not p.is_floating_point():
@@ -45,37 +51,55 @@ def _param_infos(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
         params.append(p)
     if not params:
         raise ValueError("the model has no parameters to place in chunks")
-    if not in_optim <= {id(p) for p in params}:
+    if not set(in_optim) <= {id(p) for p in params}:
         raise ValueError("the optimizer holds tensors that are not parameters of the model")
     return params, infos
 
 
+def _state_kinds(optimizers: list[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The optimizer state every trainable chunk keeps: one kind for all the optimizers (chunks may hold the
+    parameters of several)."""
+    kinds = {state_kinds(o) for o in optimizers}
+    if len(kinds) > 1:
+        raise ValueError(f"Gemini's chunks keep one kind of optimizer state; these optimizers keep {sorted(kinds)} "
+                         f"({', '.join(type(o).__name__ for o in optimizers)}): use optimizers of one kind")
+    return kinds.pop()
+
+
 def setup_gemini(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: GeminiConfig,
     group: dist.ProcessGroup | None = None,
-) -> tuple[torch.nn.Module, GeminiOptimizer]:
+) -> tuple[torch.nn.Module, GeminiOptimizer | list[GeminiOptimizer]]:
     """Shard `model`'s parameters into chunks on `group` and return (model, Gemini optimizer).
 
     The model object is kept (same class, same parameter objects, same state_dict keys); its parameters
     hold data only while a module computes with them. `model.memory_report()` is added. Parameters are
     packed in `named_parameters()` order, which is their order of use for most models. A model set up before
     (a second `Trainer.fit`) keeps its chunks and current weights; the new optimizer starts with fresh state.
+
+    `optimizer` may be a list of optimizers over disjoint parameters (a GAN's generator and discriminator, of one
+    kind: all Adam or all SGD): one set of chunks, one `GeminiOptimizer` each, returned as a list; each steps its
+    own parameters.
     """
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a GeminiConfig, got {type(config).__name__}")
+    many = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if many else [optimizer]
     world, rank = world_rank(group)
-    params, infos = _param_infos(model, optimizer)
+    params, infos = _param_infos(model, optimizers)
+    kinds = _state_kinds(optimizers)
     if getattr(model, "gemini_manager", None) is not None:
-        return model, _new_optimizer(model, optimizer, config, (world, rank), params, infos)
+        wrapped = _new_optimizers(model, optimizers, kinds, config, (world, rank), params, infos)
+        return model, wrapped if many else wrapped[0]
     device = params[0].device
     dtype = _DTYPES[config.precision]
     elems = None if config.chunk_mb is None else chunk_elems_from_mb(config.chunk_mb, dtype.itemsize)
     specs = plan_chunks(infos, world, elems)
     manager = ChunkManager(
         specs, params, config, group=group, rank=rank, world=world, device=device, dtype=dtype,
-        state_kinds=state_kinds(optimizer), budget=_device_budget(config, device), names=[i.name for i in infos],
+        state_kinds=kinds, budget=_device_budget(config, device), names=[i.name for i in infos],
     )
     with torch.no_grad():
         manager.load_params()
@@ -86,13 +110,15 @@ def setup_gemini(
     padding = sum(s.size for s in specs) - sum(i.numel for i in infos)
     logger.info("gemini: %d parameters in %d chunks of at most %d elements (%d padding) on %d rank(s)",
                 len(params), len(specs), max(s.size for s in specs), padding, world)
-    return model, GeminiOptimizer(optimizer, manager, index_of, config)
+    wrapped = [GeminiOptimizer(o, manager, index_of, config) for o in optimizers]
+    return model, wrapped if many else wrapped[0]
 
 
-def _new_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: GeminiConfig,
-                   world_rank: tuple[int, int], params: list, infos: list[ParamInfo]) -> GeminiOptimizer:
+def _new_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], kinds: tuple[str, ...],
+                    config: GeminiConfig, world_rank: tuple[int, int], params: list,
+                    infos: list[ParamInfo]) -> list[GeminiOptimizer]:
     """`model` is set up already (a second `fit` on one Trainer, a new optimizer in a plain loop): keep its chunks
-    (they hold the current weights) and wrap the new optimizer over them, with fresh state as torch starts one."""
+    (they hold the current weights) and wrap the new optimizers over them, with fresh state as torch starts one."""
     mgr = model.gemini_manager
     what = None
     if [id(p) for p in params] != [id(p) for p in mgr.params]:
@@ -103,8 +129,8 @@ def _new_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, con
         what = f"another config ({mgr.config})"
     elif world_rank != (mgr.world, mgr.rank):
         what = f"another process group ({mgr.world} ranks)"
-    elif any(set(c.states) != set(state_kinds(optimizer)) for c in mgr.trainable_chunks):
-        what = f"an optimizer keeping other state than {type(optimizer).__name__}"
+    elif any(set(c.states) != set(kinds) for c in mgr.trainable_chunks):
+        what = f"an optimizer keeping other state than {type(optimizers[0]).__name__}"
     if what is not None:
         raise ValueError(f"the model is set up by Gemini already (same parameters, frozen ones, config, process group "
                          f"and optimizer kind); this setup has {what}: set up a fresh copy of the model instead")
@@ -115,7 +141,7 @@ def _new_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, con
             buf.view().zero_()
             buf.done()
     index_of = {id(p): i for i, p in enumerate(params)}
-    return GeminiOptimizer(optimizer, mgr, index_of, config)
+    return [GeminiOptimizer(o, mgr, index_of, config) for o in optimizers]
 
 
 def collective_reads(model: torch.nn.Module) -> contextlib.AbstractContextManager:

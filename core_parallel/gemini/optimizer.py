@@ -210,7 +210,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
         for p in used:
-            self.steps[p] += 1
+            if p in self.steps:  # another optimizer's parameter (several over one model's chunks) is not ours
+                self.steps[p] += 1
         hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
                   for g in self.param_groups]
         try:
@@ -232,7 +233,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         run = None
         for s in c.spec.slots:
             lo, hi = max(s.offset, c.lo) - c.lo, min(s.offset + s.numel, c.hi) - c.lo
-            if lo >= hi or s.param not in used:
+            if lo >= hi or s.param not in used or s.param not in self.group_of:  # not trained, or another's
                 if run:
                     yield run
                 run = None
@@ -299,7 +300,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for c in self.manager.trainable_chunks:
             full = {k: c.gather_fp32(b) for k, b in c.states.items()}
             for s in c.spec.slots:
-                if self.steps[s.param] == 0:
+                if self.steps.get(s.param, 0) == 0:
                     continue
                 entry = {k: v[s.offset : s.offset + s.numel].view(self.manager.params[s.param].shape).clone()
                          for k, v in full.items()}

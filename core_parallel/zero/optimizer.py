@@ -44,7 +44,7 @@ import functools
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +60,7 @@ from .reducer import GradReducer, Slot
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointReader, ShardedState
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "backward_together"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         config: ZeroConfig,
         group: dist.ProcessGroup | None = None,
+        siblings: Sequence[ZeroOptimizer] = (),
     ) -> None:
+        """`siblings`: the optimizers set up together with this one on `model` (several optimizers over disjoint
+        parameters, `core_parallel.setup(model, [opt_a, opt_b], ...)`); they stay live, any earlier one retires."""
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
         if isinstance(optimizer, ZeroOptimizer):
@@ -120,7 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.collectives = CollectiveTrace.create(group)  # where each rank is, and an exited rank by name, on a failure
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.loss_scaler.on(config.precision))
         self.model = model
-        self._retire_previous(model)
+        self._retire_previous(model, siblings)
         self._slots = self._build_slots(model, optimizer)
         self._cast_model(model)
         self._reducer = GradReducer(
@@ -140,16 +143,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._init_optimizer_base()
 
     # ----------------------------------------------------------------------------------------- setup
-    def _retire_previous(self, model: torch.nn.Module) -> None:
-        """A model gets one live ZeroOptimizer: a new one (a second `fit` on one Trainer, a new optimizer in a
-        plain loop) removes the earlier one's gradient hooks, which would otherwise reduce every gradient a second
-        time into that optimizer's buckets, and retires it: its `backward` and `step` raise from then on."""
-        previous = model.__dict__.get("_zero_optimizer")
-        previous = previous() if previous is not None else None
-        if previous is not None and previous is not self:
-            previous._reducer.detach()
-            previous._retired = True
-        model.__dict__["_zero_optimizer"] = weakref.ref(self)  # not a submodule or parameter: no Module.__setattr__
+    def _retire_previous(self, model: torch.nn.Module, siblings: Sequence[ZeroOptimizer]) -> None:
+        """A model gets one live set of ZeroOptimizers (one, or several set up together over disjoint parameters):
+        a new setup (a second `fit` on one Trainer, a new optimizer in a plain loop) removes the earlier ones'
+        gradient hooks, which would otherwise reduce every gradient a second time into their buckets, and retires
+        them: their `backward` and `step` raise from then on."""
+        keep = {id(o) for o in siblings}
+        for ref in model.__dict__.get("_zero_optimizers", ()):
+            previous = ref()
+            if previous is not None and previous is not self and id(previous) not in keep:
+                previous._reducer.detach()
+                previous._retired = True
+        # not a submodule or parameter: no Module.__setattr__
+        model.__dict__["_zero_optimizers"] = [weakref.ref(o) for o in (*siblings, self)]
 
     def _check_live(self) -> None:
         if self.__dict__.get("_retired", False):
@@ -434,6 +440,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_slots"):
             raise NotImplementedError("add_param_group after core_parallel.setup is not supported")
         super().add_param_group(param_group)
+
+
+def backward_together(loss: torch.Tensor, optimizers: Sequence[ZeroOptimizer]) -> None:
+    """One `loss.backward()` for several ZeroOptimizers set up together over disjoint parameters of one model
+    (a GAN's generator and discriminator): every optimizer holding a parameter that requires grad now reduces its
+    gradients, the same ones on every rank (Lightning's `toggle_optimizer` switches the others' off on all ranks).
+    No loss scaling: each optimizer has its own scaler, so fp16 with a scaler is refused."""
+    if any(o.loss_scaler.enabled for o in optimizers):
+        raise ValueError("fp16 loss scaling with several ZeRO optimizers is not supported (each keeps its own "
+                         "scaler); train in bf16 or fp32")
+    active = [o for o in optimizers if any(s.param.requires_grad for s in o._slots)]
+    for o in optimizers:
+        o._check_live()
+    for o in active:
+        o._prepared = None
+        o._reducer.in_optimizer_backward = True
+    try:
+        loss.backward()
+    finally:
+        for o in active:
+            o._reducer.in_optimizer_backward = False
+    for o in active:
+        if o._reducer.sync:
+            o._reducer.flush()
 
 
 def _qualname(obj: object) -> str:

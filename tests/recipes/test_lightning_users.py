@@ -23,6 +23,7 @@ from tests.recipes.test_strategies import make_module, make_trainer
 
 CLIP_NAMES = ("zero2", "gemini", "gemini_offload")
 CKPT_NAMES = ("ddp", "zero2", "gemini")
+GAN_NAMES = ("ddp", "zero2", "gemini")
 CLIP_VALUE = 0.01  # below most gradient elements of the tiny model: most of them are clamped
 TOL = 1e-6  # fp32 rounding (relative to the largest weight): the shards reduce in another order than ddp's buckets
 
@@ -95,9 +96,84 @@ def _checkpoints(root: Path) -> dict:
     return out
 
 
+def make_gan():
+    """A tiny GAN: generator and discriminator, one Adam each, trained with toggle_optimizer (manual optimization)."""
+    import lightning.pytorch as pl
+
+    class TinyGan(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.generator = nn.Sequential(nn.Linear(4, 12), nn.Tanh(), nn.Linear(12, 6))
+            self.discriminator = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 1))
+
+        def training_step(self, batch, batch_idx):
+            real, z = batch
+            opt_g, opt_d = self.optimizers()
+            self.toggle_optimizer(opt_g)
+            g_loss = nn.functional.softplus(-self.discriminator(self.generator(z))).mean()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_d)
+            fake = self.generator(z).detach()
+            d_loss = (nn.functional.softplus(-self.discriminator(real)).mean()
+                      + nn.functional.softplus(self.discriminator(fake)).mean())
+            self.manual_backward(d_loss)
+            opt_d.step()
+            opt_d.zero_grad()
+            self.untoggle_optimizer(opt_d)
+            self.log("g_loss", g_loss)
+
+        def configure_optimizers(self):
+            return [torch.optim.Adam(self.generator.parameters(), lr=0.02, betas=(0.5, 0.9)),
+                    torch.optim.Adam(self.discriminator.parameters(), lr=0.03, betas=(0.5, 0.9))]
+
+        def train_dataloader(self):
+            from torch.utils.data import DataLoader, TensorDataset
+
+            g = torch.Generator().manual_seed(2)
+            real, z = torch.randn(16, 6, generator=g) + 1.0, torch.randn(16, 4, generator=g)
+            world, rank = self.trainer.world_size, self.global_rank
+            return DataLoader(TensorDataset(real[rank::world], z[rank::world]), batch_size=8 // world)
+
+    return TinyGan()
+
+
+def _gan(root: Path) -> dict:
+    """Two epochs; one epoch, saved (the default checkpoint), and resumed to two in a fresh Trainer and module."""
+    out = {}
+    for name in GAN_NAMES:
+        strategy = "ddp_find_unused_parameters_true" if name == "ddp" else name
+        module = make_gan()
+        make_trainer(strategy, 2, root, 2, gradient_clip_val=None, accumulate_grad_batches=1).fit(module)
+        out[f"{name}-2"] = _sd(module)
+        module = make_gan()
+        trainer = make_trainer(strategy, 2, root, 1, gradient_clip_val=None, accumulate_grad_batches=1)
+        trainer.fit(module)
+        path = root / f"{name}-gan.ckpt"
+        trainer.save_checkpoint(path)
+        out[f"{name}-file"] = str(path)
+        paths = {"resumed": path}
+        if name != "ddp":
+            trainer.strategy.state_dict_type = "sharded"
+            paths["resumed-sharded"] = root / f"{name}-gan-sharded"
+            trainer.save_checkpoint(paths["resumed-sharded"])
+            out[f"{name}-folder"] = str(paths["resumed-sharded"])
+        for key, ckpt_path in paths.items():
+            module = make_gan()
+            make_trainer(strategy, 2, root, 2, gradient_clip_val=None, accumulate_grad_batches=1).fit(
+                module, ckpt_path=ckpt_path)
+            out[f"{name}-{key}"] = _sd(module)
+    return out
+
+
 def _all_cases(rank: int, world: int, root: str) -> dict:
     root = Path(root)
-    return {"clip_value": _clip_value(root / "clip"), "checkpoints": _checkpoints(root / "ckpt")}
+    return {"clip_value": _clip_value(root / "clip"), "checkpoints": _checkpoints(root / "ckpt"),
+            "gan": _gan(root / "gan")}
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +219,61 @@ def test_resume_from_the_full_file_continues_like_ddp(two_ranks, name):
     for rank, res in enumerate(r["checkpoints"] for r in results):
         assert_close(res[name]["resumed"], res["ddp"]["resumed"], f"{name} rank {rank} resumed")
         assert_close(res[name]["trained"], res["ddp"]["trained"], f"{name} rank {rank} first epoch")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", GAN_NAMES[1:])
+def test_two_optimizers_with_toggle_equal_ddp(two_ranks, name):
+    """A GAN (generator and discriminator, an Adam each, toggle_optimizer) trains as under ddp, and its checkpoints
+    (the full file and the sharded folder) hold both optimizers' states: resumed after one epoch from either, it ends
+    where the uninterrupted run does."""
+    from lowmem import recipes
+
+    _, results = two_ranks
+    for rank, res in enumerate(r["gan"] for r in results):
+        assert_close(res[f"{name}-2"], res["ddp-2"], f"{name} rank {rank} GAN")
+        assert_close(res[f"{name}-resumed"], res["ddp-2"], f"{name} rank {rank} GAN resumed")
+        assert_close(res[f"{name}-resumed-sharded"], res["ddp-2"], f"{name} rank {rank} GAN resumed from the folder")
+    ckpt = torch.load(results[0]["gan"][f"{name}-file"], map_location="cpu", weights_only=True)
+    ddp = torch.load(results[0]["gan"]["ddp-file"], map_location="cpu", weights_only=True)
+    folder = recipes.load_sharded_checkpoint(results[0]["gan"][f"{name}-folder"])
+    assert len(ckpt["optimizer_states"]) == len(folder["optimizer_states"]) == 2
+    for ours, theirs, sharded in zip(ckpt["optimizer_states"], ddp["optimizer_states"], folder["optimizer_states"]):
+        for i, entry in ours["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(sharded["state"][i][key], value), (i, key)
+        assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+        assert sorted(ours["state"]) == sorted(theirs["state"])
+        for i, entry in theirs["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(ours["state"][i][key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_several_optimizers_refuse_what_they_cannot_do():
+    """One line each: a parameter in two optimizers; under Gemini, optimizers keeping other kinds of state."""
+    from lowmem import core_parallel
+    from lowmem.recipes.optimizers import check_several
+    from lowmem.utils.errors import InputError
+
+    def model_and(optimizers):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        return model, [make(model) for make in optimizers]
+
+    def adam(layer):
+        return lambda m: torch.optim.Adam(m[layer].parameters() if layer is not None else m.parameters())
+
+    both = (adam(None), adam(1))
+    for config in (core_parallel.ZeroConfig(), core_parallel.GeminiConfig()):
+        model, opts = model_and(both)
+        with pytest.raises(ValueError, match=r"optimizers 0 and 1 share (a )?parameter"):
+            core_parallel.setup(model, opts, config)
+    model, opts = model_and(both)
+    with pytest.raises(InputError, match=r"^ZeroStrategy: optimizers 0 and 1 of configure_optimizers share a param"):
+        check_several("ZeroStrategy", opts)
+    model, opts = model_and((adam(0), lambda m: torch.optim.SGD(m[1].parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match=r"one kind of optimizer state.*Adam, SGD"):
+        core_parallel.setup(model, opts, core_parallel.GeminiConfig())
+    model, opts = model_and((adam(0), adam(1)))
+    model, wrapped = core_parallel.setup(model, opts, core_parallel.ZeroConfig())
+    assert len(wrapped) == 2 and wrapped.group_counts == [1, 1]
