@@ -14,6 +14,17 @@ record (a few attribute writes). When a collective fails:
 `LOWMEM_TRACE_COLLECTIVES=1` (the debug switch, `TRACE_ENV`) also publishes each record as the collective
 starts, so a timeout names every rank's last collective, also of a rank that is nowhere in a collective now
 (a store write per collective: for debugging, not for speed).
+
+Ranks stuck in different collectives (a deadlock, not a slow peer) stop within seconds, not after the timeout:
+a watchdog thread per trace publishes this rank's record once its collective has waited `STUCK_S` seconds
+(and its end, then: one store write per long wait, none otherwise) and reads the others'. When every rank has
+waited `STUCK_S` in a traced collective and two of them wait in different ones (another operation, chunk or
+step: rank 0 in a `state_dict()` gather that rank 1, in `barrier()`, never joins), none can ever complete:
+the watchdog prints one line naming where each rank is and what to do instead, and ends the process (exit
+code 1), on every rank that sees it. The blocked thread cannot be interrupted from Python, and waiting for the
+transport's timeout (30 minutes by default) is what a user would see as a hang. A rank that is busy (computing,
+in a call of its own) has no record there, and is waited for up to the timeout as before. Groups whose timeout
+is under 20 s are left to it (its error comes as soon).
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -30,7 +43,13 @@ import torch.distributed as dist
 from .groups import group_timeout, world_rank
 from .peers import PeerLostError, PeerWatch, running
 
-__all__ = ["TRACE_ENV", "CollectiveTrace", "Record", "is_transport_timeout", "tracing_requested"]
+__all__ = ["STUCK_S", "TRACE_ENV", "CollectiveTrace", "Record", "is_transport_timeout", "mismatch",
+           "tracing_requested"]
+
+STUCK_S = 3.0
+"""Seconds a rank waits in a collective before the watchdog publishes where it is and compares with the others."""
+_POLL_S = 0.5
+_WATCH_FROM_TIMEOUT_S = 20.0  # groups with a shorter timeout are left to it
 
 TRACE_ENV = "LOWMEM_TRACE_COLLECTIVES"
 """Environment variable: "1" publishes every rank's record at each collective (read when a trace is created)."""
@@ -68,6 +87,11 @@ class Record:
         chunk = f"chunk {self.chunk}, " if self.chunk is not None else ""
         return f"{self.op} ({chunk}step {self.step})"
 
+    def key(self) -> tuple:
+        """What two ranks must share to be in the same collective: the operation (its issue and its wait alike),
+        the chunk and the step."""
+        return self.op.replace(" (wait)", ""), self.chunk, self.step
+
     def describe(self, now: float) -> str:
         """Where the rank is, as of `now`."""
         if self.state == "in":
@@ -90,6 +114,13 @@ class CollectiveTrace:
         """The optimizer steps finished (the owner calls `end_step`)."""
         self.last: Record | None = None
         self._prefix = _key_prefix(group) if self.world > 1 else None
+        self._lock = threading.Lock()  # `last` and its copy in the store change together
+        self._exposed = False  # the store holds an "in" record of this rank, published by the watchdog
+        self._watchdog: threading.Thread | None = None
+        # a short timeout explains itself sooner (and as an exception the caller can catch): no watchdog then
+        self._watched = self._prefix is not None and group_timeout(group) > _WATCH_FROM_TIMEOUT_S
+        self.on_mismatch = _stop_process
+        """Called with the message when ranks wait in different collectives (a test replaces it)."""
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, publish: bool | None = None) -> CollectiveTrace:
@@ -137,10 +168,40 @@ class CollectiveTrace:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _note(self, record: Record) -> Record:
-        self.last = record
-        if self.publish_all:
-            self._publish()
+        with self._lock:
+            self.last = record
+            if self.publish_all or self._exposed:  # the watchdog published the wait: publish its end too
+                self._publish()
+                self._exposed = record.state == "in" and not self.publish_all
+        if record.state == "in" and self._watchdog is None and self._watched:
+            self._watchdog = threading.Thread(target=self._watch, name="lowmem-collective-watchdog", daemon=True)
+            self._watchdog.start()
         return record
+
+    def _watch(self) -> None:
+        """Watchdog thread: publish a long wait, and stop the process when the ranks wait in different collectives
+        (seen twice in a row, half a second apart)."""
+        seen = None
+        while True:
+            time.sleep(_POLL_S)
+            rec = self.last
+            if rec is None or rec.state != "in" or time.time() - rec.since < STUCK_S:
+                seen = None
+                continue
+            with self._lock:
+                if self.last is not rec:
+                    continue
+                if not self._exposed and not self.publish_all:
+                    self._publish()
+                    self._exposed = True
+            others = self._records(0.0)
+            text = mismatch(rec, others, self.world, time.time())
+            if text is None or text[0] != seen:
+                seen = None if text is None else text[0]
+                continue
+            if self.last is rec:
+                self.on_mismatch(text[1])
+                return
 
     def _publish(self) -> None:
         store = _default_store() if self._prefix is not None else None
@@ -199,6 +260,33 @@ class CollectiveTrace:
         head = f"rank {self.rank}: {what} timed out after {timeout:g}s; {seen}"
         where = "; ".join(lines)
         return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where, alive=alive_ranks)
+
+
+def mismatch(mine: Record, others: dict[int, Record], world: int, now: float) -> tuple[tuple, str] | None:
+    """(what is compared, the message) when every rank has waited `STUCK_S` in a traced collective and two of
+    them wait in different ones; None otherwise (a rank without a record, or not waiting long, may still come)."""
+    records = {mine.rank: mine, **others}
+    if len(records) < world or any(r.state != "in" or now - r.since < STUCK_S for r in records.values()):
+        return None
+    keys = {r.key() for r in records.values()}
+    if len(keys) < 2:
+        return None
+    where = "; ".join(records[r].describe(now) for r in sorted(records))
+    text = (f"rank {mine.rank}: the ranks wait in different collectives, none of which can complete (a deadlock, "
+            f"not a slow rank). Where each rank is: {where}. Gathers of sharded parameters are collectives "
+            "here (accelerators, ranks on several hosts, or peer_reads=False): every rank must run the same modules "
+            "in the same order. Call state_dict() and forward passes outside training on every rank (or "
+            "core_parallel.save_checkpoint, which rank 0 writes alone), and run every expert of a mixture on every "
+            "rank (an empty batch where it got no token).")
+    return tuple(sorted(keys, key=repr)), text
+
+
+def _stop_process(message: str) -> None:
+    """End this process: its main thread is blocked in the transport and cannot be interrupted from Python."""
+    with contextlib.suppress(Exception):  # stderr, not the logging setup: a job's log must show it
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def _key_prefix(group: dist.ProcessGroup | None) -> str:

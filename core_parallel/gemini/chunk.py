@@ -21,6 +21,7 @@ from ..host_comm import HostCollectives
 from ..trace import CollectiveTrace
 from .host_memory import HostPages, PageRecycler
 from .layout import ChunkSpec
+from .peer_reads import PeerReads
 from .state import ChunkState, ChunkStateMachine
 from .storage import TieredBuffer
 
@@ -50,6 +51,8 @@ class ChunkEnv:
     """CPU devices: hands the pages of released mappings to the next filled (None elsewhere)."""
     host_comm: HostCollectives | None = None
     """CPU ranks sharing /dev/shm: gathers and reduce-scatters through shared memory (None: the process group)."""
+    peers: PeerReads | None = None
+    """CPU ranks sharing /dev/shm: gathers read the peers' master shards themselves, no peer taking part."""
 
 
 class Chunk:
@@ -63,7 +66,7 @@ class Chunk:
         states: dict[str, TieredBuffer] | None = None,
     ) -> None:
         self.spec, self.world, self.group = spec, env.world, env.group
-        self.index = spec.index
+        self.index, self.rank = spec.index, env.rank
         self.shard_numel = spec.size // env.world
         self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
         trainable = frozenset(s.param for s in spec.slots) if spec.trainable else frozenset()
@@ -82,6 +85,7 @@ class Chunk:
         self.recycler = env.recycler
         self.map_elems = env.map_elems
         self.host_comm = env.host_comm
+        self.peers = env.peers
         self.collectives = env.collectives
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
@@ -135,8 +139,9 @@ class Chunk:
 
     def start_gather(self, async_op: bool) -> None:
         """Materialise `full` from every rank's master shard (async through the process group: finish with
-        `wait`; one rank and shared-memory gathers are synchronous)."""
-        async_op = async_op and self.world > 1 and self.host_comm is None
+        `wait`; one rank, shared-memory gathers and peer reads are synchronous). With peer reads no other rank
+        takes part: a rank may gather a chunk its peers do not."""
+        async_op = async_op and self.world > 1 and self.host_comm is None and self.peers is None
         self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data
@@ -150,6 +155,8 @@ class Chunk:
         if self.world == 1:
             if src is not out:
                 out.copy_(src)
+        elif self.peers is not None:
+            self._read_peers(out, src)
         elif self.host_comm is not None:
             with self.collectives.collective("all_gather", self.index):
                 self.host_comm.all_gather(out, src)
@@ -159,6 +166,16 @@ class Chunk:
             self._src = src if async_op else None
         if not async_op:
             self.master.done()  # NVMe pages read: out of resident memory again
+
+    def _read_peers(self, out: torch.Tensor, own: torch.Tensor) -> None:
+        """`out` <- every rank's master shard, the peers' read from shared memory or their files (`PeerReads`)."""
+        n = self.shard_numel
+        for r in range(self.world):
+            part = out[r * n : (r + 1) * n]
+            if r == self.rank:
+                part.copy_(own)
+            else:
+                self.peers.read_into(r, self.index, part)
 
     def wait(self) -> None:
         """Finish an async gather."""
@@ -238,6 +255,9 @@ class Chunk:
         if self.world == 1:
             return local.cpu()
         out = torch.empty(self.spec.size, dtype=torch.float32, device=self.full.device)
+        if self.peers is not None and buf is self.master:  # one-sided: a state_dict() on some ranks only
+            self._read_peers(out, local)
+            return out
         with self.collectives.collective("all_gather (fp32)", self.index):
             dist.all_gather_single(out, local, group=self.group)
         return out.cpu()

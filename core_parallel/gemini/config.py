@@ -87,6 +87,11 @@ class GeminiConfig:
     host_collectives: bool = True
     """CPU ranks on one host all-gather and reduce-scatter through a shared-memory segment instead of the process
     group (gloo's loopback TCP); the process group is used when the ranks cannot share `/dev/shm`."""
+    peer_reads: bool = True
+    """CPU ranks on one host read each other's master shards themselves (`gemini/peer_reads.py`): a gather needs no
+    other rank, so ranks may run different modules (experts skipped where they get no token, a forward or a
+    `state_dict()` on rank 0 only). False (or ranks that cannot share `/dev/shm`): every gather is a collective
+    that every rank must run in the same order, as on accelerators and across hosts."""
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm inside `step()`; None disables clipping."""
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
@@ -114,6 +119,8 @@ class GeminiConfig:
             raise InputError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
         if not isinstance(self.host_collectives, bool):
             raise InputError(f"host_collectives must be True or False, got {self.host_collectives!r}")
+        if not isinstance(self.peer_reads, bool):
+            raise InputError(f"peer_reads must be True or False, got {self.peer_reads!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not isinstance(self.loss_scaler, LossScalerConfig):

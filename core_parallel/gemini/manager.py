@@ -1,9 +1,14 @@
 """The chunk manager: gathers and releases chunks for the hooks, reduces gradients, places shards.
 
-Collective order is the same on every rank by construction: gathers follow module execution (as in any
-ZeRO-3), and gradient reduce-scatters run in descending chunk index, a chunk being reduced as soon as it
-and every higher chunk are complete, the rest at the end of the backward pass. A parameter that gets no
-gradient on some rank therefore delays memory release but never mismatches or hangs a collective.
+Gradient reduce-scatters run in descending chunk index on every rank, a chunk being reduced as soon as it and
+every higher chunk are complete, the rest at the end of the backward pass (zeros for a chunk a rank never
+touched). A parameter that gets no gradient on some rank therefore delays memory release but never mismatches
+or hangs a collective.
+
+Gathers follow module execution. CPU ranks on one host read the peers' master shards themselves
+(`peer_reads.PeerReads`): no peer takes part, so ranks may run different modules (experts skipped where they
+get no token, a forward or a `state_dict()` on rank 0 only). Elsewhere (accelerators, ranks on several hosts)
+a gather is a collective that every rank must run in the same order (as in any ZeRO-3).
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..host_comm import HostCollectives
+from ..host_comm import HostCollectives, host_collectives_supported
 from ..trace import CollectiveTrace
 from .chunk import Chunk, ChunkEnv, Reduction
 from .config import GeminiConfig
 from .host_memory import HostHeap, PageRecycler
 from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
+from .peer_reads import PeerReads
 from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
 from .state import ChunkState
 from .state_dict_io import StateDictIO
@@ -66,9 +72,18 @@ class ChunkManager:
             self.host_comm = HostCollectives.create(group, slot)
         # where this rank is in its collectives, and the error naming where every rank is when one fails
         self.collectives = CollectiveTrace.create(group)
+        # ... and read each other's master shards one-sidedly (the buffers are placed in the shared segment below)
+        self.peers: PeerReads | None = None
         env = ChunkEnv(rank=rank, world=world, device=device, dtype=dtype, group=group, map_elems=map_elems,
                        recycler=self.pages, host_comm=self.host_comm, collectives=self.collectives)
         self.chunks = self._build_chunks(specs, env, state_kinds)
+        if device.type == "cpu" and world > 1 and config.peer_reads and host_collectives_supported():
+            self.peers = PeerReads.create(group, [c.shard_numel for c in self.chunks], self.nvme,
+                                          [c.master.nvme_offset for c in self.chunks])
+        if self.peers is not None:
+            for c in self.chunks:
+                c.master.use_region(self.peers.region(c.index))
+                c.peers = self.peers
         self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
         # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,
         # and shared-memory gathers are synchronous: prefetching there would only hold the next chunk longer.
@@ -127,6 +142,10 @@ class ChunkManager:
     def load_params(self) -> None:
         """Copy the parameters' current values into the master shards and point them into the chunks; the
         sources of hollow parameters are closed once read (a file source leaves the page cache)."""
+        with self.master_writes():  # the first write: a peer reads none of it before every rank is done
+            self._load_params()
+
+    def _load_params(self) -> None:
         sources = {}
         for c in self.chunks:
             local = torch.zeros(c.shard_numel, dtype=torch.float32)
@@ -142,6 +161,9 @@ class ChunkManager:
                     flat = p.detach().reshape(-1)
                     local[lo - c.lo : hi - c.lo] = flat[lo - s.offset : hi - s.offset].float().cpu()
             c.master.allocate(fill=local)
+            if self.peers is not None:
+                self.peers.begin_move()
+                self.peers.end_move(c.index, in_file=c.master.tier == "nvme")
             self.ledger.add(c.master.tier, "params", c.master.nbytes)
             for buf in c.states.values():
                 buf.allocate()
@@ -188,8 +210,22 @@ class ChunkManager:
 
     def reads_allowed(self) -> bool:
         """Whether a parameter read outside its modules may gather its chunk: inside a pass, where every rank
-        runs the same reads (between steps a read may be one rank's alone, and a gather would hang)."""
+        runs the same reads (between steps a read may be one rank's alone, and where gathers are collectives it
+        would hang; the same error on every transport, so a CPU test catches what would hang on GPUs)."""
         return self.pass_open or self._in_backward
+
+    @contextlib.contextmanager
+    def master_writes(self) -> Iterator[None]:
+        """Inside: this rank writes its master shards (an optimizer step, a load); with peer reads the peers wait
+        for the end of the block before they read them, and count the write (every rank must write as often)."""
+        if self.peers is None:
+            yield
+            return
+        self.peers.begin_writes()
+        try:
+            yield
+        finally:
+            self.peers.end_writes()
 
     def end_forward(self) -> None:
         """The root module's forward returned: release idle chunks; a pass without autograd ends here."""
@@ -293,7 +329,13 @@ class ChunkManager:
 
     def _move_master(self, c: Chunk, tier: str) -> None:
         src = c.master.tier
-        c.master.move(tier)
+        if self.peers is not None:
+            self.peers.begin_move()
+        try:
+            c.master.move(tier)
+        finally:
+            if self.peers is not None:  # where it is now (also after a failed move)
+                self.peers.end_move(c.index, in_file=c.master.tier == "nvme")
         self.ledger.move(src, tier, "params", c.master.nbytes)
 
     # ---- gradients ---------------------------------------------------------------------------------
@@ -461,7 +503,8 @@ class ChunkManager:
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
         """Write `load_state_dict()` values into the master shards (no communication)."""
-        self.state_io.load(pidxs, values)
+        with self.master_writes():
+            self.state_io.load(pidxs, values)
 
     def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
         """Full fp32 values of parameters `pidxs`, one gathered chunk at a time (collective, see
@@ -484,4 +527,6 @@ class ChunkManager:
             self.nvme.close()
         if self.host_comm is not None:
             self.host_comm.close()
+        if self.peers is not None:
+            self.peers.close()
 

@@ -445,7 +445,20 @@ class TieredBuffer:
         self.numel, self.tier, self.device = numel, tier, device
         self._nvme, self._offset = nvme, nvme_offset
         self._tensor: torch.Tensor | None = None
+        self._region: torch.Tensor | None = None
         self.allocated = False
+
+    @property
+    def nvme_offset(self) -> int | None:
+        """Byte offset of this buffer's reserved region in its NVMe file (None: it never goes there)."""
+        return self._offset
+
+    def use_region(self, region: torch.Tensor) -> None:
+        """Keep the data in `region` ([numel] fp32 CPU memory, e.g. shared with the other ranks) whenever it is in
+        memory on a CPU device, instead of a tensor of its own (set before `allocate`)."""
+        if region.numel() != self.numel or region.dtype != torch.float32 or region.device.type != "cpu":
+            raise ValueError(f"a region for this buffer must be [{self.numel}] fp32 on the CPU")
+        self._region = region
 
     @property
     def nbytes(self) -> int:
@@ -460,7 +473,13 @@ class TieredBuffer:
             self._nvme.drop_pages(self._offset, self.numel)
         else:
             device = self.device if self.tier == "device" else torch.device("cpu")
-            if fill is None:
+            if self._region is not None and device.type == "cpu":
+                t = self._region
+                if fill is not None:
+                    t.copy_(fill)
+                elif zero:
+                    t.zero_()
+            elif fill is None:
                 t = (torch.zeros if zero else torch.empty)(self.numel, dtype=torch.float32, device=device)
             else:
                 t = torch.empty(self.numel, dtype=torch.float32, device=device).copy_(fill)

@@ -78,7 +78,10 @@ def _rank0_only_read(rank: int, world: int, root: str) -> str | None:
                 module.state_dict()  # gathers Gemini's chunks: rank 1 never joins
             trainer.strategy.barrier("after_read")
 
-    trainer = make_trainer(GeminiStrategy(collective_timeout_s=3), world, Path(root), 1, callbacks=[Rank0Reads()])
+    # peer_reads=False: gathers are collectives, as on accelerators and across hosts (on CPU ranks of one host
+    # the read is served: tests/recipes/test_rank0_only.py)
+    strategy = GeminiStrategy(collective_timeout_s=3, peer_reads=False)
+    trainer = make_trainer(strategy, world, Path(root), 1, callbacks=[Rank0Reads()])
     try:
         trainer.fit(make_module())
     except Exception as exc:  # noqa: BLE001 - the message is the result
