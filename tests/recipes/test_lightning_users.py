@@ -2,7 +2,8 @@
 
 One 2-rank launch (`_all_cases`), against Lightning's ddp:
 - clipping by value (`gradient_clip_algorithm="value"` in automatic optimization, `self.clip_gradients(...,
-  gradient_clip_algorithm="value")` in manual optimization) under zero2, gemini and gemini_offload;
+  gradient_clip_algorithm="value")` in manual optimization) under zero1, zero2, zero2_offload, gemini and
+  gemini_offload;
 - the default checkpoint under zero2 and gemini: `ModelCheckpoint`'s `best_model_path` is one file that
   `load_from_checkpoint` reads here (another process) and that a fresh Trainer resumes exactly as ddp does.
 The model is `test_strategies`' tiny module (a frozen layer, two param groups, AdamW, a per-step LR schedule,
@@ -21,7 +22,7 @@ from torch import nn
 from lowmem.core_parallel import run_on_ranks
 from tests.recipes.test_strategies import make_module, make_trainer
 
-CLIP_NAMES = ("zero2", "gemini", "gemini_offload")
+CLIP_NAMES = ("zero1", "zero2", "zero2_offload", "gemini", "gemini_offload")
 CKPT_NAMES = ("ddp", "zero2", "gemini")
 GAN_NAMES = ("ddp", "zero2", "gemini")
 CLIP_VALUE = 0.01  # below most gradient elements of the tiny model: most of them are clamped
