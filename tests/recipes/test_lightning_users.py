@@ -94,7 +94,25 @@ def _checkpoints(root: Path) -> dict:
         module = make_module()
         make_trainer(name, 2, root, 2).fit(module, ckpt_path=ckpt.best_model_path)
         out[name]["resumed"] = _sd(module)
+        # validate(ckpt_path="best"): the best weights loaded into the set-up model outside fitting
+        module = _validating(make_module())
+        module.body.weight.data.add_(1.0)  # replaced by the checkpoint's
+        metrics = trainer.validate(module, ckpt_path="best", verbose=False)[0]
+        out[name]["val_loss"] = float(metrics["val_loss"])
     return out
+
+
+def _validating(module):
+    class Validating(type(module)):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    module.__class__ = Validating
+    return module
 
 
 def make_gan():
@@ -210,6 +228,9 @@ def test_load_from_checkpoint_of_the_best_model_path(two_ranks, name):
     module = type(make_module()).load_from_checkpoint(best, map_location="cpu")
     for key, value in res["trained"].items():
         assert torch.equal(module.state_dict()[key], value), key
+    # trainer.validate(ckpt_path="best") under the strategy loads the same weights as ddp's does
+    ddp = results[0]["checkpoints"]["ddp"]["val_loss"]
+    assert abs(res["val_loss"] - ddp) <= 1e-6 * abs(ddp), (res["val_loss"], ddp)
 
 
 @pytest.mark.distributed
