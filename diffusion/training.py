@@ -247,8 +247,8 @@ def edm_loss(unet: Any, scheduler: Any, latents: torch.Tensor, encoder_hidden_st
     from .errors import InputError
 
     if cfg.snr_gamma is not None:
-        raise InputError("--snr_gamma: Min-SNR weighting is not supported with EDM-style training (the scripts "
-                         "refuse it too)")
+        raise InputError("--snr_gamma: Min-SNR weighting is not supported with EDM-style training (diffusers' "
+                         "script refuses it with --do_edm_style_training and fails on it with an EDM folder)")
     edm = is_edm_scheduler(scheduler)
     if not edm:
         scheduler = euler_of(scheduler)
