@@ -457,6 +457,11 @@ class FineTuneConfig:
         """True when LoRA adapters are trained instead of full weights."""
         return self.rank is not None
 
+    @property
+    def dreambooth(self) -> bool:
+        """True for DreamBooth: instance images with `instance_prompt`, or a dataset with it (custom captions)."""
+        return bool(self.instance_data_dir) or bool(self.dataset_name and self.instance_prompt is not None)
+
     def data_config(self) -> DataConfig:
         """The data component's settings (captions padded to tokenizer_max_length, else 77; their attention masks
         with text_encoder_use_attention_mask; DreamBooth from a dataset, dataset_name with instance_prompt: the

@@ -146,8 +146,8 @@ def check_scheduler(folder: Path, prediction_type: str | None = None, *, edm_ok:
         where = path if edm == name else folder / "model_index.json"
         if not edm_ok:
             raise InputError(f"{where}: {edm} is an EDM scheduler, which means EDM-style training: only "
-                             "suite diffusion train_dreambooth_lora_sdxl (with --instance_data_dir) does it, as "
-                             "diffusers' scripts; the others would train DDPM's default schedule")
+                             "suite diffusion train_dreambooth_lora_sdxl does it, as diffusers' scripts; the others "
+                             "would train DDPM's default schedule")
         pred = prediction_type or config.get("prediction_type") or "epsilon"
         if pred not in _PREDICTION_TYPES:
             raise InputError(f"{path}: prediction_type {pred!r}: not supported (EDM-style training preconditions "
@@ -181,8 +181,8 @@ def check_vae(config_path: Path, *, stats_ok: bool = False) -> None:
     stats = [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]
     if stats and not stats_ok:
         raise InputError(f"{config_path}: {'/'.join(stats)} (a VAE with latent statistics, e.g. Playground v2.5's): "
-                         "only suite diffusion train_dreambooth_lora_sdxl (with --instance_data_dir) normalises "
-                         "the latents with them, as diffusers' scripts")
+                         "only suite diffusion train_dreambooth_lora_sdxl normalises the latents with them, as "
+                         "diffusers' scripts")
 
 
 def check_model_folder(folder: Path, family: str, *, vae_folder: Path | None = None,

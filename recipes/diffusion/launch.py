@@ -78,7 +78,7 @@ def _check_model_folder(cfg: FineTuneConfig, family: str) -> None:
         return
     vae = getattr((cfg.extra or {}).get("sdxl"), "pretrained_vae_model_name_or_path", None)
     check_model_folder(folder, family, vae_folder=resolve_pretrained(vae, cache_dir=cfg.cache_dir) if vae else None,
-                       prediction_type=cfg.prediction_type, lora=cfg.lora, dreambooth=bool(cfg.instance_data_dir))
+                       prediction_type=cfg.prediction_type, lora=cfg.lora, dreambooth=cfg.dreambooth)
 
 
 def _class_images(cfg: FineTuneConfig) -> int:

@@ -162,3 +162,26 @@ def test_only_dreambooth_lora_sdxl_takes_an_edm_folder(tmp_path, sdxl_folder):
     with pytest.raises(InputError, match="latents_mean/latents_std .*only suite diffusion train_dreambooth_lora_sdxl"):
         check_model_folder(folder, "sdxl", lora=True)
     check_model_folder(folder, "sdxl", lora=True, dreambooth=True)
+
+
+def test_dreambooth_with_custom_captions_takes_an_edm_folder_too(tmp_path, sdxl_folder, image_folder):
+    """The script switches to EDM-style training from the folder whatever the data: --dataset_name with captions
+    as well as --instance_data_dir; the text_to_image LoRA script on the same data is refused."""
+    from lowmem.diffusion.errors import InputError
+    from lowmem.diffusion.sdxl_scripts import SDXL_SCRIPT_FLAGS, sdxl_script_config
+    from lowmem.recipes.diffusion.launch import check_run
+
+    folder = _playground(sdxl_folder, tmp_path / "pg")
+
+    def config(script: str, **values):
+        flags = {f.name: f.default for f in SDXL_SCRIPT_FLAGS[script]}
+        return sdxl_script_config(script, {**flags, "pretrained_model_name_or_path": str(folder), "resolution": 32,
+                                           "output_dir": str(tmp_path / "out"), **values})
+
+    for data in ({"dataset_name": str(image_folder), "caption_column": "text"},
+                 {"instance_data_dir": str(image_folder)}):
+        cfg = config("train_dreambooth_lora_sdxl", instance_prompt="photo", **data)
+        assert cfg.dreambooth
+        check_run(cfg, "sdxl")
+    with pytest.raises(InputError, match="EDM-style training: only suite diffusion train_dreambooth_lora_sdxl"):
+        check_run(config("train_text_to_image_lora_sdxl", dataset_name=str(image_folder)), "sdxl")
