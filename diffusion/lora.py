@@ -7,8 +7,9 @@ Text-encoder layers are written in CLIP's `text_model.` layout (`text_encoder.te
 self_attn.q_proj.lora_linear_layer.down.weight`) whatever transformers runs here (`lora_file_key`): transformers
 5 flattened `CLIPTextModel` (no `text_model` module; `CLIPTextModelWithProjection` kept it), so peft's names of the
 first SDXL encoder lost the prefix. That layout is the one every SD/SDXL LoRA file trained before had, the one a
-transformers 4 `CLIPTextModel` needs, and the one transformers 5's `load_adapter` maps onto the flat model, so
-`load_lora_weights` applies it in every diffusers version (newer ones also strip the prefix themselves).
+transformers 4 `CLIPTextModel` needs, and the one transformers 5's `load_adapter` maps onto the flat model (checked
+with 5.25), so `load_lora_weights` applies it in diffusers v0.40.0, which hands the keys to `load_adapter` as they
+are, and in later versions, which also strip the prefix themselves.
 """
 
 from __future__ import annotations
