@@ -142,7 +142,7 @@ class ChunkManager:
     def load_params(self) -> None:
         """Copy the parameters' current values into the master shards and point them into the chunks; the
         sources of hollow parameters are closed once read (a file source leaves the page cache)."""
-        with self.master_writes():  # the first write: a peer reads none of it before every rank is done
+        with self.master_writes("setup"):  # the first write: a peer reads none of it before every rank is done
             self._load_params()
 
     def _load_params(self) -> None:
@@ -215,13 +215,15 @@ class ChunkManager:
         return self.pass_open or self._in_backward
 
     @contextlib.contextmanager
-    def master_writes(self) -> Iterator[None]:
-        """Inside: this rank writes its master shards (an optimizer step, a load); with peer reads the peers wait
-        for the end of the block before they read them, and count the write (every rank must write as often)."""
+    def master_writes(self, what: str = "the optimizer step") -> Iterator[None]:
+        """Inside: this rank writes its master shards (an optimizer step, a load). With peer reads every rank meets
+        at the start (each must write as often: a collective), and the peers wait for the end of the block before
+        they read the new values."""
         if self.peers is None:
             yield
             return
-        self.peers.begin_writes()
+        with self.collectives.collective(f"{what} (peers' reads done)"):
+            self.peers.begin_writes(what)
         try:
             yield
         finally:
@@ -503,7 +505,7 @@ class ChunkManager:
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
         """Write `load_state_dict()` values into the master shards (no communication)."""
-        with self.master_writes():
+        with self.master_writes("load_state_dict"):
             self.state_io.load(pidxs, values)
 
     def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:

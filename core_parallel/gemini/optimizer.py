@@ -393,7 +393,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]
         restore_param_groups(self.param_groups, reader.param_groups, names)
         saved = set(reader.param_names())
-        with mgr.master_writes():
+        with mgr.master_writes("load_checkpoint"):
             for pidx, name in enumerate(mgr.names):
                 if name not in saved:
                     if pidx in self.steps:

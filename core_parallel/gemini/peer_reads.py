@@ -11,9 +11,9 @@ What keeps a read from seeing a shard half-written or of another step is a line 
 - `epoch`: how many times the rank has written its masters (an optimizer step, a `load_state_dict`); a reader
   waits until the peer's epoch equals its own (the peer may still be finishing that step), and a peer whose
   epoch is ahead means the ranks wrote different things (a load or a step on some ranks only): that raises;
-- `writing`: set while the owner writes (readers wait); an optimizer step starts its writes only after the step's
-  first collective, which every rank joins after its reads of that step, so the values a step reads never
-  change under it;
+- `writing`: set while the owner writes (readers wait); before it writes, every rank meets (`begin_writes`: a
+  counter per rank in the same line), so no rank still reads the values being replaced (a rank that loads a
+  state dict while another still reads the old weights waits for it, as the collective gathers made it);
 - `moving`: odd while the owner moves a master between memory and its file (auto placement); a read taken
   across a move is taken again;
 - a byte per chunk: where the owner's master is now (memory or its file).
@@ -43,7 +43,7 @@ from .storage import NvmeFile
 
 __all__ = ["PeerReads", "PeerReadError"]
 
-_LINE = 64  # bytes of a rank's line: epoch, writing, moving, pid, pid namespace, start time
+_LINE = 64  # bytes of a rank's line: epoch, writing, moving, pid, pid namespace, start time, writes begun
 _ALIGN = 4096
 _MEMORY, _FILE = 0, 1
 _SPINS = 200
@@ -146,8 +146,17 @@ class PeerReads:
         lo = self._starts[chunk]
         return self._regions[self.rank][lo : lo + self.shard_numel[chunk]]
 
-    def begin_writes(self) -> None:
-        """The masters are about to change (an optimizer step, a load): peers wait until `end_writes`."""
+    def begin_writes(self, what: str) -> None:
+        """The masters are about to change (`what`: an optimizer step, a load): first every rank meets here (so
+        none still reads this epoch's values), then peers wait until `end_writes`. Every rank writes as often."""
+        self._lines[self.rank, 6] += 1
+        self._publish()
+        turn = int(self._lines[self.rank, 6])
+        for r in range(self.world):
+            if r != self.rank:
+                self._wait_until(r, lambda r=r: self._lines[r, 6] >= turn,
+                                 f"{what} waits for rank {r} to write its master shards too (every rank steps and "
+                                 "loads its own shard)")
         self._lines[self.rank, 1] = 1
         self._publish()
 
@@ -187,7 +196,7 @@ class PeerReads:
                 lo = self._starts[chunk]
                 out.copy_(self._regions[r][lo : lo + n])
             else:
-                staging = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(n)
+                staging = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(n, dtype=torch.float32)
                 _pread(self._files[r], staging, self._offsets[chunk])
                 if staging is not out:
                     out.copy_(staging)
@@ -196,11 +205,21 @@ class PeerReads:
 
     def _wait_for(self, r: int, chunk: int) -> None:
         """Until rank `r`'s masters are of this rank's epoch and not being written."""
+        mine = int(self._lines[self.rank, 0])
+        self._wait_until(r, lambda: self._lines[r, 0] > mine or (self._lines[r, 0] == mine and self._lines[r, 1] == 0),
+                         f"reading rank {r}'s shard of chunk {chunk}: rank {r} has not finished writing its master "
+                         f"shards (this rank's epoch {mine})")
+        theirs = int(self._lines[r, 0])
+        if theirs > mine:  # the writes meet first (`begin_writes`): only a rank that skipped that could be ahead
+            raise PeerReadError(
+                f"rank {self.rank}: rank {r}'s master shards were written {theirs} times, this rank's {mine}: an "
+                "optimizer step or a load_state_dict ran on some ranks only. Under Gemini every rank steps and loads "
+                "(its own shard); a module, a forward or a state_dict() may run on some ranks only.")
+
+    def _wait_until(self, r: int, ready, what: str) -> None:
+        """Spin, then nap, until `ready()`; rank `r` exiting meanwhile, or the timeout, raises `PeerLostError`."""
         spins, deadline, next_check = 0, None, 0.0
-        while True:
-            theirs, mine = int(self._lines[r, 0]), int(self._lines[self.rank, 0])
-            if theirs > mine or (theirs == mine and self._lines[r, 1] == 0):
-                break
+        while not ready():
             spins += 1
             if spins < _SPINS:
                 os.sched_yield()
@@ -210,29 +229,18 @@ class PeerReads:
                 deadline, next_check = now + self.timeout, now + _LIVENESS_S
             elif now > deadline:
                 alive = self._alive(r)
-                raise PeerLostError(
-                    f"rank {self.rank}: reading rank {r}'s shard of chunk {chunk}: rank {r} has not finished writing "
-                    f"its master shards (epoch {theirs}, this rank {mine}) within {self.timeout:.0f}s "
-                    f"({'alive' if alive else 'liveness not visible from this host'})", [r], dead=False,
-                    alive=[r] if alive else [])
+                raise PeerLostError(f"rank {self.rank}: {what}; not within {self.timeout:.0f}s "
+                                    f"({'alive' if alive else 'liveness not visible from this host'})", [r],
+                                    dead=False, alive=[r] if alive else [])
             elif now > next_check:
                 next_check = now + _LIVENESS_S
-                self._check_exited(r, chunk)
+                for p, pid, start in self._watched:
+                    if p == r and not running(pid, start):
+                        raise PeerLostError(f"rank {self.rank}: {what}; rank {r} (pid {pid}) exited", [r], dead=True)
             time.sleep(0.0002)
-        if theirs > mine:
-            raise PeerReadError(
-                f"rank {self.rank}: rank {r}'s master shards were written {theirs} times, this rank's {mine}: an "
-                "optimizer step or a load_state_dict ran on some ranks only. Under Gemini every rank steps and loads "
-                "(its own shard); a module, a forward or a state_dict() may run on some ranks only.")
 
     def _alive(self, r: int) -> bool:
         return any(p == r and running(pid, start) for p, pid, start in self._watched)
-
-    def _check_exited(self, r: int, chunk: int) -> None:
-        for p, pid, start in self._watched:
-            if p == r and not running(pid, start):
-                raise PeerLostError(f"rank {self.rank}: rank {r} (pid {pid}) exited before finishing its write of "
-                                    f"the master shards this rank reads (chunk {chunk})", [r], dead=True)
 
     def _publish(self) -> None:
         with self._fence:  # a locked instruction: the data is visible before the counter
