@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .harness import kill_group, markdown_table, write_json, write_text
+from .harness import kill_group, markdown_table, names, write_json, write_text
 
 __all__ = ["STAGES", "Stage", "add_arguments", "markdown", "run"]
 
@@ -49,14 +49,6 @@ STAGES = (
 _INJECT = ("crash", "hang", "ok")
 
 
-def _rows(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in {s.name for s in STAGES}]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"choose from {','.join(s.name for s in STAGES)}, got {text!r}")
-    return names
-
-
 def _inject(text: str) -> dict[str, str]:
     """Test hook: `stage=crash|hang|ok,...` replaces those stages' work (a hang gets a 3 s slice)."""
     pairs = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
@@ -71,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds for all stages together, split in their shares (default: 420)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default: cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the command end to end (any device)")
-    parser.add_argument("--rows", type=_rows, default=[s.name for s in STAGES],
+    parser.add_argument("--rows", type=names([s.name for s in STAGES]), default=[s.name for s in STAGES],
                         help="comma list of stages to run, in this order: " + ",".join(s.name for s in STAGES))
     parser.add_argument("--_stage", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_work", default=None, help=argparse.SUPPRESS)
