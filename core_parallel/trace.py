@@ -36,15 +36,17 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 from .groups import group_timeout, world_rank
 from .peers import PeerLostError, PeerWatch, running
 
-__all__ = ["STUCK_S", "TRACE_ENV", "CollectiveTrace", "Record", "is_transport_timeout", "mismatch",
-           "tracing_requested"]
+__all__ = ["STUCK_S", "TRACE_ENV", "CollectiveMismatchError", "CollectiveTrace", "Record", "is_transport_timeout",
+           "is_mismatch", "mismatch", "tracing_requested"]
 
 STUCK_S = 3.0
 """Seconds a rank waits in a collective before the watchdog publishes where it is and compares with the others."""
@@ -68,6 +70,17 @@ def is_transport_timeout(exc: BaseException) -> bool:
         return not exc.dead
     text = str(exc).lower()
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks issued different collectives in a step (`CollectiveTrace.check_sequence`)."""
+
+
+def is_mismatch(exc: BaseException) -> bool:
+    """Whether `exc` is the transport noticing that the ranks are in different collectives (gloo: "Received data
+    size doesn't match expected size", NCCL: "collective mismatch")."""
+    text = str(exc).lower()
+    return "doesn't match expected size" in text or "collective mismatch" in text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +126,7 @@ class CollectiveTrace:
         self.step = 0
         """The optimizer steps finished (the owner calls `end_step`)."""
         self.last: Record | None = None
+        self._sequence, self._count = 0, 0  # digest and number of the collectives issued since the last step
         self._prefix = _key_prefix(group) if self.world > 1 else None
         self._lock = threading.Lock()  # `last` and its copy in the store change together
         self._exposed = False  # the store holds an "in" record of this rank, published by the watchdog
@@ -130,6 +144,30 @@ class CollectiveTrace:
     def end_step(self) -> None:
         """An optimizer step finished: later records carry the next step number."""
         self.step += 1
+        self._sequence, self._count = 0, 0
+
+    def check_sequence(self, device) -> None:
+        """Collective: raise `CollectiveMismatchError` on every rank when the ranks issued different collectives
+        since the last step (operation and chunk, in order; waits not counted). Collectives of the same size pair
+        up whatever they carry: ranks gathering different chunks of one size (experts skipped on some ranks) get
+        each other's data silently. One small all-gather; `device`: where the group's tensors live."""
+        if self.world == 1:
+            return
+        mine = torch.tensor([self._sequence, self._count], dtype=torch.int64, device=device)
+        every = torch.empty(self.world * 2, dtype=torch.int64, device=device)
+        with self.collective("all_gather(collective sequence)"):
+            dist.all_gather_single(every, mine, group=self.group)
+        pairs = every.view(self.world, 2).tolist()
+        if all(p == pairs[0] for p in pairs):
+            return
+        counts = ", ".join(f"rank {r}: {n} collectives (digest {h:08x})" for r, (h, n) in enumerate(pairs))
+        raise CollectiveMismatchError(
+            f"rank {self.rank}: in step {self.step} the ranks issued different collectives over the sharded "
+            f"parameters ({counts}): some gathered chunks the others did not, and collectives of one size pair up "
+            "whatever they carry, so this step's values and gradients are wrong; it is not applied. Gathers are "
+            "collectives here (accelerators, ranks on several hosts, or peer_reads=False): every rank must run the "
+            "same modules in the same order (run every expert of a mixture on every rank, with an empty batch where "
+            "it got no token).")
 
     @contextlib.contextmanager
     def collective(self, op: str, chunk: int | None = None) -> Iterator[None]:
@@ -139,6 +177,9 @@ class CollectiveTrace:
         if outer is not None:  # nested in a traced method: 'zero.backward / reduce_scatter of bucket 2'
             op, chunk = f"{outer.op} / {op}", outer.chunk if chunk is None else chunk
         entry = self._note(Record(self.rank, op, chunk, self.step, "in", time.time()))
+        if "(wait)" not in op:
+            self._sequence = zlib.crc32(f"{op}:{chunk};".encode(), self._sequence)
+            self._count += 1
         try:
             yield
         except (RuntimeError, ConnectionError, TimeoutError) as exc:
@@ -161,8 +202,9 @@ class CollectiveTrace:
             exc._lowmem_examined = True
         if isinstance(exc, PeerLostError) and exc.dead:
             return None
-        lost = self.watch.lost(exc, wait_s=0.5 if is_transport_timeout(exc) else None) if self.watch else None
-        if lost is not None or not is_transport_timeout(exc):
+        waits = is_transport_timeout(exc) or is_mismatch(exc)
+        lost = self.watch.lost(exc, wait_s=0.5 if waits else None) if self.watch else None
+        if lost is not None or not waits:
             return lost
         return self._alive_error(exc)
 
@@ -257,7 +299,9 @@ class CollectiveTrace:
         what = self.last.what() if self.last else "a collective"
         seen = (f"no process died ({', '.join(alive)} alive)" if len(alive) == len(ranks) else
                 "each rank's process as far as this host sees it below")
-        head = f"rank {self.rank}: {what} timed out after {timeout:g}s; {seen}"
+        head = (f"rank {self.rank}: {what} met another collective on a peer (the transport saw a size "
+                f"mismatch: the ranks are in different collectives); {seen}" if is_mismatch(exc) else
+                f"rank {self.rank}: {what} timed out after {timeout:g}s; {seen}")
         where = "; ".join(lines)
         return PeerLostError(f"{head}. Where each rank is: {where}", late, dead=False, where=where, alive=alive_ranks)
 

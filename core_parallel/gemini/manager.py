@@ -461,6 +461,8 @@ class ChunkManager:
 
     def used_params(self) -> set[int]:
         """Trainable parameters that got a gradient on any rank since the last zero_grad (collective)."""
+        if self.peers is None:  # gathers were collectives: same-size gathers of different chunks pair up silently
+            self.collectives.check_sequence(self.device)
         keys = sorted(self.had_grad)
         flags = torch.tensor([self.had_grad[k] for k in keys], dtype=torch.uint8, device=self.device)
         if self.world > 1 and flags.numel():

@@ -196,7 +196,8 @@ class PeerReads:
                 lo = self._starts[chunk]
                 out.copy_(self._regions[r][lo : lo + n])
             else:
-                staging = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(n, dtype=torch.float32)
+                fp32 = out.dtype == torch.float32 and out.is_contiguous()
+                staging = out if fp32 else torch.empty(n, dtype=torch.float32)
                 _pread(self._files[r], staging, self._offsets[chunk])
                 if staging is not out:
                     out.copy_(staging)

@@ -95,8 +95,10 @@ def train_sharded(rank: int, world: int, model, opt, steps: range, accum: int = 
 SCENARIOS = {
     "device": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20)),
     "optim_cpu": dict(kind="adamw", cfg=dict(chunk_mb=64 * 4 / 2**20, offload_optim_frac=1.0, prefetch=2)),
-    # collectives through gloo instead of shared memory: prefetched (async) gathers, reduce-scatters in flight
-    "gloo": dict(kind="adamw", cfg=dict(chunk_mb=40 * 4 / 2**20, prefetch=2, host_collectives=False)),
+    # collectives through gloo instead of shared memory, as on accelerators: prefetched (async) gathers,
+    # reduce-scatters in flight, the step's check that every rank issued the same collectives
+    "gloo": dict(kind="adamw", cfg=dict(chunk_mb=40 * 4 / 2**20, prefetch=2, host_collectives=False,
+                                        peer_reads=False)),
     "nvme": dict(kind="sgd", cfg=dict(chunk_mb=50 * 4 / 2**20, offload_param_frac=1.0, offload_optim_frac=1.0)),
     "auto": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, placement="auto", device_memory_budget=2600)),
     "accum_no_sync": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, max_grad_norm=0.5), accum=2),

@@ -23,7 +23,7 @@ STEPS = 3
 BLOCKS = 5
 BATCH = 6  # global; split evenly across ranks
 CONFIGS = {
-    "gemini": GeminiConfig(chunk_mb=0.0008, host_collectives=False),  # a layer per chunk; gloo collectives
+    "gemini": GeminiConfig(chunk_mb=0.0008, host_collectives=False, peer_reads=False),  # a layer per chunk; gloo
     "gemini_offload": GeminiConfig(chunk_mb=0.0008, offload_param_frac=1.0, offload_optim_frac=1.0),
     "zero2": ZeroConfig(stage=2),
 }

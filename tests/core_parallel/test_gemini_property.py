@@ -159,7 +159,9 @@ def configs(d: int, tmp: str, tag: str) -> dict:
     off = dict(offload_param_frac=1.0, offload_optim_frac=1.0)
     return {
         "gemini_device": GeminiConfig(chunk_mb=chunk_mb),
-        "gemini_cpu": GeminiConfig(chunk_mb=chunk_mb, prefetch=2, host_collectives=False, **off),
+        # gathers and reductions as collectives through gloo, as on accelerators: prefetched async gathers, the
+        # step's check that every rank issued the same collectives
+        "gemini_cpu": GeminiConfig(chunk_mb=chunk_mb, prefetch=2, host_collectives=False, peer_reads=False, **off),
         "gemini_nvme": GeminiConfig(chunk_mb=chunk_mb, offload_dir=f"{tmp}/nvme-{tag}", **off),
         "gemini_auto": GeminiConfig(chunk_mb=chunk_mb, placement="auto", offload_dir=f"{tmp}/auto-{tag}",
                                     device_memory_budget=40 * d * d * 4),
