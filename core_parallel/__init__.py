@@ -22,6 +22,7 @@ _LAZY = {
     "save_checkpoint": ".api",
     "load_checkpoint": ".api",
     "consolidate_checkpoint": ".api",
+    "OptimizerSet": ".api",
     "ZeroConfig": ".zero",
     "GeminiConfig": ".gemini",
     "OFFLOAD_TIERS": ".gemini",
