@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/suite demo
 
 test: install
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=25 tests
 
 # The same tests on the lowest versions pyproject.toml allows (.ci/lowest-versions.txt), in a venv of their own.
 MIN_VENV := .venv-min
@@ -35,7 +35,7 @@ $(MIN_VENV)/.installed: pyproject.toml .ci/lowest-versions.txt
 	touch $@
 
 test-min: $(MIN_VENV)/.installed
-	$(MIN_VENV)/bin/pytest -q tests
+	$(MIN_VENV)/bin/pytest -q --durations=25 tests
 
 lint: install
 	$(BIN)/ruff check .
