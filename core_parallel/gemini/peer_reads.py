@@ -263,6 +263,8 @@ class PeerReads:
 
 
 def _pread(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Read a peer's region into `out`, then let its pages leave the page cache (as the owner's own reads do:
+    the tier must not cost the memory it saves; pages still being written back stay until they are clean)."""
     view = memoryview(out.numpy()).cast("B")
     done = 0
     while done < len(view):
@@ -270,3 +272,5 @@ def _pread(fd: int, out: torch.Tensor, offset: int) -> None:
         if n <= 0:
             raise OSError(f"peer reads: pread returned {n} at byte {offset + done}")
         done += n
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)

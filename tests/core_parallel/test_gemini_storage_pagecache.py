@@ -180,3 +180,26 @@ def test_pieces_cover_the_runs_and_cut_them_from_their_own_start():
     assert [r[2:] for r in covered] == [(0, 1), (0, 1), (1, 1)] + [(0, 2)] * 4 + [(0, 1)]
     for lo, hi, rs in spans:
         assert hi - lo <= 8 and lo == rs[0][0] and hi == rs[-1][1]
+
+
+def test_a_peers_read_of_an_nvme_region_leaves_the_page_cache(folder):
+    """Peer reads (`gemini.peer_reads`) pread a peer's NVMe file: its pages must not stay cached afterwards."""
+    from lowmem.core_parallel.gemini.peer_reads import _pread
+
+    _needs_dropping(folder)
+    path = os.path.join(folder, "peer.bin")
+    data = torch.randn(MIB)  # 4 MiB of fp32
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.pwrite(fd, data.numpy().tobytes(), 0)
+        write_back_and_drop(fd, 0, 4 * MIB)
+        reader = os.open(path, os.O_RDONLY)
+        try:
+            out = torch.empty(MIB)
+            _pread(reader, out, 0)
+        finally:
+            os.close(reader)
+        assert torch.equal(out, data)
+        assert file_resident_bytes(path) < MIB, file_resident_bytes(path)
+    finally:
+        os.close(fd)
