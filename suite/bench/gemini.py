@@ -33,6 +33,7 @@ from .memory import SideMeter, fix_malloc, rss_bytes
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 
 STRATEGIES = ("gemini", "fsdp2", "ddp", "zero2")
+ALSO = ("gemini_collective",)  # on request: Gemini with peer_reads=False, every gather a collective (as on GPUs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP stack")
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
-    parser.add_argument("--strategies", type=names(STRATEGIES), default=list(STRATEGIES),
-                        help="comma-separated subset of " + ",".join(STRATEGIES))
+    parser.add_argument("--strategies", type=names(STRATEGIES + ALSO), default=list(STRATEGIES),
+                        help="comma-separated subset of " + ",".join(STRATEGIES + ALSO) + " (gemini_collective: "
+                        "peer_reads=False, gathers as collectives)")
     parser.add_argument("--ram-budget", default=None, help="instead: largest model trainable within this RAM, "
                         "e.g. 4GB (Gemini auto placement + NVMe tier)")
     parser.add_argument("--sizes", default="16M,32M,64M", help="--ram-budget: model sizes to try, ascending")
@@ -68,8 +70,8 @@ def _mlp(params: int, width: int):
 def _wrap(strategy: str, model, opt, extra: dict):
     from ... import core_parallel
 
-    if strategy == "gemini":
-        return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra))
+    if strategy in ("gemini", *ALSO):
+        return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra, peer_reads=strategy == "gemini"))
     if strategy == "zero2":
         return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=2))
     return torch_baseline(strategy, model)
@@ -133,7 +135,7 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
         snapshot = _gzipped(snapshot)
-    optimizer = "gemini fused Adam" if strategy == "gemini" else f"torch Adam {optimizer_impl()}"
+    optimizer = "gemini fused Adam" if strategy in ("gemini", *ALSO) else f"torch Adam {optimizer_impl()}"
     if strategy == "ddp":
         optimizer += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
     return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": sorted(times)[len(times) // 2],
