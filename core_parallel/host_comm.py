@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from .groups import group_timeout, world_rank
 from .peers import PeerLostError, identity, running, watchable
 
-__all__ = ["HostCollectives", "PeerLostError", "host_collectives_supported"]
+__all__ = ["HostCollectives", "PeerLostError", "host_collectives_supported", "map_segment", "wait_until"]
 
 _LINE = 64  # bytes per rank: one cache line each (counter, pid, pid namespace, start time), never shared
 _ALIGN = 4096
@@ -53,6 +54,71 @@ _LIVENESS_S = 0.25  # seconds between checks that the ranks a barrier waits for 
 def host_collectives_supported() -> bool:
     """Whether this machine can run `HostCollectives` (x86-64 Linux with a /dev/shm)."""
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+
+
+def map_segment(group: dist.ProcessGroup | None, size: int, prefix: str,
+                init: Callable[[mmap.mmap], None] | None = None) -> mmap.mmap | None:
+    """Collective over `group`: rank 0 creates a `/dev/shm` segment of `size` bytes, every rank maps it and calls
+    `init` on it, the group agrees that all could, and rank 0 unlinks the name (the memory lives as long as a rank
+    maps it: a crash leaves nothing behind). None on every rank when some rank cannot (another host, another
+    /dev/shm, no room, an unsupported platform)."""
+    world, rank = world_rank(group)
+    supported = host_collectives_supported()
+    name: list = [None]
+    fd = -1
+    if rank == 0 and supported:
+        try:
+            fd, path = tempfile.mkstemp(prefix=f"{prefix}-{uuid.uuid4().hex[:8]}-", dir="/dev/shm")
+            name[0] = path
+            os.ftruncate(fd, size)
+        except OSError:  # no room in /dev/shm: rank 0 maps nothing below, so every rank falls back
+            pass
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    buf = None
+    try:
+        if name[0] is not None and supported:
+            if rank != 0:
+                fd = os.open(name[0], os.O_RDWR)
+            if os.fstat(fd).st_size == size:
+                buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                if init is not None:
+                    init(buf)
+    except OSError:
+        buf = None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if rank == 0 and name[0] is not None:
+        os.unlink(name[0])  # every rank has it mapped (or gave up): the name is no longer needed
+    if not ok.item():
+        if buf is not None:
+            buf.close()
+        return None
+    return buf
+
+
+def wait_until(ready: Callable[[], bool], timeout: float, check: Callable[[], None],
+               expired: Callable[[], BaseException]) -> None:
+    """Spin (`sched_yield`), then nap, until `ready()`: `check()` every `_LIVENESS_S` (it raises for an exited
+    peer), `expired()`'s error after `timeout` seconds of napping."""
+    spins = 0
+    deadline = next_check = None
+    while not ready():
+        spins += 1
+        if spins < _SPINS:
+            os.sched_yield()
+            continue
+        now = time.monotonic()
+        if deadline is None:
+            deadline, next_check = now + timeout, now + _LIVENESS_S
+        elif now > deadline:
+            raise expired()
+        elif now > next_check:
+            next_check = now + _LIVENESS_S
+            check()
+        time.sleep(0.0002)
 
 
 class HostCollectives:
@@ -84,38 +150,9 @@ class HostCollectives:
             timeout = group_timeout(group)
         slot_bytes = _round_up(max(slot_bytes, 1), _ALIGN)
         size = _round_up(world * _LINE, _ALIGN) + world * slot_bytes
-        supported = host_collectives_supported()
-        name = [None]
-        fd = -1
-        if rank == 0 and supported:
-            try:
-                fd, path = tempfile.mkstemp(prefix=f"lowmem-host-comm-{uuid.uuid4().hex[:8]}-", dir="/dev/shm")
-                name[0] = path
-                os.ftruncate(fd, size)
-            except OSError:  # no room in /dev/shm: rank 0 maps nothing below, so every rank falls back
-                pass
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        buf = None
-        try:
-            if name[0] is not None and supported:
-                if rank != 0:
-                    fd = os.open(name[0], os.O_RDWR)
-                if os.fstat(fd).st_size == size:
-                    buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    # before the all-reduce below, so every rank sees every identity once setup is over
-                    _write_identity(buf, rank)
-        except OSError:
-            buf = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if rank == 0 and name[0] is not None:
-            os.unlink(name[0])  # every rank has it mapped (or gave up): the name is no longer needed
-        if not ok.item():
-            if buf is not None:
-                buf.close()
+        # identities written before the agreement, so every rank sees every identity once setup is over
+        buf = map_segment(group, size, "lowmem-host-comm", init=lambda b: _write_identity(b, rank))
+        if buf is None:
             return None
         return cls(buf, rank, world, slot_bytes, timeout)
 
@@ -184,25 +221,13 @@ class HostCollectives:
             pass
         self._arrived[self.rank] = self._seq
         every = self._arrived
-        spins = 0
-        deadline = next_check = None
-        while (every < self._seq).any():
-            spins += 1
-            if spins < _SPINS:
-                os.sched_yield()
-                continue
-            now = time.monotonic()
-            if deadline is None:
-                deadline, next_check = now + self.timeout, now + _LIVENESS_S
-            elif now > deadline:
-                missing = [r for r in range(self.world) if every[r] < self._seq]
-                alive = self._alive(missing)
-                raise PeerLostError(f"host collectives: ranks {missing} did not arrive within {self.timeout:.0f}s "
-                                    f"({_liveness(missing, alive)})", missing, dead=False, alive=alive)
-            elif now > next_check:
-                next_check = now + _LIVENESS_S
-                self._check_alive()
-            time.sleep(0.0002)
+        wait_until(lambda: not (every < self._seq).any(), self.timeout, self._check_alive, self._late)
+
+    def _late(self) -> PeerLostError:
+        missing = [r for r in range(self.world) if self._arrived[r] < self._seq]
+        alive = self._alive(missing)
+        return PeerLostError(f"host collectives: ranks {missing} did not arrive within {self.timeout:.0f}s "
+                             f"({_liveness(missing, alive)})", missing, dead=False, alive=alive)
 
     def _alive(self, ranks: list[int]) -> list[int]:
         """Those of `ranks` whose processes run (checked in /proc just now)."""

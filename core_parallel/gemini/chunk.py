@@ -51,8 +51,6 @@ class ChunkEnv:
     """CPU devices: hands the pages of released mappings to the next filled (None elsewhere)."""
     host_comm: HostCollectives | None = None
     """CPU ranks sharing /dev/shm: gathers and reduce-scatters through shared memory (None: the process group)."""
-    peers: PeerReads | None = None
-    """CPU ranks sharing /dev/shm: gathers read the peers' master shards themselves, no peer taking part."""
 
 
 class Chunk:
@@ -85,7 +83,9 @@ class Chunk:
         self.recycler = env.recycler
         self.map_elems = env.map_elems
         self.host_comm = env.host_comm
-        self.peers = env.peers
+        # CPU ranks sharing /dev/shm: gathers read the peers' master shards themselves, no peer taking part (set by
+        # the manager once the shared segment exists, which needs the chunks' NVMe regions)
+        self.peers: PeerReads | None = None
         self.collectives = env.collectives
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:

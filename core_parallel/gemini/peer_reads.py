@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import threading
 import time
-import uuid
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..groups import group_timeout, world_rank
+from ..host_comm import map_segment, wait_until
 from ..peers import PeerLostError, identity, running, watchable
 from .storage import NvmeFile
 
@@ -46,8 +45,6 @@ __all__ = ["PeerReads", "PeerReadError"]
 _LINE = 64  # bytes of a rank's line: epoch, writing, moving, pid, pid namespace, start time, writes begun
 _ALIGN = 4096
 _MEMORY, _FILE = 0, 1
-_SPINS = 200
-_LIVENESS_S = 0.25
 
 
 class PeerReadError(RuntimeError):
@@ -56,6 +53,18 @@ class PeerReadError(RuntimeError):
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
+
+
+def _layout(world: int, shard_numel: list[int]) -> tuple[int, list[int], int, int]:
+    """The segment's layout: (header bytes, each chunk's element offset in a rank's part (64-byte aligned), bytes
+    per rank's part, total bytes)."""
+    starts, total = [], 0
+    for numel in shard_numel:
+        starts.append(total)
+        total += _round_up(numel, 16)
+    header = _round_up(world * _LINE + world * len(shard_numel), _ALIGN)
+    per_rank = _round_up(max(total, 1) * 4, _ALIGN)
+    return header, starts, per_rank, header + world * per_rank
 
 
 class PeerReads:
@@ -67,16 +76,11 @@ class PeerReads:
         self._buf, self.rank, self.world, self.timeout = buf, rank, world, timeout
         self.shard_numel = shard_numel
         n = len(shard_numel)
+        header, self._starts, per_rank, _ = _layout(world, shard_numel)
         self._lines = np.frombuffer(buf, dtype=np.int64, count=world * _LINE // 8).reshape(world, _LINE // 8)
         self._tiers = np.frombuffer(buf, dtype=np.int8, count=world * n, offset=world * _LINE).reshape(world, n)
-        header = _round_up(world * _LINE + world * n, _ALIGN)
-        self._starts = []  # element offset of each chunk within a rank's part (64-byte aligned)
-        total = 0
-        for numel in shard_numel:
-            self._starts.append(total)
-            total += _round_up(numel, 16)
-        self._regions = [torch.frombuffer(buf, dtype=torch.float32, count=max(total, 1),
-                                          offset=header + r * _round_up(total * 4, _ALIGN)) for r in range(world)]
+        self._regions = [torch.frombuffer(buf, dtype=torch.float32, count=max(per_rank // 4, 1),
+                                          offset=header + r * per_rank) for r in range(world)]
         self._files = peer_files  # per rank: a read-only descriptor of its NVMe file (None: this rank, or none)
         self._offsets = offsets  # per chunk: byte offset of the master in each rank's file (the same plan)
         self._fence = threading.Lock()
@@ -85,41 +89,23 @@ class PeerReads:
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, shard_numel: list[int], nvme: NvmeFile | None,
                offsets: list[int | None], timeout: float | None = None) -> PeerReads | None:
-        """Collective over `group`: the segment (rank 0 creates it, every rank maps it), the peers' NVMe files
-        opened read-only; None on every rank when some rank cannot (another host, no /dev/shm, the plans
-        differ)."""
+        """Collective over `group`: the segment (`host_comm.map_segment`), the peers' NVMe files opened
+        read-only; None on every rank when some rank cannot (another host, no /dev/shm, the plans differ)."""
         world, rank = world_rank(group)
         timeout = group_timeout(group) if timeout is None else timeout
-        n = len(shard_numel)
-        per_rank = _round_up(sum(_round_up(k, 16) for k in shard_numel) * 4, _ALIGN)
-        size = _round_up(world * _LINE + world * n, _ALIGN) + world * per_rank
-        name, fd, buf = [None], -1, None
-        if rank == 0:
-            try:
-                fd, path = tempfile.mkstemp(prefix=f"lowmem-peer-reads-{uuid.uuid4().hex[:8]}-", dir="/dev/shm")
-                name[0] = path
-                os.ftruncate(fd, size)
-            except OSError:
-                name[0] = None
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        try:
-            if name[0] is not None:
-                if rank != 0:
-                    fd = os.open(name[0], os.O_RDWR)
-                if os.fstat(fd).st_size == size:
-                    buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    np.frombuffer(buf, dtype=np.int64, count=_LINE // 8, offset=rank * _LINE)[3:6] = identity()
-        except OSError:
-            buf = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
+
+        def write_identity(b: mmap.mmap) -> None:
+            np.frombuffer(b, dtype=np.int64, count=_LINE // 8, offset=rank * _LINE)[3:6] = identity()
+
+        buf = map_segment(group, _layout(world, shard_numel)[3], "lowmem-peer-reads", init=write_identity)
+        if buf is None:
+            return None
         # every rank's NVMe file and the plan's offsets: a peer's master is read at the same offset in its file
-        mine = {"path": str(nvme.path) if nvme is not None else None, "offsets": offsets, "ok": buf is not None}
+        mine = {"path": str(nvme.path) if nvme is not None else None, "offsets": offsets}
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         files: list[int | None] = [None] * world
-        ok = all(e["ok"] and e["offsets"] == offsets for e in everyone)
+        ok = all(e["offsets"] == offsets for e in everyone)
         if ok:
             try:
                 for r, e in enumerate(everyone):
@@ -129,14 +115,11 @@ class PeerReads:
                 ok = False
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if rank == 0 and name[0] is not None:
-            os.unlink(name[0])  # mapped by every rank (or given up): the memory lives as long as a mapping
         if not flag.item():
             for f in files:
                 if f is not None:
                     os.close(f)
-            if buf is not None:
-                buf.close()
+            buf.close()
             return None
         return cls(buf, rank, world, list(shard_numel), timeout, files, offsets)
 
@@ -178,10 +161,6 @@ class PeerReads:
         self._publish()
         self._lines[self.rank, 2] += 1
 
-    @property
-    def epoch(self) -> int:
-        return int(self._lines[self.rank, 0])
-
     # ---- the reader's side ---------------------------------------------------------------------------
     def read_into(self, r: int, chunk: int, out: torch.Tensor) -> None:
         """`out` ([shard_numel] of any dtype) <- rank `r`'s master shard of chunk `chunk`, without rank `r`."""
@@ -218,27 +197,19 @@ class PeerReads:
                 "(its own shard); a module, a forward or a state_dict() may run on some ranks only.")
 
     def _wait_until(self, r: int, ready, what: str) -> None:
-        """Spin, then nap, until `ready()`; rank `r` exiting meanwhile, or the timeout, raises `PeerLostError`."""
-        spins, deadline, next_check = 0, None, 0.0
-        while not ready():
-            spins += 1
-            if spins < _SPINS:
-                os.sched_yield()
-                continue
-            now = time.monotonic()
-            if deadline is None:
-                deadline, next_check = now + self.timeout, now + _LIVENESS_S
-            elif now > deadline:
-                alive = self._alive(r)
-                raise PeerLostError(f"rank {self.rank}: {what}; not within {self.timeout:.0f}s "
-                                    f"({'alive' if alive else 'liveness not visible from this host'})", [r],
-                                    dead=False, alive=[r] if alive else [])
-            elif now > next_check:
-                next_check = now + _LIVENESS_S
-                for p, pid, start in self._watched:
-                    if p == r and not running(pid, start):
-                        raise PeerLostError(f"rank {self.rank}: {what}; rank {r} (pid {pid}) exited", [r], dead=True)
-            time.sleep(0.0002)
+        """Until `ready()`; rank `r` exiting meanwhile, or the timeout, raises `PeerLostError`."""
+        def check() -> None:
+            for p, pid, start in self._watched:
+                if p == r and not running(pid, start):
+                    raise PeerLostError(f"rank {self.rank}: {what}; rank {r} (pid {pid}) exited", [r], dead=True)
+
+        def expired() -> PeerLostError:
+            alive = self._alive(r)
+            return PeerLostError(f"rank {self.rank}: {what}; not within {self.timeout:.0f}s "
+                                 f"({'alive' if alive else 'liveness not visible from this host'})", [r],
+                                 dead=False, alive=[r] if alive else [])
+
+        wait_until(ready, self.timeout, check, expired)
 
     def _alive(self, r: int) -> bool:
         return any(p == r and running(pid, start) for p, pid, start in self._watched)
