@@ -56,7 +56,8 @@ class ChunkEnv:
 class Chunk:
     """Runtime state of one chunk on one rank (shard = elements [lo, hi) of the chunk).
 
-    `master` holds this rank's fp32 shard of the parameters; a trainable chunk also has a gradient shard
+    `master` holds this rank's shard of the parameters (fp32; a frozen chunk's in the compute dtype, as compute
+    reads it: it is never stepped); a trainable chunk also has a gradient shard
     `grad` and the optimizer's per-element `states` (the manager places each buffer in its tier)."""
 
     def __init__(
@@ -133,10 +134,6 @@ class Chunk:
     def full_nbytes(self) -> int:
         return self.spec.size * self.full.element_size()
 
-    @property
-    def shard_nbytes(self) -> int:
-        return self.shard_numel * 4
-
     def start_gather(self, async_op: bool) -> None:
         """Materialise `full` from every rank's master shard (async through the process group: finish with
         `wait`; one rank, shared-memory gathers and peer reads are synchronous). With peer reads no other rank
@@ -146,9 +143,10 @@ class Chunk:
         self.alloc_storage()
         out = self.full.data
         if self.master.tier == "nvme" and out.device.type == "cpu":
-            # pread, so the file's pages stay unmapped; on one rank in fp32 straight into the gathered buffer
-            direct = self.world == 1 and out.dtype == torch.float32
-            staging = out if direct else torch.empty(self.shard_numel, dtype=torch.float32)
+            # pread, so the file's pages stay unmapped; on one rank of the master's dtype straight into the gathered
+            # buffer (fp32 compute, or a frozen chunk kept in the compute dtype)
+            direct = self.world == 1 and out.dtype == self.master.dtype
+            staging = out if direct else torch.empty(self.shard_numel, dtype=self.master.dtype)
             src = self.master.read_into(staging).to(out.dtype)
         else:
             src = self.master.view().to(device=out.device, dtype=out.dtype)
@@ -249,18 +247,19 @@ class Chunk:
         return Reduction(self, out, work)  # work: None unless async through the process group
 
     def gather_fp32(self, buf: TieredBuffer) -> torch.Tensor:
-        """The whole chunk of a shard buffer (master or an optimizer state) as [size] fp32 on the CPU."""
+        """The whole chunk of a shard buffer (master or an optimizer state) as [size] fp32 on the CPU (a frozen
+        chunk's master, kept in the compute dtype, cast up)."""
         local = buf.view().to(device=self.full.device, copy=True)
         buf.done()
         if self.world == 1:
-            return local.cpu()
-        out = torch.empty(self.spec.size, dtype=torch.float32, device=self.full.device)
+            return local.cpu().float()
+        out = torch.empty(self.spec.size, dtype=buf.dtype, device=self.full.device)
         if self.peers is not None and buf is self.master:  # one-sided: a state_dict() on some ranks only
             self._read_peers(out, local)
-            return out
+            return out.float()
         with self.collectives.collective("all_gather (fp32)", self.index):
             dist.all_gather_single(out, local, group=self.group)
-        return out.cpu()
+        return out.cpu().float()
 
 
 class Reduction:

@@ -79,7 +79,8 @@ class ChunkManager:
         self.chunks = self._build_chunks(specs, env, state_kinds)
         if device.type == "cpu" and world > 1 and config.peer_reads and host_collectives_supported():
             self.peers = PeerReads.create(group, [c.shard_numel for c in self.chunks], self.nvme,
-                                          [c.master.nvme_offset for c in self.chunks])
+                                          [c.master.nvme_offset for c in self.chunks],
+                                          [c.master.dtype for c in self.chunks])
         if self.peers is not None:
             for c in self.chunks:
                 c.master.use_region(self.peers.region(c.index))
@@ -110,17 +111,17 @@ class ChunkManager:
         n = len(specs)
         if self.config.placement == "static":
             return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
-        shard_nbytes = [s.size // self.world * 4 for s in specs]
-        total = sum(b * (2 + n_states if s.trainable else 1) for s, b in zip(specs, shard_nbytes))
+        total = sum(s.size // self.world * (4 * (2 + n_states) if s.trainable else itemsize) for s in specs)
         biggest = max((s.size * itemsize + s.size * 4 for s in specs), default=0)  # gathered chunk + its gradients
         reserve = 2 * (1 + self.config.prefetch) * biggest
         if self.budget is None or total + reserve <= self.budget:
             return [("device", "device")] * n
         return [(self.off_tier, self.off_tier)] * n  # params come back on device as the budget allows
 
-    def _buffer(self, numel: int, tier: str, movable: bool) -> TieredBuffer:
-        offset = self.nvme.reserve(numel) if self.nvme is not None and (movable or tier == "nvme") else None
-        return TieredBuffer(numel, tier, self.device, self.nvme, offset)
+    def _buffer(self, numel: int, tier: str, movable: bool, dtype: torch.dtype = torch.float32) -> TieredBuffer:
+        reserved = self.nvme is not None and (movable or tier == "nvme")
+        offset = self.nvme.reserve(numel, dtype.itemsize) if reserved else None
+        return TieredBuffer(numel, tier, self.device, self.nvme, offset, dtype)
 
     def _build_chunks(self, specs: list[ChunkSpec], env: ChunkEnv, state_kinds: tuple[str, ...]) -> list[Chunk]:
         """The chunks with their shard buffers placed (NVMe regions reserved, the file opened; no data yet)."""
@@ -129,7 +130,9 @@ class ChunkManager:
         chunks = []
         for spec, (ptier, otier) in zip(specs, plan):
             numel = spec.size // env.world
-            master = self._buffer(numel, ptier, movable=auto)
+            # a frozen chunk is never stepped: its master is what compute reads, in the compute dtype (gathers
+            # give the same values; half the bytes stored and moved under bf16/fp16, and no cast per gather)
+            master = self._buffer(numel, ptier, movable=auto, dtype=torch.float32 if spec.trainable else env.dtype)
             grad, states = None, {}
             if spec.trainable:
                 grad = self._buffer(numel, otier, movable=False)
@@ -148,7 +151,7 @@ class ChunkManager:
     def _load_params(self) -> None:
         sources = {}
         for c in self.chunks:
-            local = torch.zeros(c.shard_numel, dtype=torch.float32)
+            local = torch.zeros(c.shard_numel, dtype=c.master.dtype)
             for s in c.spec.slots:
                 p = self.params[s.param]
                 lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
@@ -157,7 +160,7 @@ class ChunkManager:
                 if is_hollow(p):  # read from its source, only this rank's part; dropped once copied
                     sources.setdefault(id(source_of(p)[0]), source_of(p)[0])
                     local[lo - c.lo : hi - c.lo] = take_value(p, lo - s.offset, hi - s.offset).float()
-                else:
+                else:  # via fp32, as a gather from an fp32 master rounds (a frozen master: the compute dtype)
                     flat = p.detach().reshape(-1)
                     local[lo - c.lo : hi - c.lo] = flat[lo - s.offset : hi - s.offset].float().cpu()
             c.master.allocate(fill=local)

@@ -72,15 +72,18 @@ class PeerReads:
     (collective); `region(chunk)` is this rank's memory for chunk `chunk`'s master shard."""
 
     def __init__(self, buf: mmap.mmap, rank: int, world: int, shard_numel: list[int], timeout: float,
-                 peer_files: list[int | None], offsets: list[int | None]) -> None:
+                 peer_files: list[int | None], offsets: list[int | None], dtypes: list[torch.dtype]) -> None:
         self._buf, self.rank, self.world, self.timeout = buf, rank, world, timeout
         self.shard_numel = shard_numel
         n = len(shard_numel)
         header, self._starts, per_rank, _ = _layout(world, shard_numel)
         self._lines = np.frombuffer(buf, dtype=np.int64, count=world * _LINE // 8).reshape(world, _LINE // 8)
         self._tiers = np.frombuffer(buf, dtype=np.int8, count=world * n, offset=world * _LINE).reshape(world, n)
-        self._regions = [torch.frombuffer(buf, dtype=torch.float32, count=max(per_rank // 4, 1),
-                                          offset=header + r * per_rank) for r in range(world)]
+        # each rank's part as bytes: a chunk's region holds its master in its own dtype (fp32, or a frozen chunk's
+        # compute dtype), in room laid out for fp32
+        self._regions = [torch.frombuffer(buf, dtype=torch.uint8, count=per_rank, offset=header + r * per_rank)
+                         for r in range(world)]
+        self.dtypes = dtypes
         self._files = peer_files  # per rank: a read-only descriptor of its NVMe file (None: this rank, or none)
         self._offsets = offsets  # per chunk: byte offset of the master in each rank's file (the same plan)
         self._fence = threading.Lock()
@@ -88,7 +91,8 @@ class PeerReads:
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, shard_numel: list[int], nvme: NvmeFile | None,
-               offsets: list[int | None], timeout: float | None = None) -> PeerReads | None:
+               offsets: list[int | None], dtypes: list[torch.dtype] | None = None,
+               timeout: float | None = None) -> PeerReads | None:
         """Collective over `group`: the segment (`host_comm.map_segment`), the peers' NVMe files opened
         read-only; None on every rank when some rank cannot (another host, no /dev/shm, the plans differ)."""
         world, rank = world_rank(group)
@@ -121,13 +125,17 @@ class PeerReads:
                     os.close(f)
             buf.close()
             return None
-        return cls(buf, rank, world, list(shard_numel), timeout, files, offsets)
+        dtypes = list(dtypes) if dtypes is not None else [torch.float32] * len(shard_numel)
+        return cls(buf, rank, world, list(shard_numel), timeout, files, offsets, dtypes)
 
     # ---- the owner's side ----------------------------------------------------------------------------
     def region(self, chunk: int) -> torch.Tensor:
-        """This rank's shared memory for chunk `chunk`'s master shard ([shard_numel] fp32)."""
-        lo = self._starts[chunk]
-        return self._regions[self.rank][lo : lo + self.shard_numel[chunk]]
+        """This rank's shared memory for chunk `chunk`'s master shard ([shard_numel] of the master's dtype)."""
+        return self._region(self.rank, chunk)
+
+    def _region(self, r: int, chunk: int) -> torch.Tensor:
+        dtype, lo = self.dtypes[chunk], self._starts[chunk] * 4
+        return self._regions[r][lo : lo + self.shard_numel[chunk] * dtype.itemsize].view(dtype)
 
     def begin_writes(self, what: str) -> None:
         """The masters are about to change (`what`: an optimizer step, a load): first every rank meets here (so
@@ -172,11 +180,10 @@ class PeerReads:
                 time.sleep(0.0002)
                 continue
             if self._tiers[r, chunk] == _MEMORY:
-                lo = self._starts[chunk]
-                out.copy_(self._regions[r][lo : lo + n])
+                out.copy_(self._region(r, chunk))
             else:
-                fp32 = out.dtype == torch.float32 and out.is_contiguous()
-                staging = out if fp32 else torch.empty(n, dtype=torch.float32)
+                same = out.dtype == self.dtypes[chunk] and out.is_contiguous()
+                staging = out if same else torch.empty(n, dtype=self.dtypes[chunk])
                 _pread(self._files[r], staging, self._offsets[chunk])
                 if staging is not out:
                     out.copy_(staging)
@@ -236,7 +243,7 @@ class PeerReads:
 def _pread(fd: int, out: torch.Tensor, offset: int) -> None:
     """Read a peer's region into `out`, then let its pages leave the page cache (as the owner's own reads do:
     the tier must not cost the memory it saves; pages still being written back stay until they are clean)."""
-    view = memoryview(out.numpy()).cast("B")
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # bytes: numpy has no bfloat16
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

@@ -129,5 +129,5 @@ class StateDictIO:
             lo, hi = max(s.offset, c.lo), min(s.offset + s.numel, c.hi)
             if lo < hi:
                 flat = value.detach().reshape(-1)[lo - s.offset : hi - s.offset]
-                c.master.view()[lo - c.lo : hi - c.lo].copy_(flat)
+                c.master.view()[lo - c.lo : hi - c.lo].copy_(flat.float())  # via fp32, as `load_params`
                 c.master.done()

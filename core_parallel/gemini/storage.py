@@ -128,7 +128,8 @@ _NVME_NAME = re.compile(r"gemini-rank\d+-[0-9a-f]{16}\.bin")
 
 
 class NvmeFile:
-    """One preallocated, memory-mapped file of fp32 regions. Reserve all regions, then `open()`."""
+    """One preallocated, memory-mapped file of regions (fp32, or a frozen chunk's compute dtype). Reserve all
+    regions, then `open()`."""
 
     def __init__(self, folder: str | os.PathLike, rank: int, writeback_lag: int = WRITEBACK_LAG) -> None:
         self.folder = Path(folder)
@@ -146,10 +147,11 @@ class NvmeFile:
     def _new_name(self) -> str:
         return f"gemini-rank{self.rank}-{uuid.uuid4().hex[:16]}.bin"
 
-    def reserve(self, numel: int) -> int:
-        """Reserve a page-aligned region of `numel` fp32 elements; returns its byte offset."""
+    def reserve(self, numel: int, itemsize: int = _F32) -> int:
+        """Reserve a page-aligned region of `numel` elements of `itemsize` bytes (fp32 by default); returns its
+        byte offset."""
         offset = self.size
-        self.size += -(-numel * _F32 // _PAGE) * _PAGE
+        self.size += -(-numel * itemsize // _PAGE) * _PAGE
         return offset
 
     def open(self) -> None:
@@ -223,32 +225,32 @@ class NvmeFile:
                 "optimizer states kept there are no longer safe. Restore from the last checkpoint."
             )
 
-    def view(self, offset: int, numel: int) -> torch.Tensor:
-        """A writable fp32 tensor over the region at `offset` (after checking the file is still there)."""
+    def view(self, offset: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A writable tensor over the region at `offset` (after checking the file is still there)."""
         self.check()
-        return torch.frombuffer(self._mm, dtype=torch.float32, count=numel, offset=offset)
+        return torch.frombuffer(self._mm, dtype=dtype, count=numel, offset=offset)
 
     def read(self, offset: int, out: torch.Tensor) -> torch.Tensor:
-        """Copy the region at `offset` into `out` (contiguous fp32 CPU) with pread: no page faults; the pages
-        read leave the page cache (those still being written back leave when `flush` waits for them)."""
+        """Copy the region at `offset` into `out` (contiguous CPU, the region's dtype) with pread: no page faults;
+        the pages read leave the page cache (those still being written back leave when `flush` waits for them)."""
         self.check()
         _rw(os.preadv, self._fd, out, offset)
         _advise(self._fd, *_page_span(offset, out.numel() * out.element_size()), getattr(os, "POSIX_FADV_DONTNEED", 4))
         return out
 
     def write(self, offset: int, src: torch.Tensor) -> None:
-        """Copy `src` (contiguous fp32 CPU) into the region at `offset` with pwrite and start writing it back
-        (it leaves the page cache once written, see the module doc). Storing through the mapping costs a write
+        """Copy `src` (contiguous CPU, the region's dtype) into the region at `offset` with pwrite and start writing
+        it back (it leaves the page cache once written, see the module doc). Storing through the mapping costs a write
         fault per page (4 ms per 4 MiB here, against 0.8 ms for pwrite)."""
         self.check()
         _rw(os.pwritev, self._fd, src, offset)
         self._behind.written(offset, src.numel() * src.element_size())
 
-    def drop_pages(self, offset: int, numel: int) -> None:
-        """Let the kernel drop this region from our resident memory and, once written back, from the page
-        cache (the data stays in the file)."""
+    def drop_pages(self, offset: int, numel: int, itemsize: int = _F32) -> None:
+        """Let the kernel drop this region (`numel` elements of `itemsize` bytes) from our resident memory and, once
+        written back, from the page cache (the data stays in the file)."""
         if self._mm is not None and numel > 0:
-            nbytes = -(-numel * _F32 // _PAGE) * _PAGE
+            nbytes = -(-numel * itemsize // _PAGE) * _PAGE
             self._mm.madvise(mmap.MADV_DONTNEED, offset, nbytes)
             if self._behind is not None:  # what was stored through the mapping goes to disk, then out
                 self._behind.written(offset, nbytes)
@@ -406,7 +408,7 @@ def remove_stale_files(folder: str | os.PathLike) -> list[str]:
 
 def _rw(op, fd: int, t: torch.Tensor, offset: int) -> None:
     """os.preadv / os.pwritev of a whole contiguous CPU tensor, resuming after short transfers."""
-    view = memoryview(t.detach().numpy()).cast("B")
+    view = memoryview(t.detach().view(torch.uint8).numpy()).cast("B")  # bytes: numpy has no bfloat16
     done = 0
     while done < len(view):
         n = op(fd, [view[done:]], offset + done)
@@ -429,20 +431,22 @@ def _reserve_blocks(fd: int, nbytes: int) -> None:
 
 
 class TieredBuffer:
-    """A flat fp32 buffer of `numel` elements that lives in one tier and can move between tiers.
+    """A flat buffer of `numel` elements of `dtype` (fp32: masters, gradients and optimizer states; a frozen chunk's
+    master is kept in the compute dtype) that lives in one tier and can move between tiers.
 
     `nvme_offset` is its reserved region in `nvme` (None: this buffer never goes to NVMe). A buffer
     may be unallocated (`allocated` False: gradient shards between `zero_grad` and the next reduce).
     """
 
     def __init__(
-        self, numel: int, tier: str, device: torch.device, nvme: NvmeFile | None = None, nvme_offset: int | None = None
+        self, numel: int, tier: str, device: torch.device, nvme: NvmeFile | None = None, nvme_offset: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         if tier == "nvme" and (nvme is None or nvme_offset is None):
             raise ValueError("a buffer on the nvme tier needs a reserved NVMe region")
-        self.numel, self.tier, self.device = numel, tier, device
+        self.numel, self.tier, self.device, self.dtype = numel, tier, device, dtype
         self._nvme, self._offset = nvme, nvme_offset
         self._tensor: torch.Tensor | None = None
         self._region: torch.Tensor | None = None
@@ -454,23 +458,23 @@ class TieredBuffer:
         return self._offset
 
     def use_region(self, region: torch.Tensor) -> None:
-        """Keep the data in `region` ([numel] fp32 CPU memory, e.g. shared with the other ranks) whenever it is in
-        memory on a CPU device, instead of a tensor of its own (set before `allocate`)."""
-        if region.numel() != self.numel or region.dtype != torch.float32 or region.device.type != "cpu":
-            raise ValueError(f"a region for this buffer must be [{self.numel}] fp32 on the CPU")
+        """Keep the data in `region` ([numel] CPU memory of this buffer's dtype, e.g. shared with the other ranks)
+        whenever it is in memory on a CPU device, instead of a tensor of its own (set before `allocate`)."""
+        if region.numel() != self.numel or region.dtype != self.dtype or region.device.type != "cpu":
+            raise ValueError(f"a region for this buffer must be [{self.numel}] {self.dtype} on the CPU")
         self._region = region
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _F32
+        return self.numel * self.dtype.itemsize
 
     def allocate(self, fill: torch.Tensor | None = None, zero: bool = True) -> None:
         """Give the buffer storage in its tier, zeroed or copied from `fill` ([numel]); `zero=False` leaves the
         contents of an in-memory buffer undefined (the caller writes all of it)."""
         if self.tier == "nvme":
-            data = fill if fill is not None else torch.zeros(self.numel, dtype=torch.float32)
-            self._nvme.write(self._offset, data.detach().to(device="cpu", dtype=torch.float32).contiguous())
-            self._nvme.drop_pages(self._offset, self.numel)
+            data = fill if fill is not None else torch.zeros(self.numel, dtype=self.dtype)
+            self._nvme.write(self._offset, data.detach().to(device="cpu", dtype=self.dtype).contiguous())
+            self.done()
         else:
             device = self.device if self.tier == "device" else torch.device("cpu")
             if self._region is not None and device.type == "cpu":
@@ -480,38 +484,39 @@ class TieredBuffer:
                 elif zero:
                     t.zero_()
             elif fill is None:
-                t = (torch.zeros if zero else torch.empty)(self.numel, dtype=torch.float32, device=device)
+                t = (torch.zeros if zero else torch.empty)(self.numel, dtype=self.dtype, device=device)
             else:
-                t = torch.empty(self.numel, dtype=torch.float32, device=device).copy_(fill)
+                t = torch.empty(self.numel, dtype=self.dtype, device=device).copy_(fill)
             self._tensor = t
         self.allocated = True
 
     def view(self) -> torch.Tensor:
-        """The data as a [numel] fp32 tensor in its tier (an mmap-backed CPU tensor for nvme)."""
+        """The data as a [numel] tensor of its dtype in its tier (an mmap-backed CPU tensor for nvme)."""
         if not self.allocated:
             raise RuntimeError("buffer is not allocated")
         if self.tier == "nvme":
-            return self._nvme.view(self._offset, self.numel)
+            return self._nvme.view(self._offset, self.numel, self.dtype)
         return self._tensor
 
     def read_into(self, out: torch.Tensor, lo: int = 0) -> torch.Tensor:
-        """Elements [lo, lo + out.numel()) copied into `out` (fp32 CPU, contiguous; all of them by default); from
-        NVMe without mapping its pages."""
+        """Elements [lo, lo + out.numel()) copied into `out` (CPU, contiguous, this buffer's dtype; all of them by
+        default); from NVMe without mapping its pages."""
         if self.tier == "nvme":
-            return self._nvme.read(self._offset + lo * _F32, out)
+            return self._nvme.read(self._offset + lo * self.dtype.itemsize, out)
         return out.copy_(self.view()[lo : lo + out.numel()])
 
     def write_from(self, src: torch.Tensor, lo: int = 0) -> None:
-        """Overwrite elements [lo, lo + src.numel()) with `src` (fp32 CPU, contiguous; all of them by default)."""
+        """Overwrite elements [lo, lo + src.numel()) with `src` (CPU, contiguous, this buffer's dtype; all of them by
+        default)."""
         if self.tier == "nvme":
-            self._nvme.write(self._offset + lo * _F32, src)
+            self._nvme.write(self._offset + lo * self.dtype.itemsize, src)
         else:
             self.view()[lo : lo + src.numel()].copy_(src)
 
     def done(self) -> None:
         """Finished touching the data for now: NVMe pages may leave resident memory."""
         if self.tier == "nvme":
-            self._nvme.drop_pages(self._offset, self.numel)
+            self._nvme.drop_pages(self._offset, self.numel, self.dtype.itemsize)
 
     def free(self) -> None:
         """Drop the data (gradient shards after the step)."""

@@ -1,0 +1,150 @@
+"""Frozen chunks in the compute dtype (issue 47): a frozen chunk keeps no fp32 master, gradient or optimizer state, and
+the optimizer step moves none of its bytes; what compute reads of it is bitwise what a gather from an fp32 master
+gave (the value rounded to the compute dtype), in every tier, on one rank and on two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lowmem.core_parallel import run_on_ranks
+from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
+from lowmem.core_parallel.gemini.storage import NvmeFile, TieredBuffer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Adapted(nn.Module):
+    """A frozen base (two odd-sized linears) with a trainable low-rank adapter, as LoRA trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base1, self.base2 = nn.Linear(13, 29), nn.Linear(29, 13)
+        self.down, self.up = nn.Linear(13, 3, bias=False), nn.Linear(3, 13, bias=False)
+        self.base1.requires_grad_(False)
+        self.base2.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base2(torch.tanh(self.base1(x))) + self.up(self.down(x))
+
+
+def _config(tier: str, precision: str, tmp_path, **kw) -> GeminiConfig:
+    chunk = dict(chunk_mb=400 * _DTYPES[precision].itemsize / 2**20)
+    if tier == "device":
+        return GeminiConfig(precision=precision, **chunk, **kw)
+    if tier == "cpu":
+        return GeminiConfig(precision=precision, offload_tier="cpu", offload_param_frac=1.0, offload_optim_frac=1.0,
+                            **chunk, **kw)
+    return GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(tmp_path / "nvme"),
+                        offload_param_frac=1.0, offload_optim_frac=1.0, **chunk, **kw)
+
+
+def _built(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Adapted()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, opt
+
+
+class _Touches:
+    """Which buffers' data the optimizer step reads or writes, and the NVMe bytes it moves."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.buffers: set[int] = set()
+        self.nvme_offsets: list[int] = []
+        self.on = False
+        for name in ("view", "read_into", "write_from", "allocate"):
+            orig = getattr(TieredBuffer, name)
+            monkeypatch.setattr(TieredBuffer, name, self._wrap_buffer(orig))
+        for name in ("read", "write"):
+            orig = getattr(NvmeFile, name)
+            monkeypatch.setattr(NvmeFile, name, self._wrap_file(orig))
+
+    def _wrap_buffer(self, orig):
+        def wrapped(buf, *a, **k):
+            if self.on:
+                self.buffers.add(id(buf))
+            return orig(buf, *a, **k)
+        return wrapped
+
+    def _wrap_file(self, orig):
+        def wrapped(f, offset, *a, **k):
+            if self.on:
+                self.nvme_offsets.append(offset)
+            return orig(f, offset, *a, **k)
+        return wrapped
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_frozen_chunks_keep_the_compute_dtype_only_and_the_step_never_touches_them(tier, precision, tmp_path,
+                                                                                  monkeypatch):
+    model, opt = _built()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    model, gopt = setup_gemini(model, opt, _config(tier, precision, tmp_path))
+    mgr = model.gemini_manager
+    dtype = _DTYPES[precision]
+    frozen = [c for c in mgr.chunks if not c.spec.trainable]
+    trained = [c for c in mgr.chunks if c.spec.trainable]
+    assert frozen and trained
+    for c in frozen:  # no fp32 copy, no gradient, no optimizer state
+        assert c.master.dtype == dtype and c.master.nbytes == c.shard_numel * dtype.itemsize
+        assert c.grad is None and c.states == {}
+        assert c.master.tier == ("device" if tier == "device" else tier)
+    for c in trained:
+        assert c.master.dtype == torch.float32 and c.grad is not None and set(c.states) == {"exp_avg", "exp_avg_sq"}
+    report = mgr.memory_report()
+    held = sum(c.master.nbytes for c in mgr.chunks)
+    assert held == sum(c.shard_numel * (dtype.itemsize if c in frozen else 4) for c in mgr.chunks)
+    assert report is not None
+
+    touches = _Touches(monkeypatch)
+    x = torch.randn(5, 13).to(dtype)
+    for _ in range(2):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        touches.on = True
+        gopt.step()
+        touches.on = False
+        gopt.zero_grad()
+        assert torch.isfinite(loss)
+    frozen_bufs = {id(c.master) for c in frozen}
+    assert not touches.buffers & frozen_bufs, "the optimizer step touched a frozen chunk's master"
+    assert touches.buffers & {id(c.master) for c in trained}, "the counter saw no step at all"
+    if tier == "nvme":
+        frozen_offsets = {c.master.nvme_offset for c in frozen}
+        assert touches.nvme_offsets and not frozen_offsets & set(touches.nvme_offsets)
+
+    # what compute reads is the value rounded to the compute dtype (as a gather from an fp32 master rounded it),
+    # and state_dict() gives that value back in the parameter's dtype
+    sd = model.state_dict()
+    for name, value in base.items():
+        assert sd[name].dtype == torch.float32
+        assert torch.equal(sd[name], value.to(dtype).float()), name
+
+
+def _two_ranks(rank: int, world: int, folder: str) -> None:
+    from pathlib import Path
+
+    for tier in ("cpu", "nvme"):
+        model, opt = _built()
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        model, gopt = setup_gemini(model, opt, _config(tier, "bf16", Path(folder) / f"r{rank}"))
+        mgr = model.gemini_manager
+        assert mgr.peers is not None  # peer reads of a bf16 master in shared memory or in a peer's file
+        frozen = [c for c in mgr.chunks if not c.spec.trainable]
+        assert all(c.master.dtype == torch.bfloat16 and c.master.tier == tier for c in frozen)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            model(torch.randn(4, 13, generator=g).bfloat16()).float().pow(2).mean().backward()
+            gopt.step()
+            gopt.zero_grad()
+        sd = model.state_dict()
+        for name, value in base.items():
+            assert torch.equal(sd[name], value.bfloat16().float()), (tier, name)
+        mgr.close()
+
+
+def test_two_ranks_read_each_others_frozen_masters_in_the_compute_dtype(tmp_path):
+    run_on_ranks(_two_ranks, 2, str(tmp_path), timeout=120)
