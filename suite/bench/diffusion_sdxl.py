@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from ..errors import UsageError
-from .harness import Side, add_ratios, csv_metric, drop_cached, emit, publish, run_side, tool_main
+from .harness import WHOLE_RATIOS, Side, add_ratios, csv_metric, emit, publish, run_side, tool_main, whole_rows
 from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -287,18 +287,16 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(opts["work"], exist_ok=True)
     subprocess.run([sys.executable, "-m", _MODULE, "write_pipeline", opts["cache"]], check=True, cwd=opts["work"])
     data = str(write_sample_data(os.path.join(opts["work"], "data")))
-    rows = []
-    for spec in [s for s in _sides(opts, opts["cache"], data) if s["side"] in opts["sides"]]:
-        drop_cached(opts["cache"])  # each side reads (and is charged for) the pipeline's files itself
-        side = Side(f"{spec['row']}/{spec['side']}", spec["argv"], cap_bytes=spec.get("cap"), timeout=opts["timeout"],
-                    cwd=opts["work"], log=os.path.join(opts["work"], f"{spec['row']}-{spec['side']}.log"),
-                    offload_paths=[os.path.join(opts["work"], d) for d in ("nvme-lora", "nvme-full")])
-        got = run_side(side)
-        out_dir = side.argv[side.argv.index("--output_dir") + 1] if spec["side"] == "ours" else None
-        rows.append({"row": spec["row"], "side": spec["side"], **got.row(got.step_times(out_dir, opts["batch"])),
-                     "log": side.log})
-        if spec["row"] == "full" and spec["side"] == "ours" and got.returncode == 0:
-            rows[-1].update(_full_checks(out_dir))
+    specs = [s for s in _sides(opts, opts["cache"], data) if s["side"] in opts["sides"]]
+    sides = [Side(f"{s['row']}/{s['side']}", s["argv"], cap_bytes=s.get("cap"), timeout=opts["timeout"],
+                  cwd=opts["work"], log=os.path.join(opts["work"], f"{s['row']}-{s['side']}.log"),
+                  offload_paths=[os.path.join(opts["work"], d) for d in ("nvme-lora", "nvme-full")]) for s in specs]
+    rows = whole_rows(sides, [{"row": s["row"], "side": s["side"]} for s in specs], drop=[opts["cache"]],
+                      batch=opts["batch"], compare=False)
+    for r, side in zip(rows, sides):
+        r["log"] = side.log
+        if (r["row"], r["side"], r["returncode"]) == ("full", "ours", 0):
+            r.update(_full_checks(side.argv[side.argv.index("--output_dir") + 1]))
     if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
     for r in rows:
@@ -307,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
         if r["side"] == "ours" and r["row"] in plain:
-            add_ratios([r], plain[r["row"]], {"peak_ratio": "peak_mib", "wall_ratio": "wall_s", "step_ratio": "step_s"})
+            add_ratios([r], plain[r["row"]], WHOLE_RATIOS)
     notes = [f"{r['row']}/{r['side']}: {r.get('command') or r.get('note')}" for r in rows]
     notes += [f"{r['row']}/{r['side']}: losses {r['losses']}, exported pipeline {r['pipeline']}"
               for r in rows if "pipeline" in r]

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 
-from .harness import Side, add_ratios, drop_cached, fast_optimizer, log_step, publish, run_side, tool_main
+from .harness import Side, fast_optimizer, log_step, publish, tool_main, whole_rows
 
 __all__ = ["MODULE", "add_shape_arguments", "add_whole_arguments", "encoder_models", "main", "noise_loss",
            "plain_loop", "plain_step", "run_whole", "unet_model", "whole_commands", "write_pipeline"]
@@ -110,10 +110,8 @@ def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
 
 
 def whole_commands(opts: dict, work: str) -> list[dict]:
-    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`), each a side (`run_side`: the
-    whole process tree in its own memory cgroup; ours under `--cap_mib` when given), on a pipeline folder of
-    `opts`' shapes written in `work`. Every input file is dropped from the page cache before each side, so each
-    reads (and is charged for) its own. Step time: the median of the steps after the first."""
+    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`; the nvme one under `--cap_mib`)
+    side by side (`whole_rows`) on a pipeline folder of `opts`' shapes written in `work`."""
     from ...diffusion.sample_data import write_sample_data
 
     base, data = os.path.join(work, "base"), os.path.join(work, "data")
@@ -134,18 +132,8 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
             "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
             "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")],
             cap_bytes=cap if tier == "nvme" else None, log=os.path.join(work, f"ours-{len(sides)}.log"), **held))
-    rows = []
-    for side in sides:
-        drop_cached(work)
-        got = run_side(side)
-        if got.returncode != 0 and not got.oom_killed:
-            with open(side.log, errors="replace") as f:
-                raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n"
-                                   f"{f.read()[-3000:]}")
-        out_dir = None if side.name == "plain" else side.argv[side.argv.index("--output_dir") + 1]
-        rows.append({"variant": side.name, "cap_mib": None, **got.row(got.step_times(out_dir, opts["batch"]))})
-    add_ratios(rows[1:], rows[0], {"peak_ratio": "peak_mib", "wall_ratio": "wall_s", "step_ratio": "step_s"})
-    return rows
+    return whole_rows(sides, [{"variant": s.name, "cap_mib": None} for s in sides], drop=[work], batch=opts["batch"],
+                      strict=True)
 
 
 def run_whole(opts: dict, args: argparse.Namespace) -> int:

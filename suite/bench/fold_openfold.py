@@ -29,17 +29,10 @@ class PlddtMismatch(ValueError):
     """The two sides' mean pLDDTs differ: they did not compute the same thing, so no ratio means anything."""
 
 
-# ---- the stand-in for OpenFold's CUDA softmax ---------------------------------------------------------------
-
-
 def standin_softmax_(a, rows: int, cols: int) -> None:
-    """Softmax over the last dimension of `a`, in place: the signature of OpenFold's CUDA extension
-    `attn_core_inplace_cuda.forward_(a, rows, cols)`, which treats `a` as `rows` x `cols` contiguous values.
-
-    Same arithmetic as that kernel: subtract the row's maximum, exponentiate, divide by the row's sum, with no
-    special case. So a -inf entry in a row with a finite maximum becomes 0 (as in `torch.softmax`), and a row
-    that is all -inf becomes NaN (0/0, also as in `torch.softmax`); OpenFold's own masks are a finite -1e5 or
-    -1e9, so its rows never are. No full-size temporary: only the per-row maximum and sum are allocated."""
+    """Softmax over the last dimension of `a` in place, as OpenFold's CUDA `attn_core_inplace_cuda.forward_(a,
+    rows, cols)` computes it (`a` as `rows` x `cols` values; subtract the row's maximum, exponentiate, divide by
+    the sum: an all -inf row is NaN, as in `torch.softmax`). No full-size temporary."""
     if rows * cols != a.numel():
         raise ValueError(f"attn_core_inplace_cuda stand-in: {rows} x {cols} != {a.numel()} elements")
     x = a.view(rows, cols)  # the same storage (raises where `a` is not laid out as rows x cols)
@@ -48,8 +41,7 @@ def standin_softmax_(a, rows: int, cols: int) -> None:
 
 
 def _install_softmax() -> str:
-    """Make `import attn_core_inplace_cuda` work: the real extension where it imports, else the stand-in.
-    Returns which one."""
+    """Make `import attn_core_inplace_cuda` work: the real extension where it imports, else the stand-in; which."""
     try:
         import attn_core_inplace_cuda  # noqa: F401
         return "attn_core_inplace_cuda (OpenFold's CUDA extension)"
@@ -57,27 +49,23 @@ def _install_softmax() -> str:
         reason = "not installed" if getattr(exc, "name", None) == "attn_core_inplace_cuda" else f"{exc}"
     module = types.ModuleType("attn_core_inplace_cuda")
     module.forward_ = standin_softmax_
-    module.__doc__ = "suite bench fold-model's CPU stand-in for OpenFold's in-place softmax (forward only)"
     sys.modules["attn_core_inplace_cuda"] = module
     return f"suite's stand-in softmax (attn_core_inplace_cuda {reason})"
 
 
-# ---- inputs -----------------------------------------------------------------------------------------------
-
-
-def _tiny_config():
+def _config(preset: str, tiny: bool):
     from ...fastfold.model import config
 
-    return config.tiny()
+    return config.tiny() if tiny else config.preset(preset)
 
 
 def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: int, tiny: bool = False,
                  seed: int = 0) -> dict[str, str]:
-    """Random parameters (AlphaFold's `.npz` layout) and a feature batch (`torch.save`) for one n_res in `folder`;
-    reused when a previous call wrote the same settings there. Returns {"params": path, "features": path}."""
+    """Random parameters (AlphaFold's `.npz` layout) and a feature batch (`torch.save`) for one n_res in `folder`,
+    reused where an earlier call wrote the same settings: {"params": path, "features": path}."""
     import torch
 
-    from ...fastfold.model import AlphaFold, config
+    from ...fastfold.model import AlphaFold
     from ...fastfold.model.testing import random_batch, randomize_parameters
     from ...fastfold.params import save_params
 
@@ -85,62 +73,46 @@ def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: i
     name = "tiny" if tiny else preset
     params = os.path.join(folder, f"params_{name}.npz")
     features = os.path.join(folder, f"features_{name}_r{n_res}_s{n_seq}_e{n_extra}_t{N_TEMPL}_seed{seed}.pt")
-    meta_path = params + ".json"
     meta = {"preset": preset, "tiny": tiny, "seed": seed}
-    cfg = _tiny_config() if tiny else config.preset(preset)
+    cfg = _config(preset, tiny)
     try:
-        with open(meta_path) as f:
+        with open(params + ".json") as f:
             reuse = json.load(f) == meta and os.path.isfile(params)
     except (OSError, ValueError):
         reuse = False
     if not reuse:
-        model = randomize_parameters(AlphaFold(cfg), seed=seed)
-        save_params(model, params)
-        del model
+        save_params(randomize_parameters(AlphaFold(cfg), seed=seed), params)
         gc.collect()
-        write_text(meta_path, json.dumps(meta))
+        write_text(params + ".json", json.dumps(meta))
     if not os.path.isfile(features):
-        batch = random_batch(cfg, n_res=n_res, n_seq=n_seq, n_extra=n_extra, n_templ=N_TEMPL, n_recycle=0, seed=seed)
-        tmp = features + ".tmp"
-        torch.save(batch, tmp)
-        os.replace(tmp, features)
+        torch.save(random_batch(cfg, n_res=n_res, n_seq=n_seq, n_extra=n_extra, n_templ=N_TEMPL, n_recycle=0,
+                                seed=seed), features + ".tmp")
+        os.replace(features + ".tmp", features)
     return {"params": params, "features": features}
 
 
-def _read_through(paths) -> None:
-    """Read each file once, so both sides find it in the page cache (the first reader would pay otherwise)."""
-    for path in paths:
-        with open(path, "rb") as f:
-            while f.read(1 << 24):
-                pass
+# ---- the children: `python -m lowmem.suite.bench.fold_openfold JSON` ----------------------------------------
 
 
-# ---- the children -----------------------------------------------------------------------------------------
-
-
-def _finish(side: str, t_ready: float, forward_s: float, plddt, device, extra: dict) -> int:
+def _forward_and_finish(side: str, model, batch, device, *call_args, **extra) -> int:
+    """Time one pass (the model and batch already on `device`) and emit the side's line; its peak is VmHWM, its
+    own (ru_maxrss would carry the bench's peak across fork and exec)."""
     import torch
 
-    # VmHWM, this process's own: ru_maxrss would carry the bench's peak across fork and exec
-    result = {"side": side, "load_s": t_ready - _T_START, "forward_s": forward_s,
-              "plddt": float(plddt.float().mean().item()), "device": device.type, "threads": torch.get_num_threads(),
-              "child_maxrss_bytes": hwm_bytes(), **extra}
-    if device.type == "cuda":
-        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    emit(result)
-    return 0
-
-
-def _forward(model, batch, device, *call_args):
-    import torch
-
+    t_ready = time.perf_counter()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
         out = model(batch, *call_args)
         sync()
-    return out, time.perf_counter() - t0
+    result = {"side": side, "load_s": t_ready - _T_START, "forward_s": time.perf_counter() - t0,
+              "plddt": float(out["plddt"].float().mean().item()), "device": device.type,
+              "threads": torch.get_num_threads(), "child_maxrss_bytes": hwm_bytes(), **extra}
+    if device.type == "cuda":
+        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    emit(result)
+    return 0
 
 
 def _child_ours(opts: argparse.Namespace) -> int:
@@ -151,11 +123,10 @@ def _child_ours(opts: argparse.Namespace) -> int:
     from ...fastfold.params import from_params
 
     device = torch_device(opts.device)
-    model = from_params(opts.params, _tiny_config() if opts.tiny else opts.preset).eval().to(device)
+    model = from_params(opts.params, _config(opts.preset, opts.tiny)).eval().to(device)
     batch = {k: v.to(device) for k, v in torch.load(opts.features, weights_only=True).items()}
-    t_ready = time.perf_counter()
-    out, seconds = _forward(model, batch, device, InferenceOptions(chunk_size=opts.chunk_size, residual="in_place"))
-    return _finish("ours", t_ready, seconds, out["plddt"], device, {})
+    return _forward_and_finish("ours", model, batch, device, InferenceOptions(chunk_size=opts.chunk_size,
+                                                                              residual="in_place"))
 
 
 def _openfold_imports(paths: list[str]) -> tuple[str, dict]:
@@ -167,10 +138,9 @@ def _openfold_imports(paths: list[str]) -> tuple[str, dict]:
     from openfold.model.model import AlphaFold
     from openfold.utils.import_weights import import_jax_weights_
 
-    api = {"model_config": model_config, "AlphaFold": AlphaFold, "import_jax_weights_": import_jax_weights_,
-           "atom37_to_torsion_angles": atom37_to_torsion_angles,
-           "where": os.path.dirname(os.path.abspath(openfold.__file__))}
-    return softmax, api
+    return softmax, {"model_config": model_config, "AlphaFold": AlphaFold, "import_jax_weights_": import_jax_weights_,
+                     "atom37_to_torsion_angles": atom37_to_torsion_angles,
+                     "where": os.path.dirname(os.path.abspath(openfold.__file__))}
 
 
 def _openfold_features(batch: dict, atom37_to_torsion_angles) -> dict:
@@ -194,17 +164,13 @@ def _child_openfold(opts: argparse.Namespace) -> int:
     device = torch_device(opts.device)
     c = of["model_config"](opts.preset)
     c.globals.chunk_size = opts.chunk_size
-    c.model.template.template_pair_stack.tune_chunk_size = False
-    c.model.extra_msa.extra_msa_stack.tune_chunk_size = False
-    c.model.evoformer_stack.tune_chunk_size = False
+    for stack in (c.model.template.template_pair_stack, c.model.extra_msa.extra_msa_stack, c.model.evoformer_stack):
+        stack.tune_chunk_size = False
     model = of["AlphaFold"](c).eval()
     of["import_jax_weights_"](model, opts.params, version=opts.preset)
-    model = model.to(device)
     batch = _openfold_features(torch.load(opts.features, weights_only=True), of["atom37_to_torsion_angles"])
-    batch = {k: v.to(device) for k, v in batch.items()}
-    t_ready = time.perf_counter()
-    out, seconds = _forward(model, batch, device)
-    return _finish("openfold", t_ready, seconds, out["plddt"], device, {"softmax": softmax, "openfold": of["where"]})
+    return _forward_and_finish("openfold", model.to(device), {k: v.to(device) for k, v in batch.items()}, device,
+                               softmax=softmax, openfold=of["where"])
 
 
 def _child_probe(opts: argparse.Namespace) -> int:
@@ -220,36 +186,34 @@ def _child_probe(opts: argparse.Namespace) -> int:
 
 _CHILD_DEFAULTS = {"params": None, "features": None, "preset": "model_1_ptm", "chunk_size": 4, "threads": 2,
                    "device": "cpu", "path": [], "tiny": False}
-"""A child's settings (`path`: folders put first on sys.path on OpenFold's side; `tiny`: ours on `config.tiny()`)."""
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    """`python -m lowmem.suite.bench.fold_openfold JSON`: one side ("ours", "openfold", "probe") of the comparison."""
-    spec = json.loads((argv or sys.argv[1:])[0])
-    opts = argparse.Namespace(**{**_CHILD_DEFAULTS, **spec})
+    """One side ("ours", "openfold", "probe") of the comparison, its settings a JSON object (`_CHILD_DEFAULTS`)."""
+    opts = argparse.Namespace(**{**_CHILD_DEFAULTS, **json.loads((argv or sys.argv[1:])[0])})
     return {"ours": _child_ours, "openfold": _child_openfold, "probe": _child_probe}[opts.side](opts)
 
 
 # ---- the parent -------------------------------------------------------------------------------------------
 
 
-def _child_argv(side: str, **opts) -> list[str]:
-    return [sys.executable, "-m", __name__, json.dumps({"side": side, **opts})]
+def _child(name: str, side: str, measure: bool = True, **opts) -> Side:
+    return Side(name, [sys.executable, "-m", __name__, json.dumps({"side": side, **opts})], env=safe_env(),
+                measure=measure)
 
 
 def run_one(side: str, *, timeout: float | None = None, use_cgroup: bool = True, **opts) -> dict:
-    """Run one side's child to its exit, measured as a whole process (`harness.run_side`); its JSON line plus
-    `wall_s`, `peak_bytes` and `method`. A crash is a RuntimeError with the end of its stderr."""
-    got = run_side(Side(f"fold-model --openfold: the {side} side", _child_argv(side, **opts), timeout=timeout,
-                        env=safe_env(), use_cgroup=use_cgroup))
+    """One side's child run to its exit, measured as a whole process (`harness.run_side`): its JSON line plus
+    `wall_s`, `peak_bytes` and `method`; a crash is a RuntimeError with the end of its stderr."""
+    child = _child(f"fold-model --openfold: the {side} side", side, **opts)
+    child.timeout, child.use_cgroup = timeout, use_cgroup
+    got = run_side(child)
     return {**got.result(), "wall_s": got.wall_s, "peak_bytes": got.peak_bytes, "method": got.method}
 
 
 def compare(runs: list[dict], tolerance: float = PLDDT_TOLERANCE) -> list[dict]:
-    """Per n_res: the medians of each side's runs and the ratios ours / OpenFold (whole-process wall time,
-    forward time, load time, whole-process peak). `runs` are the children's results with `n_res`, `side`
-    ("ours" / "openfold"), `wall_s`, `forward_s`, `load_s`, `peak_bytes`, `plddt`. Raises `PlddtMismatch` when
-    any run's mean pLDDT differs from any run of the other side by `tolerance` or more, or a side has no run."""
+    """Per n_res: each side's medians (wall, forward, load, peak) and the ratios ours / OpenFold. `PlddtMismatch`
+    when a run's mean pLDDT differs from one of the other side by `tolerance` or more, or a side has no run."""
     rows = []
     for n_res in sorted({r["n_res"] for r in runs}):
         side = {s: [r for r in runs if r["n_res"] == n_res and r["side"] == s] for s in ("ours", "openfold")}
@@ -261,10 +225,8 @@ def compare(runs: list[dict], tolerance: float = PLDDT_TOLERANCE) -> list[dict]:
             raise PlddtMismatch(
                 f"n_res {n_res}: mean pLDDT ours {side['ours'][0]['plddt']:.4f} vs OpenFold "
                 f"{side['openfold'][0]['plddt']:.4f} (|diff| {diff:.3g} >= {tolerance:g})")
-        med = {s: {k: float(statistics.median([r[k] for r in rs])) for k in ("wall_s", "forward_s", "load_s",
-                                                                           "peak_bytes")}
-               for s, rs in side.items()}
-        o, f = med["ours"], med["openfold"]
+        o, f = ({k: float(statistics.median([r[k] for r in side[s]]))
+                 for k in ("wall_s", "forward_s", "load_s", "peak_bytes")} for s in ("ours", "openfold"))
         row = {"n_res": n_res, "runs": len(side["ours"])}
         for key, name in (("wall_s", "wall"), ("forward_s", "forward"), ("load_s", "load")):
             row.update({f"ours_{key}": o[key], f"openfold_{key}": f[key], f"{name}_ratio": o[key] / f[key]})
@@ -306,26 +268,14 @@ def _pythonpath(args: argparse.Namespace) -> list[str]:
 
 
 def _probe(args: argparse.Namespace, paths: list[str]) -> dict:
-    probe = run_side(Side("fold-model --openfold: importing openfold", _child_argv("probe", path=paths),
-                          env=safe_env(), measure=False)).result()
+    probe = run_side(_child("fold-model --openfold: importing openfold", "probe", False, path=paths)).result()
     if not probe["ok"]:
         missing = probe.get("missing") or ""
         if missing.split(".")[0] == "openfold":
-            raise UsageError(f"--openfold {args.openfold}: openfold is not importable from there "
-                             f"({probe['error']})")
+            raise UsageError(f"--openfold {args.openfold}: openfold is not importable from there ({probe['error']})")
         raise UsageError(f"--openfold {args.openfold}: openfold needs {missing or probe['error']!r}, not importable; "
                          "add its folder with --openfold_pythonpath")
     return probe
-
-
-def _blocks(args: argparse.Namespace) -> str:
-    from ...fastfold.model import config
-
-    cfg = config.preset(args.preset)
-    templates = "no templates"
-    if cfg.template.enabled:
-        templates = f"{cfg.template.num_blocks} template blocks, {N_TEMPL} templates"
-    return f"{cfg.evoformer.num_blocks} Evoformer, {cfg.extra_msa.num_blocks} extra-MSA, {templates}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,18 +284,19 @@ def run(args: argparse.Namespace) -> int:
     paths = [os.path.abspath(args.openfold), *(os.path.abspath(p) for p in _pythonpath(args))]
     probe = _probe(args, paths)
     tmp = None if args.inputs_dir else tempfile.TemporaryDirectory(prefix="lowmem-fold-openfold-")
-    folder = args.inputs_dir or tmp.name
     runs: list[dict] = []
     try:
         for n_res in args.n_res:
-            inputs = write_inputs(folder, preset=args.preset, n_res=n_res, n_seq=args.n_seq, n_extra=args.n_extra)
-            _read_through(inputs.values())
-            common = dict(params=inputs["params"], features=inputs["features"], preset=args.preset,
-                          chunk_size=chunk, threads=args.threads, device=args.device)
+            inputs = write_inputs(args.inputs_dir or tmp.name, preset=args.preset, n_res=n_res, n_seq=args.n_seq,
+                                  n_extra=args.n_extra)
+            for path in inputs.values():  # read once, so both sides find it in the page cache
+                with open(path, "rb") as f:
+                    while f.read(1 << 24):
+                        pass
             for i in range(args.repeat):
                 for side in ("ours", "openfold"):
-                    extra = {"path": paths} if side == "openfold" else {}
-                    got = run_one(side, **common, **extra)
+                    got = run_one(side, **inputs, preset=args.preset, chunk_size=chunk, threads=args.threads,
+                                  device=args.device, **({"path": paths} if side == "openfold" else {}))
                     runs.append({"n_res": n_res, "run": i + 1, **got})
                     print(f"  n_res {n_res} run {i + 1} {side}: wall {got['wall_s']:.1f} s, forward "
                           f"{got['forward_s']:.1f} s, peak {got['peak_bytes'] / 2**20:.0f} MiB, "
@@ -364,7 +315,10 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {**payload, "error": f"pLDDT mismatch: {exc}"})
         print(f"fold-model --openfold: MEAN pLDDT DISAGREES, the comparison is void: {exc}", file=sys.stderr)
         return 1
-    title = (f"whole process, ours vs OpenFold ({probe['openfold']}): {args.preset} at full size ({_blocks(args)}), "
+    cfg = _config(args.preset, False)
+    blocks = f"{cfg.evoformer.num_blocks} Evoformer, {cfg.extra_msa.num_blocks} extra-MSA, " + (
+        f"{cfg.template.num_blocks} template blocks, {N_TEMPL} templates" if cfg.template.enabled else "no templates")
+    title = (f"whole process, ours vs OpenFold ({probe['openfold']}): {args.preset} at full size ({blocks}), "
              f"{args.n_seq} MSA rows, {args.n_extra} extra rows, chunk_size={chunk}, {args.threads} threads, "
              f"device {runs[0]['device']}; peak: {method}; OpenFold's softmax: {softmax}")
     publish(args, {**payload, "summary": summary}, [

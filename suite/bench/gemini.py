@@ -1,8 +1,5 @@
 """`suite bench gemini`: Gemini against torch FSDP2, DDP and ZeRO-2 (per-rank peak memory, step time), and
-`--ram-budget`: the largest model that trains within a RAM budget using the NVMe tier. The method (what `peak` and
-`charged` span, the baselines) is docs/gemini.md, "Benchmark", and docs/benchmarks.md; the flags `--offload_tier cpu`,
-`--cap_gib` and `--memory_snapshot` are the GPU proof's rows (`suite bench gpu`).
-"""
+`--ram-budget`: the largest model that trains within a RAM budget on the NVMe tier (method: docs/gemini.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +13,12 @@ import tempfile
 from ..errors import UsageError
 from .harness import (
     count,
-    ddp_options,
     emulate_card,
     fast_optimizer,
     names,
-    optimizer_impl,
     peak_over,
     publish,
+    ran,
     ratio,
     step_times,
     torch_baseline,
@@ -61,10 +57,7 @@ def _mlp(params: int, width: int):
     import torch.nn as nn
 
     layers = max(1, round(params / (width * width + width)))
-    mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*mods)
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
 
 
 def _wrap(strategy: str, model, opt, extra: dict):
@@ -135,11 +128,8 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
         snapshot = _gzipped(snapshot)
-    optimizer = "gemini fused Adam" if strategy in ("gemini", *ALSO) else f"torch Adam {optimizer_impl()}"
-    if strategy == "ddp":
-        optimizer += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
     return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": sorted(times)[len(times) // 2],
-            "report": report, "charged": charged, "memory_method": meter.method, "baseline": optimizer,
+            "report": report, "charged": charged, "memory_method": meter.method, "baseline": ran(strategy),
             **({"card": card} if card else {}), **({"snapshot": snapshot} if snapshot else {})}
 
 

@@ -1,17 +1,12 @@
 """The one bench harness: a bench is its rows and its sides; this module runs the sides and publishes the rows.
 
-- Sides run as processes of their own (`Side`, `run_side`): start to exit inside an optional memory cgroup with a
-  cap (page cache charged, the kernel kills past it; `suite.bench.memory`), the peak and wall time collected,
-  stdout/stderr to a log or captured, the JSON lines a side prints (`emit`) and its per-step times (`log_step`, or
-  the run's CSV log) read back (`SideRun`, whose `row()` is a whole-command side's row). Sides that run as ranks
-  (`core_parallel.run_on_ranks`) time their steps with `step_times` (one call: `timed`), take a span's peak with
-  `peak_over` and the charged memory with `memory.SideMeter`; `torch_device` and `pin_to_core` place them.
-- Baselines at their best as users run them: `fast_optimizer` (fused, else foreach), `ddp_options`, `torch_baseline`.
-- Rows are dicts; `ratio` and `add_ratios` compare a side with its baseline; `publish` prints every table, writes
-  the JSON (`--json`, machine info added), the Markdown tables (`--markdown`) and a plot of the ratios (`--plot`).
-- Flag parsers shared by the benches: `int_list`, `count`, `names`.
+Sides run as processes of their own (`Side`, `run_side`: a memory cgroup under an optional cap, a time limit, the
+peak and wall time, what they printed, `emit`ted JSON lines and `log_step` per-step times read back); whole
+commands side by side: `whole_rows`. Sides that run as ranks time steps with `step_times` and take peaks with
+`peak_over` / `memory.SideMeter`; `worst` folds the ranks. Baselines at their best: `fast_optimizer`,
+`ddp_options`, `torch_baseline` (`ran` names what ran). `publish` prints the tables and writes `--json`,
+`--markdown` and `--plot`; `add_ratios` compares rows with their baseline.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -33,12 +28,12 @@ from typing import Any
 
 from .memory import hwm_bytes, reset_peak_rss, run_command
 
-__all__ = ["SUITE", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
+__all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
            "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card", "fast_optimizer", "int_list",
            "kill_group", "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl",
-           "peak_over", "pin_to_core", "plot", "publish", "ratio", "run_side", "safe_env", "step_seconds",
-           "step_times", "text_table", "time_fn", "timed", "tool_main", "torch_baseline", "torch_device", "write_json",
-           "write_text"]
+           "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side", "safe_env", "step_seconds",
+           "step_times", "text_table", "time_fn", "timed", "tool_main", "torch_baseline", "torch_device",
+           "whole_rows", "worst", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -93,7 +88,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def step_times(step: Callable[[], Any], steps: int, *, warmup: int = 0, sync: Callable[[], None] | None = None,
                before: Callable[[], Any] | None = None) -> list[float]:
-    """Seconds of each of `steps` calls of `step()` after `warmup` untimed ones (`sync` after each on a GPU;
+    """Seconds of each of `steps` calls of `step()` after `warmup` untimed ones (`sync` after each, timed;
     `before` each, untimed: a barrier between ranks)."""
     times = []
     for i in range(warmup + steps):
@@ -136,9 +131,8 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3,
 
 
 def fast_optimizer(cls: type, params: Any, **kwargs: Any) -> tuple[Any, str]:
-    """`cls(params, fused=True, **kwargs)` where this build and device have the fused kernel, else `foreach=True`,
-    else the per-tensor loop: a baseline at its best, as its users would run it. Returns (optimizer, which ran:
-    "fused", "foreach" or "for-loop")."""
+    """`cls(params, **kwargs)` fused where this build and device can, else foreach, else the per-tensor loop (a
+    baseline at its best): (optimizer, "fused" | "foreach" | "for-loop")."""
     params = list(params)
     for flag in ("fused", "foreach"):
         try:
@@ -155,14 +149,26 @@ def optimizer_impl(cls: type | None = None) -> str:
     return fast_optimizer(cls or torch.optim.Adam, [torch.nn.Parameter(torch.zeros(1))])[1]
 
 
+def ran(strategy: str, optimizer: str = "Adam") -> str:
+    """What a side ran, for its row: Gemini's fused Adam, else torch's `optimizer` as `fast_optimizer` picks it
+    (and DDP's options)."""
+    if strategy.startswith("gemini"):
+        return "gemini fused Adam"
+    import torch
+
+    label = f"torch {optimizer} {optimizer_impl(getattr(torch.optim, optimizer))}"
+    return label + (", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")" if strategy == "ddp"
+                    else "")
+
+
 def ddp_options() -> dict[str, Any]:
     """Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
     return {"gradient_as_bucket_view": True}
 
 
 def torch_baseline(strategy: str, model: Any, lr: float = 1e-4) -> tuple[Any, Any]:
-    """`model` under torch DDP (`ddp_options`) or FSDP2 (`fully_shard` on each layer that has parameters, then on
-    the whole), with torch's Adam at its best (`fast_optimizer`): (model, optimizer), as their users run them."""
+    """(model, Adam at its best) under torch DDP (`ddp_options`) or FSDP2 (`fully_shard` on each layer with
+    parameters, then on the whole), as their users run them."""
     import torch
 
     if strategy == "ddp":
@@ -264,8 +270,8 @@ def drop_cached(folder: str) -> None:
 
 
 def tool_main(tools: dict[str, Callable[..., Any]], argv: Sequence[str] | None = None) -> int:
-    """`python -m MODULE NAME ARG... [--key value ...]`: `tools[NAME](*ARGS, key=value, ...)`, each value read as the
-    type of that keyword's default (a bench's whole-process sides and tools)."""
+    """`python -m MODULE NAME ARG... [--key value ...]`: `tools[NAME](*ARGS, key=value, ...)`, each value of its
+    default's type (a bench's whole-process sides)."""
     import inspect
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -301,11 +307,9 @@ def safe_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class Side:
-    """One side of a row as a process of its own: its command and how it is held.
-
-    `cap_bytes`: a memory cgroup limit (page cache included). `measure`: False runs it without a memory figure
-    (a side that measures itself inside). `log`: a file for stdout and stderr (else both are captured, or with
-    `capture` False left on this process's own)."""
+    """One side of a row as a process of its own. `cap_bytes`: its memory cgroup's limit (page cache included);
+    `measure` False: no memory figure (it measures itself); `log`: a file for its output (else captured, or with
+    `capture` False left on ours)."""
 
     name: str
     argv: list[str]
@@ -322,8 +326,8 @@ class Side:
 
 @dataclass
 class SideRun:
-    """What a side left: exit code (None: killed at its time limit), the process tree's peak and how it was
-    taken, wall seconds, whether the kernel killed it for memory, and what it printed."""
+    """What a side left: exit code (None: killed at its time limit), peak and its method, wall seconds, whether
+    the kernel killed it for memory, what it printed."""
 
     side: Side
     returncode: int | None
@@ -380,8 +384,7 @@ class SideRun:
         return f"exit code {self.returncode}: {last[0][:160]}".rstrip(": ")
 
     def row(self, times: Sequence[float] = ()) -> dict:
-        """The side's row as the whole-command benches publish it; `times`: its per-step seconds (the median is
-        taken over the steps after the first, a warm-up)."""
+        """A whole-command side's row; `times`: its per-step seconds (the median over those after the first)."""
         out = {"returncode": self.returncode, "peak_mib": mib(self.peak_bytes), "wall_s": self.wall_s,
                "method": self.method, "oom_killed": self.oom_killed, "step_times_s": list(times),
                "step_s": median(times[1:]), "command": " ".join(self.side.argv)}
@@ -409,8 +412,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_side(side: Side) -> SideRun:
-    """Run `side` to its exit (or its time limit: then its whole process group is ended and what it printed is
-    kept). Measured: in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
+    """Run `side` to its exit or its time limit (then its process group is ended, what it printed kept); measured
+    in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
     log = open(side.log, "w") if side.log else None  # noqa: SIM115 - closed below
     captured = log is None and side.capture
     out = log or (tempfile.TemporaryFile("w+") if captured else None)
@@ -419,8 +422,7 @@ def run_side(side: Side) -> SideRun:
     try:
         if side.measure:
             try:
-                    got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup,
-                                  cap_bytes=side.cap_bytes,
+                got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup, cap_bytes=side.cap_bytes,
                                   offload_paths=side.offload_paths, env=side.env, cwd=side.cwd, stdout=out,
                                   stderr=subprocess.STDOUT if log else err, start_new_session=True)
             except subprocess.TimeoutExpired:
@@ -448,6 +450,34 @@ def run_side(side: Side) -> SideRun:
         for f in {id(out): out, id(err): err}.values():
             if f is not None:
                 f.close()
+
+
+def whole_rows(sides: Sequence[Side], labels: Sequence[dict] | None = None, *, drop: Sequence[str] = (),
+               batch: int = 1, strict: bool = False, compare: bool = True) -> list[dict]:
+    """Whole commands side by side: each side run (`run_side`) after `drop`'s files left the page cache (so it
+    reads, and is charged for, its inputs itself); its row (`labels`, default its name, then `SideRun.row` with
+    its per-step times: the `suite diffusion` CSV log of its `--output_dir`, else its `log_step` lines); with
+    `compare`, ratios against the first side. `strict`: a side that fails, not killed for memory, raises."""
+    rows = []
+    for i, side in enumerate(sides):
+        for folder in drop:
+            drop_cached(folder)
+        got = run_side(side)
+        if strict and got.returncode != 0 and not got.oom_killed:
+            text = got.stderr
+            if side.log:
+                with open(side.log, errors="replace") as f:
+                    text = f.read()
+            raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n{text[-3000:]}")
+        out = side.argv[side.argv.index("--output_dir") + 1] if "--output_dir" in side.argv else None
+        rows.append({**(labels[i] if labels else {"side": side.name}), **got.row(got.step_times(out, batch))})
+    if compare and rows:
+        add_ratios(rows[1:], rows[0], WHOLE_RATIOS)
+    return rows
+
+
+WHOLE_RATIOS = {"peak_ratio": "peak_mib", "wall_ratio": "wall_s", "step_ratio": "step_s"}
+"""The ratios of a whole-command side against its baseline (`whole_rows`)."""
 
 
 # ---- rows -----------------------------------------------------------------------------------------------------
@@ -543,9 +573,8 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 
 def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
-    """A bar chart of the rows' ratio columns (`*ratio*`, `*_vs_*`; every numeric column where there are none),
-    one group per row labelled by its first column (and its second where the first repeats), to `path` (PNG, SVG,
-    PDF by its suffix)."""
+    """A bar chart of the rows' ratio columns (`*ratio*`, `*_vs_*`; else every numeric one), a group per row
+    labelled by its first column (and its second where the first repeats), to `path` (PNG, SVG, PDF)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -596,3 +625,8 @@ def publish(args: argparse.Namespace, payload: dict[str, Any],
 def median(values: Sequence[float]) -> float | None:
     """The median, None for no values."""
     return statistics.median(values) if values else None
+
+
+def worst(per_rank: Sequence[dict], keys: Iterable[str]) -> dict:
+    """The first rank's result with each of `keys` replaced by its largest value over the ranks."""
+    return {**per_rank[0], **{k: max(r[k] for r in per_rank) for k in keys}}

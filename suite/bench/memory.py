@@ -1,12 +1,12 @@
 """Memory as the kernel charges it (a memory cgroup per side, else RSS plus the offload files' resident pages),
-and this process's resident memory. Every figure says how it was taken (`method`).
-"""
+and this process's resident memory; every figure says how it was taken (`method`)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import mmap
 import os
@@ -65,17 +65,24 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _glibc():
+@functools.cache
+def _libc():
+    """The C library with mmap, munmap and mincore typed; None where it does not load."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
 
 
 def fix_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
     """Fix glibc's mmap threshold (no dynamic growth), so freed large tensors leave the resident set and RSS
     follows live data; optionally its trim threshold. Does nothing without glibc."""
-    libc = _glibc()
+    libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
     libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
@@ -85,7 +92,7 @@ def fix_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> None:
 
 def malloc_trim() -> None:
     """Hand freed heap pages back to the OS (glibc); does nothing elsewhere."""
-    libc = _glibc()
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 
@@ -96,12 +103,9 @@ MMAP_THRESHOLD = 65536
 
 @contextlib.contextmanager
 def fixed_mmap_threshold() -> Iterator[None]:
-    """Processes started inside this block run with glibc's mmap threshold fixed at `MMAP_THRESHOLD`: large
-    blocks come straight from mmap and go back to the system when freed, so the peak resident set follows the
-    peak of live tensors instead of the heap's high-water mark. glibc reads `MALLOC_MMAP_THRESHOLD_` once when a
-    process starts, so the setting travels in this process's environment (spawned ranks and subprocesses inherit
-    it); this process's own allocator is unchanged (`fix_malloc` changes it), and the environment is restored
-    on exit. Timing passes run outside it: the default allocator's block reuse is what users get."""
+    """Processes started inside this block run with glibc's mmap threshold fixed at `MMAP_THRESHOLD` (through the
+    environment, which glibc reads at start): freed large blocks leave the resident set, so its peak follows live
+    tensors. This process's allocator is unchanged. Timing passes run outside it (users get the default)."""
     name = "MALLOC_MMAP_THRESHOLD_"
     saved = os.environ.get(name)
     os.environ[name] = str(MMAP_THRESHOLD)
@@ -272,32 +276,20 @@ class Cgroup:
                 time.sleep(0.02)  # exiting tasks leave the group a moment after wait() returns
 
 
-_method_cache: list[str] = []
-
-
+@functools.cache
 def cgroup_method() -> str:
     """How this machine's figures are taken: the cgroup method when a child group can be made, else rss+mincore."""
-    if not _method_cache:
-        group = Cgroup.create("probe")
-        _method_cache.append(group.method if group else _FALLBACK)
-        if group:
-            group.remove()
-    return _method_cache[0]
+    group = Cgroup.create("probe")
+    if group is None:
+        return _FALLBACK
+    group.remove()
+    return group.method
 
 
 # ---- page cache of files (mincore) -------------------------------------------------------------------------
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _WINDOW = 1 << 30  # map at most 1 GiB at a time: the vector of one byte per page stays small
-
-
-def _libc():
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    return libc
 
 
 def file_resident_bytes(path: str) -> int:
@@ -343,12 +335,9 @@ def files_resident_bytes(paths: Iterable[str]) -> int:
 
 
 class SideMeter:
-    """Memory of one measured side from inside its process(es).
-
-    With a cgroup: `enter()` moves this process into a fresh group (or `join(path)` into one made by the
-    parent), so what it allocates from then on is charged there, page cache included. Without: peak RSS
-    (VmHWM, reset by `reset()`) plus the most the offload files held in the page cache, sampled every
-    `interval` seconds by a thread."""
+    """Memory of one side measured from inside its process: `start()` moves it into a fresh cgroup (what it
+    allocates from then on is charged there, page cache included); without one, peak RSS (VmHWM) over the base
+    plus the most the offload files held in the page cache, sampled by a thread."""
 
     def __init__(self, offload_paths: Sequence[str] = (), interval: float = 0.05, use_cgroup: bool = True) -> None:
         self.offload_paths = list(offload_paths)
@@ -444,21 +433,18 @@ _INHERIT_MARGIN = 32 * 2**20
 
 
 def _inherited_peak_bytes() -> int:
-    """A bound on the peak a child of this process starts with in its rusage: this process's own `ru_maxrss` or
-    VmHWM, whichever is higher. (A forked child's counters start at the parent's resident set at the fork.)"""
+    """A bound on the ru_maxrss a child starts with: Linux carries it across fork and exec from this process."""
     return max(peak_rss_bytes(), hwm_bytes())
 
 
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
                 env: dict[str, str] | None = None, timeout: float | None = None, use_cgroup: bool = True,
                 cap_bytes: int | None = None, **popen: Any) -> dict[str, Any]:
-    """Run `argv` to its exit and return {"returncode", "peak_bytes", "method", "wall_s", ...}: the whole
-    process tree's memory from its first instruction to its exit (see the module doc).
-
-    `cap_bytes`: the cgroup's limit (page cache included; the kernel reclaims, then kills), reported back with
-    `cap_enforced` (False without a cgroup: then only the measured peak can be held against the cap) and
-    `oom_kills`. Past `timeout` the command (its process group with `start_new_session=True`) is killed and
-    `subprocess.TimeoutExpired` raised."""
+    """Run `argv` to its exit: {"returncode", "peak_bytes", "method", "wall_s", ...}, the whole process tree's
+    memory from its first instruction (a cgroup; else sampled tree RSS, the child's ru_maxrss where above what it
+    inherits, plus `offload_paths`' resident pages). `cap_bytes`: the cgroup's limit (page cache included), with
+    `cap_enforced` and `oom_kills`. Past `timeout` the command (and its process group with `start_new_session`) is
+    killed and `subprocess.TimeoutExpired` raised."""
     group = Cgroup.create("cmd") if use_cgroup or cap_bytes else None
     capped: dict[str, Any] = {}
     if cap_bytes:
@@ -466,11 +452,8 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
         if group is not None:
             group.set_limit(cap_bytes)
     t0 = time.perf_counter()
-    if group:
-        # the shell joins the group and execs the command, so every page of the command is charged there
+    if group:  # the shell joins the group, then execs the command: every page of it is charged there
         argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', group.procs, *argv]
-    # Linux carries a process's peak RSS across fork and exec: a child's ru_maxrss is at least what this process
-    # had when it started the child, so it only says something about the command when it is above that
     inherited = _inherited_peak_bytes()
     proc = subprocess.Popen(list(argv), env=env, **popen)
     sampled, files_max, maxrss = 0, 0, 0

@@ -7,7 +7,7 @@ import logging
 import time
 
 from ..errors import UsageError
-from .harness import add_ratios, ddp_options, fast_optimizer, publish
+from .harness import add_ratios, ddp_options, fast_optimizer, publish, ran
 from .memory import SideMeter, hwm_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -18,15 +18,14 @@ DEFAULT_STRATEGIES = "ddp,fsdp,zero2,gemini"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="processes per strategy (default 2)")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                        help=f"comma-separated strategy names (default {DEFAULT_STRATEGIES})")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--layers", type=int, default=8, help="MLP depth (default 8)")
-    parser.add_argument("--batch", type=int, default=16, help="per-rank batch size (default 16)")
-    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps (default 6)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--precision", default="32-true", help="Trainer precision (default 32-true)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes per strategy")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated strategy names")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width")
+    parser.add_argument("--layers", type=int, default=8, help="MLP depth")
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--precision", default="32-true", help="Trainer precision")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"],
                         help="cpu (gloo) or gpu (NCCL); auto picks gpu when CUDA is there")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
@@ -50,8 +49,7 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
             return nn.functional.mse_loss(self.net(x).float(), y)
 
         def configure_optimizers(self):
-            opt, self.optimizer_impl = fast_optimizer(torch.optim.AdamW, self.parameters(), lr=1e-4)
-            return opt
+            return fast_optimizer(torch.optim.AdamW, self.parameters(), lr=1e-4)[0]
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(self.global_rank)
@@ -113,12 +111,8 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     charged = meter.peak()
     meter.close()
     times = sorted(timer.times[args["warmup"]:])
-    impl = getattr(module, "optimizer_impl", "?")
-    ran = "gemini fused Adam" if name == "gemini" else f"torch AdamW {impl}"
-    if name == "ddp":
-        ran += ", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")"
     return {"peak_bytes": int(peak), "step_s": times[len(times) // 2] if times else float("nan"),
-            "charged_bytes": charged, "memory_method": meter.method, "ran": ran}
+            "charged_bytes": charged, "memory_method": meter.method, "ran": ran(name, "AdamW")}
 
 
 def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
@@ -133,16 +127,11 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
         logger.warning("%s did not run: %s", name, reason)
         return {"strategy": name, "status": f"n/a: {short}", "error": reason}
     peaks = [r["peak_bytes"] for r in per_rank]
-    return {
-        "strategy": name,
-        "status": "ok",
-        "peak_mb_max": max(peaks) / 2**20,
-        "peak_mb_per_rank": [round(p / 2**20, 1) for p in peaks],
-        "charged_mb_max": max(r["charged_bytes"] for r in per_rank) / 2**20,
-        "step_ms": 1e3 * max(r["step_s"] for r in per_rank),
-        "ran": per_rank[0]["ran"],
-        "memory_method": per_rank[0]["memory_method"],
-    }
+    return {"strategy": name, "status": "ok", "peak_mb_max": max(peaks) / 2**20,
+            "peak_mb_per_rank": [round(p / 2**20, 1) for p in peaks],
+            "charged_mb_max": max(r["charged_bytes"] for r in per_rank) / 2**20,
+            "step_ms": 1e3 * max(r["step_s"] for r in per_rank), "ran": per_rank[0]["ran"],
+            "memory_method": per_rank[0]["memory_method"]}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,17 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from .harness import (
-    add_ratios,
-    count,
-    fast_optimizer,
-    names,
-    optimizer_impl,
-    publish,
-    step_times,
-    torch_baseline,
-    torch_device,
-)
+from .harness import add_ratios, count, fast_optimizer, names, publish, ran, step_times, torch_baseline, torch_device
 from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -25,8 +15,7 @@ VARIANTS = ("ddp", "fsdp2", "zero1", "zero2")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="number of local processes (default 2)")
-    parser.add_argument("--params", type=count, default=count("20M"),
-                        help="model size, e.g. 20M or 200M (default 20M, quick on a laptop CPU)")
+    parser.add_argument("--params", type=count, default=count("20M"), help="model size, e.g. 20M or 200M")
     parser.add_argument("--width", type=int, default=None, help="hidden size of the Linear stack (default: chosen)")
     parser.add_argument("--batch", type=int, default=8, help="rows per rank per step (default 8)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
@@ -41,10 +30,7 @@ def _build(width: int, layers: int, device):
     from torch import nn
 
     torch.manual_seed(0)
-    blocks = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*blocks).to(device)
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh()))).to(device)
 
 
 def _wrap(variant: str, model, bucket_mb: float):
@@ -81,15 +67,13 @@ def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int
 
 def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,
           bucket_mb: float) -> dict:
-    """One variant on one rank: returns peak memory and the median step time."""
+    """One variant on one rank: peak memory and the median step time."""
     import torch
 
-    # glibc otherwise raises its mmap threshold after large frees and keeps freed gradient buckets in the
-    # heap, which inflates RSS; fixed at 1 MiB, RSS tracks live tensors (Linux only).
-    fix_malloc(1 << 20)
+    fix_malloc(1 << 20)  # freed gradient buckets leave the resident set: RSS tracks live tensors
     device = torch_device("auto", rank)
     cuda = device.type == "cuda"
-    # A tiny run first, so one-off runtime allocations (thread pools, comm buffers) are not counted.
+    # a tiny run first: one-off runtime allocations (thread pools, comm buffers) are not counted
     _steps(variant, _build(8, 1, device), 8, 1, bucket_mb, batch, cuda)
     base = torch.cuda.memory_allocated() if cuda else rss_bytes()
     meter = SideMeter().start()
@@ -97,9 +81,8 @@ def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: i
     peak = torch.cuda.max_memory_allocated() if cuda else hwm_bytes()  # own peak: ru_maxrss inherits the parent's
     charged = meter.peak()
     meter.close()
-    ran = f"torch Adam {optimizer_impl()}" + (", DDP(gradient_as_bucket_view=True)" if variant == "ddp" else "")
-    return {"peak_bytes": peak, "base_bytes": base, "step_s": times[len(times) // 2], "charged_bytes": charged,
-            "memory_method": meter.method, "ran": ran}
+    return {"peak_bytes": peak, "states_bytes": peak - base, "step_s": times[len(times) // 2],
+            "charged_bytes": charged, "memory_method": meter.method, "ran": ran(variant)}
 
 
 def _shape(params: int, width: int | None) -> tuple[int, int]:
@@ -123,12 +106,10 @@ def run(args: argparse.Namespace) -> int:
     for variant in args.variants:
         res = run_on_ranks(_rank, args.ranks, variant, width, layers, args.batch, args.steps, args.bucket_mb,
                            timeout=args.timeout, backend=backend, env={"OMP_NUM_THREADS": "1"})
-        states = max(r["peak_bytes"] - r["base_bytes"] for r in res)
-        rows.append({"variant": variant, "peak_MiB": max(r["peak_bytes"] for r in res) / 2**20,
-                     "states_MiB": states / 2**20, "bytes_per_param": states / n_params,
-                     "charged_MiB": max(r["charged_bytes"] for r in res) / 2**20,
-                     "step_s": max(r["step_s"] for r in res), "ran": res[0]["ran"],
-                     "memory_method": res[0]["memory_method"]})
+        r = {**res[0], **{k: max(x[k] for x in res) for k in ("peak_bytes", "states_bytes", "charged_bytes", "step_s")}}
+        rows.append({"variant": variant, "peak_MiB": r["peak_bytes"] / 2**20, "states_MiB": r["states_bytes"] / 2**20,
+                     "bytes_per_param": r["states_bytes"] / n_params, "charged_MiB": r["charged_bytes"] / 2**20,
+                     "step_s": r["step_s"], "ran": r["ran"], "memory_method": r["memory_method"]})
     add_ratios(rows, next((r for r in rows if r["variant"] == "ddp"), None),
                {"mem_vs_ddp": "states_MiB", "charged_vs_ddp": "charged_MiB", "time_vs_ddp": "step_s"}, float("nan"))
     title = (f"zero bench: {args.ranks} ranks ({backend}), {n_params / 1e6:.1f}M params ({layers} x Linear({width})), "
