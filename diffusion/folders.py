@@ -78,6 +78,12 @@ def _check_family(folder: Path, family: str, *, lora: bool, dreambooth: bool) ->
     if found == family:
         return
     what = f"{folder}: {FAMILY_NAMES[found]} pipeline ({told})"
+    if found in ("sd3", "flux"):
+        lora = "lora_" if lora else ""
+        raise InputError(f"{what}: this command trains {FAMILY_NAMES[family]}; use suite diffusion "
+                         f"train_dreambooth_{lora}{found}")
+    if family in ("sd3", "flux"):
+        raise InputError(f"{what}: this command trains {FAMILY_NAMES[family]} pipelines")
     if found == "sdxl":
         raise InputError(f"{what}: this command trains SD 1.x/2.x; use suite diffusion "
                          f"{_sdxl_command(lora, dreambooth)}")
@@ -191,6 +197,12 @@ def check_model_folder(folder: Path, family: str, *, vae_folder: Path | None = N
     load: the family (the command to use when it is another one), the scheduler, the VAE (`vae_folder`: a separate
     VAE folder). `lora` / `dreambooth` choose the command an error names."""
     _check_family(folder, family, lora=lora, dreambooth=dreambooth)
+    if family in ("sd3", "flux"):  # flow matching: the scripts build FlowMatchEulerDiscreteScheduler from it
+        name = str(_json(folder / "scheduler" / "scheduler_config.json").get("_class_name") or "")
+        if name and name != "FlowMatchEulerDiscreteScheduler":
+            raise InputError(f"{folder / 'scheduler' / 'scheduler_config.json'}: _class_name {name}: the SD3 / Flux "
+                             "scripts train with FlowMatchEulerDiscreteScheduler's sigmas; not supported")
+        return
     _check_latent_channels(folder)
     dreambooth_sdxl = family == "sdxl" and dreambooth  # train_dreambooth_lora_sdxl.py: EDM and latent statistics
     if (folder / "scheduler").is_dir():  # a folder missing it is refused by the loaders, naming the component

@@ -116,6 +116,12 @@ def _lora_layers(module: StableDiffusionFineTune, parts: dict[str, Any]) -> dict
     return lora_state_dicts(module.unet, te, unet_state=_sub(state, "unet."), text_state=_sub(state, "text_encoder."))
 
 
+def _folder_of(module: StableDiffusionFineTune, name: str) -> str:
+    """The pipeline subfolder of component `name`: the trained denoiser's is the module's `denoiser_folder`
+    (`transformer` for SD3 / Flux), else its own name."""
+    return getattr(module, "denoiser_folder", "unet") if name == "unet" else name
+
+
 def write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
     """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); call on every
     rank, rank 0 writes into `folder` (None on the others)."""
@@ -126,9 +132,9 @@ def write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
     if cfg.lora:
         parts = trained_state(module)
         if rank0:
-            save_lora_weights(folder, _lora_layers(module, parts))
+            getattr(module, "save_lora", save_lora_weights)(folder, _lora_layers(module, parts))
         return
-    write_component(module, "unet", folder / "unet" if rank0 else None)
+    write_component(module, "unet", folder / _folder_of(module, "unet") if rank0 else None)
     if cfg.train_text_encoder:
         write_component(module, "text_encoder", folder / "text_encoder" if rank0 else None)
     if module.ema is not None and rank0:
@@ -153,7 +159,7 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
         parts = trained_state(module)
         if not rank0:
             return out
-        path = save_lora_weights(out, _lora_layers(module, parts))
+        path = getattr(module, "save_lora", save_lora_weights)(out, _lora_layers(module, parts))
         logger.info("exported %s", path)
         return path
     drop = ["text_encoder"] if cfg.skip_save_text_encoder else []
@@ -166,10 +172,10 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
         stage = Path(tempfile.mkdtemp(dir=out, prefix=".trained-", suffix=".tmp")) if rank0 else None
         try:
             for name in names:
-                write_component(module, name, stage / name if rank0 else None)
+                write_component(module, name, stage / _folder_of(module, name) if rank0 else None)
             if not rank0:
                 return out
-            trained = {name: stage / name for name in names}
+            trained = {_folder_of(module, name): stage / _folder_of(module, name) for name in names}
             trained.update(module.extra_exports(stage) if hasattr(module, "extra_exports") else {})  # SDXL's VAE
             path = save_over_base(module.base_source, trained, out, drop=drop)
         finally:

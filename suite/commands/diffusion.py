@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .diffusion_flow import FLOW_COMMANDS, add_flow_scripts, run_flow
 from .diffusion_sdxl import add_sdxl_scripts, run_sdxl
 from .diffusion_shared import LAUNCH_SETTINGS, add_script_parser, run_summary
 
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for script in SCRIPTS:
         add_script_parser(sub, script, SCRIPTS[script], SCRIPT_FLAGS[script], flag_help)
     add_sdxl_scripts(sub)  # train_text_to_image_sdxl, train_text_to_image_lora_sdxl, train_dreambooth_lora_sdxl
+    add_flow_scripts(sub)  # train_dreambooth_{,lora_}sd3, train_dreambooth_{,lora_}flux
 
 
 def resolve_config_path(value: str) -> Path:
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `suite diffusion finetune` or one of the script commands."""
     if args.diffusion_command.endswith("_sdxl"):
         return run_sdxl(args)
+    if args.diffusion_command in FLOW_COMMANDS:
+        return run_flow(args)
     cfg = build_config(args)
     if cfg.ray_address:
         from ...recipes.diffusion import fit_with_ray

@@ -209,15 +209,16 @@ def test_finetune_on_an_sdxl_folder_names_the_sdxl_command(capsys, tmp_path, sdx
     ({}, "FluxTransformer2DModel", "Flux"),
 ])
 @pytest.mark.parametrize("command", ["finetune", "train_text_to_image_sdxl"])
-def test_sd3_and_flux_folders_are_not_supported_yet(capsys, tmp_path, image_folder, index, transformer, family,
-                                                    command):
+def test_sd3_and_flux_folders_name_their_commands(capsys, tmp_path, image_folder, index, transformer, family,
+                                                 command):
     folder = tmp_path / "model"
     (folder / "transformer").mkdir(parents=True)
     (folder / "model_index.json").write_text(json.dumps({**index, "transformer": ["diffusers", transformer]}))
     (folder / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer}))
     err = _cli_error(capsys, ["diffusion", command, "--pretrained_model_name_or_path", str(folder),
                               "--train_data_dir", str(image_folder), "--output_dir", str(tmp_path / "out")])
-    assert str(folder) in err and family in err and "not supported yet" in err, err
+    script = "train_dreambooth_sd3" if transformer.startswith("SD3") else "train_dreambooth_flux"
+    assert str(folder) in err and family in err and f"use suite diffusion {script}" in err, err
 
 
 def test_sdxl_command_on_an_sd_folder_names_the_sd_commands(capsys, tmp_path, sd_folder, image_folder):
