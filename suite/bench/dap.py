@@ -9,7 +9,7 @@ from ..errors import UsageError
 from .harness import int_list, peak_over, pin_to_core, publish, time_fn, torch_device
 from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
-__all__ = ["add_arguments", "dap_group", "fit_longest", "run", "search_longest"]
+__all__ = ["add_arguments", "dap_group", "fit_longest", "group_peak_mb", "run", "search_longest"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,15 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_seq", type=int, default=128, help="MSA rows")
     parser.add_argument("--blocks", type=int, default=2, help="Evoformer blocks")
     parser.add_argument("--chunk_size", type=int, default=None, help="chunk size inside each rank (default none)")
-    parser.add_argument(
-        "--residual", choices=["out_of_place", "in_place"], default="out_of_place", help="InferenceOptions.residual"
-    )
+    parser.add_argument("--residual", choices=["out_of_place", "in_place"], default="out_of_place",
+                        help="InferenceOptions.residual")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes after the memory pass (0: no timing)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
-    parser.add_argument(
-        "--affinity", choices=["pin", "none"], default="pin", help="cpu: pin rank r to the r-th allowed core"
-    )
+    parser.add_argument("--affinity", choices=["pin", "none"], default="pin",
+                        help="cpu: pin rank r to the r-th allowed core")
     parser.add_argument("--budget_mb", type=float, default=None, help="also find the longest N_res that fits")
     parser.add_argument("--budget_tol", type=int, default=8, help="residues: resolution of the budget search")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per rank count")
@@ -44,6 +42,19 @@ def dap_group(rank: int, world: int, model, device):
     group = topo.init().group(Axis.DAP)
     parallelize_dap(model, group)
     return topo, group
+
+
+def group_peak_mb(run, group, device) -> float:
+    """Peak memory growth of one `run()` on this rank (`peak_over`), the largest over the DAP `group` (MiB)."""
+    import torch
+    import torch.distributed as dist
+
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+    _, peak = peak_over(run, device)
+    value = torch.tensor([(peak - before) / 2**20], dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
 
 
 def fit_longest(small: tuple[int, float], large: tuple[int, float], budget_mb: float) -> int:
@@ -93,7 +104,6 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     """One rank: build the stack and inputs (same seed everywhere), measure the peak of one pass, time passes,
     then (with a budget) search the longest N_res that fits. Every rank takes the same decisions."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from ...fastfold.model import InferenceOptions, config
@@ -123,14 +133,8 @@ def _bench_rank(rank: int, world: int, opts: dict) -> dict:
     resettable = device.type == "cuda" or reset_peak_rss()
 
     def peak_mb(n: int) -> float:
-        """Peak memory of one pass at N_res n on this rank, the largest over the group (MB)."""
-        args = inputs(n, opts["n_seq"])
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
-        _, peak = peak_over(lambda: run(args), device)
-        value = torch.tensor([(peak - before) / 2**20], dtype=torch.float64, device=device)
-        if group is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return float(value.item())
+        args = inputs(n, opts["n_seq"])  # made first: the inputs are not the pass's growth
+        return group_peak_mb(lambda: run(args), group, device)
 
     run(inputs(8, 4))  # load every code path once, so one-time costs stay out of the measured peak
     known = {opts["n_res"]: peak_mb(opts["n_res"])}

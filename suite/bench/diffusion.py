@@ -1,9 +1,6 @@
-"""`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution.
-
-The method (what each side runs, how memory and time are taken) is docs/diffusion.md, "Benchmark", and
-docs/benchmarks.md; `--whole_command`: `diffusion_whole`. `setup_variant` and `make_step` are also the SD row of
-`suite bench gpu` (`--device cuda --mixed_precision bf16`).
-"""
+"""`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution
+(method: docs/diffusion.md, "Benchmark"); `--whole_command`: `diffusion_whole`. `setup_variant` and `make_step`
+are also `suite bench gpu`'s SD row."""
 
 from __future__ import annotations
 
@@ -32,32 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--world", type=int, default=1, help="processes (plain: DDP; ours: Gemini shards)")
     parser.add_argument("--gemini_offload", choices=["none", "cpu", "nvme"], default=None,
-                        help="where Gemini keeps fp32 shards, gradient shards and Adam states "
-                             "(default: nvme on cpu, where the CPU tier is the device's own memory; cpu on cuda)")
-    parser.add_argument("--chunk_mb", type=float, default=4.0,
-                        help="Gemini chunk size in MiB (raised to fit the largest parameter; 0: Gemini picks)")
+                        help="where Gemini keeps master weights and Adam states (default: nvme on cpu, cpu on cuda)")
+    parser.add_argument("--chunk_mb", type=float, default=4.0, help="Gemini chunk size in MiB (0: Gemini picks)")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
                         help="bf16: both sides' UNet under bf16 autocast, ours' Gemini computing in bf16")
     parser.add_argument("--checkpointing", choices=["keep_attention", "full"], default="keep_attention",
-                        help="ours: recompute all but the attention outputs, or everything (diffusers' default)")
-    parser.add_argument("--prefetch", type=int, default=1,
-                        help="Gemini: chunks all-gathered ahead of use (where a gather overlaps compute: not on one "
-                             "CPU rank, nor through shared memory)")
+                        help="ours: recompute all but the attention outputs, or everything")
+    parser.add_argument("--prefetch", type=int, default=1, help="Gemini: chunks all-gathered ahead of use")
     parser.add_argument("--keep_gathered", type=int, default=None,
-                        help="Gemini: keep a chunk gathered while it is among the next N chunks of the traced order "
-                             "(default: Gemini's, prefetch + 1)")
+                        help="Gemini: keep a chunk gathered while among the next N of the traced order")
     parser.add_argument("--checkpoint_levels", type=int, default=None,
                         help="ours: checkpoint only the blocks of this many highest resolutions (default: all)")
     parser.add_argument("--no_gemini", action="store_true", help="ours without Gemini (attention + checkpointing)")
     parser.add_argument("--attention_backend", choices=["auto", "triton", "torch"], default="auto")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant before it is killed")
     parser.add_argument("--whole_command", action="store_true",
-                        help="compare whole commands instead, as a user runs them: a pipeline folder of these shapes "
-                             "is written, then the plain diffusers loop (fp32 UNet, bf16 encoders, fused AdamW, bf16 "
-                             "autocast, checkpointing, save) and `suite diffusion finetune --strategy gemini_nvme "
-                             "--mixed_precision bf16 --gradient_checkpointing` (the CLI's streaming load and export) "
-                             "each run --steps steps start to exit in its own memory cgroup (page cache counted; "
-                             "else tree RSS + offload files' resident pages)")
+                        help="compare whole commands instead, start to exit, on a pipeline folder of these shapes: "
+                             "the plain diffusers loop against `suite diffusion finetune` (docs/benchmarks.md)")
     add_whole_arguments(parser)
 
 
@@ -155,9 +143,8 @@ def make_step(parts, opts: dict, rank: int, device):
 
 
 def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[float]:
-    """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes: all
-    meet at `turns` (a barrier), one variant steps while the other waits at the next meeting, then the other
-    steps. Plain goes first in even rounds and ours in odd ones, so neither always runs right after the other."""
+    """Seconds of each of `repeat` steps after `warmup`, taking turns with the other variant's processes at the
+    barrier `turns`: plain steps first in even rounds, ours in odd ones."""
     times = []
     try:
         for i in range(warmup + repeat):
@@ -179,8 +166,8 @@ def _taking_turns(step, turns, plain: bool, warmup: int, repeat: int) -> list[fl
 
 
 def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=None) -> dict:
-    """One variant on this rank. mode `memory`: peak training memory; `time`: median step seconds (per-step
-    seconds when `turns` is given; see `_taking_turns`); `both`."""
+    """One variant on this rank. mode `memory`: peak training memory; `time`: step seconds (each, taking turns,
+    with `turns`); `both`."""
     import torch
     from diffusers.utils import logging as diffusers_logging
 
@@ -236,9 +223,8 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
 
 
 def _cleanup(parts) -> None:
-    folder = parts[-1]
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+    if parts[-1]:
+        shutil.rmtree(parts[-1], ignore_errors=True)
 
 
 def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
@@ -250,9 +236,8 @@ def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
 
 
 def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float | None]:
-    """Run one side's ranks with all their processes in one memory cgroup from start to exit: (per-rank results,
-    the cgroup's peak in MiB, or None where no cgroup can be made). This process joins the group only while it
-    spawns and waits (its own new pages, a few MiB of results, are charged too)."""
+    """One side's ranks in one memory cgroup from start to exit (this process joins it while it spawns and
+    waits): (per-rank results, the cgroup's peak in MiB or None without one)."""
     group = Cgroup.create(f"side-{variant}")
     if group is None:
         return _ranks(variant, opts, mode), None
@@ -269,7 +254,7 @@ def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float 
 
 def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     """(plain row, ours row, per-step time ratios). CUDA: one run of each measures both. CPU: a memory pass
-    each, then both variants at once, taking turns step by step."""
+    each, then both at once taking turns."""
     import multiprocessing as mp
 
     whole: dict = {}
@@ -292,8 +277,7 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
     ratios = [o / p for p, o in zip(timed["plain"], timed["ours"])]
     rows = {v: _row(per[v], statistics.median(timed[v]), opts) for v in per}
     for v in rows:
-        if whole.get(v) is not None:
-            rows[v]["whole_mib"] = whole[v]
+        rows[v].update({"whole_mib": whole[v]} if whole.get(v) is not None else {})
     rows["ours"]["time_ratio"] = statistics.median(ratios)
     for v in rows:
         rows[v]["step_times"] = timed[v]
@@ -303,11 +287,9 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
 def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
     """Worst rank's memory; `step_s`: the slowest rank's step time."""
     worst = max(per_rank, key=lambda r: r["train_mib"])
-    row = {"world": opts["world"], "step_s": step_s, "train_mib": worst["train_mib"],
-           "state_mib": worst["state_mib"], "peak_mib": worst["peak_mib"],
-           "charged_mib": max(r["charged_mib"] for r in per_rank), "memory_method": worst["memory_method"]}
-    if "nvme_mib" in worst:
-        row["nvme_mib"] = worst["nvme_mib"]
+    row = {"world": opts["world"], "step_s": step_s, **{k: worst[k] for k in ("train_mib", "state_mib", "peak_mib")},
+           "charged_mib": max(r["charged_mib"] for r in per_rank), "memory_method": worst["memory_method"],
+           **({"nvme_mib": worst["nvme_mib"]} if "nvme_mib" in worst else {})}
     if worst.get("peak_reset") is False:
         row["note"] = "peak RSS since process start (clear_refs unavailable)"
     return row
@@ -338,7 +320,6 @@ def _defaults(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both variants and print the table."""
     import torch
 
     from .diffusion_whole import run_whole
@@ -347,24 +328,18 @@ def run(args: argparse.Namespace) -> int:
     if opts.get("whole_command"):
         return run_whole(opts, args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
-    ours = f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders" + (
-        "" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + ")"
     impl = optimizer_impl(torch.optim.AdamW)
-    plain = f"plain diffusers loop (fp32, SDPA attention, AdamW {impl}" + (
-        ", DDP(gradient_as_bucket_view=True)" if opts["world"] > 1 else "") + ")"
-    if opts["no_gemini"]:
-        ours = ours[:-1] + f", AdamW {impl})"
-    if opts["mixed_precision"] == "bf16":
-        plain, ours = (v[:-1] + ", UNet under bf16 autocast)" for v in (plain, ours))
+    bf16 = ", UNet under bf16 autocast" if opts["mixed_precision"] == "bf16" else ""
+    ours = (f"ours (kernels attention + checkpointing/{opts['checkpointing']}{levels} + bf16 encoders"
+            + (f", AdamW {impl}" if opts["no_gemini"] else f" + gemini/{opts['gemini_offload']}") + f"{bf16})")
+    plain = (f"plain diffusers loop (fp32, SDPA attention, AdamW {impl}"
+             + (", DDP(gradient_as_bucket_view=True)" if opts["world"] > 1 else "") + f"{bf16})")
     plain_row, ours_row, ratios = _measure_all(opts)
     rows = [{"variant": plain, **plain_row}, {"variant": ours, **ours_row}]
     whole = {"whole_ratio": "whole_mib"} if "whole_mib" in rows[0] and "whole_mib" in rows[1] else {}
     add_ratios(rows[1:], rows[0], {"rss_ratio": "train_mib", "mem_ratio": "charged_mib", **whole})
-    vae, text = encoder_models(opts)
-    counts = {"unet": sum(p.numel() for p in unet_model(opts).parameters())}
-    if vae is not None:
-        counts["vae"] = sum(p.numel() for p in vae.parameters())
-        counts["text_encoder"] = sum(p.numel() for p in text.parameters())
+    counts = {k: sum(p.numel() for p in m.parameters()) for k, m in
+              (("unet", unet_model(opts)), *zip(("vae", "text_encoder"), encoder_models(opts))) if m is not None}
     sizes = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in counts.items())
     title = (f"{opts['device']}: UNet {opts['channels']} x{opts['layers_per_block']}, {sizes} params, "
              f"{opts['resolution']}px, batch {opts['batch']}/rank, world {opts['world']}, torch {torch.__version__}")

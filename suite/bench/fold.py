@@ -30,25 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic targets")
 
 
-def _targets(n: int, n_res: int, seed: int):
-    import numpy as np
-
-    from ...fastfold.run import Target
-    from .fold_dbs import LETTERS
-
-    rng = np.random.default_rng(seed)
-    return [Target(f"t{i}", "".join(rng.choice(LETTERS, n_res))) for i in range(n)]
-
-
 def _database(path, targets, size: int, seed: int) -> None:
     """Ten mutated copies of each target (5% to 50% of residues changed) among random decoys (FASTA)."""
     import numpy as np
 
-    from .fold_dbs import decoys, families, write_fasta
+    from .fold_dbs import families, random_sequences, write_fasta
 
     rng = np.random.default_rng(seed + 1)
     homologs = families([(t.name, t.sequence) for t in targets], 10, rng)
-    write_fasta(path, homologs + decoys(size, len(targets[0].sequence), rng))
+    write_fasta(path, homologs + random_sequences(size, len(targets[0].sequence), rng))
 
 
 def _stage_rows(target, cfg):
@@ -71,11 +61,12 @@ def _stage_rows(target, cfg):
 
 def run(args: argparse.Namespace) -> int:
     from ...fastfold.relax import RelaxConfig
-    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, fold_targets
+    from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
+    from .fold_dbs import random_sequences
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")
-    targets = _targets(args.targets, args.n_res, args.seed)
+    targets = [Target(n, s) for n, s in random_sequences(args.targets, args.n_res, args.seed, "t")]
     tmp = Path(tempfile.mkdtemp(prefix="bench_fold_"))
     try:
         from ...fastfold.data.tools import ToolError, find_binary
@@ -84,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
             jackhmmer_path = find_binary(None, "jackhmmer")
         except ToolError:
             jackhmmer_path = None
-        jackhmmer = jackhmmer_path is not None
-        if jackhmmer:
+        if jackhmmer := jackhmmer_path is not None:
             _database(tmp / "db.fasta", targets, args.db_size, args.seed)
             alignment = AlignmentConfig(uniref90_database_path=str(tmp / "db.fasta"), cpus=1,
                                         jackhmmer_binary_path=jackhmmer_path)

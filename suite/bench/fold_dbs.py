@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["build_databases", "cstranslate", "families", "hhsuite_missing", "repository_hits", "write_fasta",
-           "write_hhsuite_db"]
+__all__ = ["build_databases", "cstranslate", "families", "hhsuite_missing", "random_sequences", "repository_hits",
+           "write_fasta", "write_hhsuite_db"]
 
 LETTERS = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
 HHSUITE_DATA = "/usr/lib/hhsuite/data"
@@ -61,8 +61,12 @@ def families(queries: Sequence[tuple[str, str]], per_family: int, rng: np.random
     return out
 
 
-def decoys(count: int, length: int, rng: np.random.Generator, prefix: str = "decoy") -> list[tuple[str, str]]:
-    return [(f"{prefix}{k}", "".join(rng.choice(LETTERS, length))) for k in range(count)]
+def random_sequences(count: int, length: int, rng: np.random.Generator | int, prefix: str = "decoy",
+                     start: int = 0) -> list[tuple[str, str]]:
+    """`count` random (name, sequence) pairs of `length` residues, named `prefix` + index from `start`."""
+    rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
+    return [(f"{prefix}{k}", "".join(rng.choice(LETTERS, length))) for k in range(start, start + count)]
+
 
 
 def repository_hits(paths: Iterable[str | Path], limit: int | None = None) -> list[tuple[str, str]]:
@@ -119,7 +123,7 @@ def build_databases(folder: str | Path, queries: Sequence[tuple[str, str]], *, p
 
     def records(tag: str, count: int) -> list[tuple[str, str]]:
         fam = [(f"{tag}_{n}", s) for n, s in families(queries, per_family, rng)]
-        return fam + [(f"{tag}_{n}", s) for n, s in extra] + decoys(count, length, rng, f"{tag}_decoy")
+        return fam + [(f"{tag}_{n}", s) for n, s in extra] + random_sequences(count, length, rng, f"{tag}_decoy")
 
     out = {"uniref90_database_path": write_fasta(folder / "uniref90.fasta", records("ur90", decoy_count)),
            "mgnify_database_path": write_fasta(folder / "mgnify.fasta", records("mgy", decoy_count))}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import os
 import sys
@@ -41,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", choices=["all", "chunk", "dap"], default="all",
                         help="--multimer: which comparisons to run")
     parser.add_argument("--openfold", metavar="DIR", default=None,
-                        help="compare with OpenFold's model from this checkout (whole process; see fold_openfold)")
+                        help="compare with OpenFold's model from this checkout (whole process)")
     parser.add_argument("--openfold_pythonpath", metavar="PATHS", default="",
                         help=f"--openfold: extra folders ({os.pathsep!r}-separated) for OpenFold's dependencies")
     parser.add_argument("--preset", default="model_1_ptm", help="--openfold: the released model, full size")
     parser.add_argument("--threads", type=int, default=2, help="--openfold: torch threads in each side's process")
     parser.add_argument("--inputs_dir", metavar="DIR", default=None,
-                        help="--openfold: write (or reuse) the parameters and features here instead of a temp folder")
+                        help="--openfold: write (or reuse) the parameters and features here")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -58,15 +57,6 @@ def _options(variant: str, args: argparse.Namespace):
         return InferenceOptions()
     chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
     return InferenceOptions(chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
-
-
-def _rss_baseline() -> int:
-    """Resident set after handing freed heap pages back; resets the high-water mark when Linux allows it."""
-    gc.collect()
-    malloc_trim()
-    if not reset_peak_rss():
-        return peak_rss_bytes()  # no reset: growth is measured over the peak so far
-    return rss_bytes()
 
 
 def _multimer_model(args: argparse.Namespace, device, dtype):
@@ -85,9 +75,8 @@ def _multimer_model(args: argparse.Namespace, device, dtype):
     model = randomize_parameters(AlphaFoldMultimer(cfg), seed=0).to(device=device, dtype=dtype).eval()
 
     def batch_of(chains: list[int]) -> dict[str, torch.Tensor]:
-        batch = random_multimer_batch(chains, n_seq=args.n_seq, n_extra=args.n_extra, n_templ=args.n_templ,
-                                      n_recycle=0, seed=0)
-        return {k: v.to(device) for k, v in batch.items()}
+        return {k: v.to(device) for k, v in random_multimer_batch(
+            chains, n_seq=args.n_seq, n_extra=args.n_extra, n_templ=args.n_templ, n_recycle=0, seed=0).items()}
 
     return model, batch_of
 
@@ -116,8 +105,8 @@ def _child(args: argparse.Namespace) -> int:
         warm = 32
 
         def batch_of(n: int) -> dict[str, torch.Tensor]:
-            batch = random_batch(cfg, n_res=n, n_seq=args.n_seq, n_extra=args.n_extra, n_recycle=0)
-            return {k: v.to(device) for k, v in batch.items()}
+            return {k: v.to(device) for k, v in random_batch(cfg, n_res=n, n_seq=args.n_seq, n_extra=args.n_extra,
+                                                             n_recycle=0).items()}
 
     with torch.no_grad():
         model(batch_of(warm), options)  # warm-up: library initialisation, not counted
@@ -126,8 +115,10 @@ def _child(args: argparse.Namespace) -> int:
         sync()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        base = _rss_baseline()
+    else:  # freed heap pages handed back first; without a resettable peak, growth over the peak so far
+        gc.collect()
+        malloc_trim()
+        base = rss_bytes() if reset_peak_rss() else peak_rss_bytes()
 
     def one_pass():
         with torch.no_grad():
@@ -155,10 +146,9 @@ def _run_child(args: argparse.Namespace, n_res: int, variant: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args._child:
         return _child(args)
-    if args.blocks <= 0 or args.n_seq <= 0 or args.n_extra <= 0 or args.repeat <= 0:
-        raise UsageError("fold-model: --blocks, --n_seq, --n_extra and --repeat must be positive")
-    if args.warmup < 0:
-        raise UsageError("fold-model: --warmup must not be negative")
+    if min(args.blocks, args.n_seq, args.n_extra, args.repeat) <= 0 or args.warmup < 0:
+        raise UsageError("fold-model: --blocks, --n_seq, --n_extra and --repeat must be positive, --warmup not "
+                         "negative")
     from ...fastfold.model.options import check_chunk_size
 
     try:  # the one chunk-size check (the flag's text read as suite fold reads it)
@@ -191,15 +181,14 @@ def _args(args: argparse.Namespace) -> dict:
 
 def _dap_rank(rank: int, world: int, opts: dict) -> dict:
     """One DAP rank of the multimer comparison: the model and batch built alike on every rank (seed 0), split
-    across the group when there is more than one rank; peak of one pass, then the time per pass."""
+    across the group when there is more than one rank; peak of one pass (also the first timed), then the time."""
     import torch
-    import torch.distributed as dist
 
     from ...fastfold.model import InferenceOptions
-    from .dap import dap_group
+    from .dap import dap_group, group_peak_mb
 
     device = torch.device("cpu")
-    core = pin_to_core(rank, world) if opts["affinity"] == "pin" else None
+    core = pin_to_core(rank, world)
     model, batch_of = _multimer_model(argparse.Namespace(**opts), device, getattr(torch, opts["dtype"]))
     topo, group = dap_group(rank, world, model, device)
     options = InferenceOptions()
@@ -212,16 +201,12 @@ def _dap_rank(rank: int, world: int, opts: dict) -> dict:
     batch = batch_of(opts["chains"])
     for _ in range(opts["warmup"]):
         run(batch)
-    reset_peak_rss()
-    before = rss_bytes()
-    times = step_times(lambda: run(batch), 1)  # the memory pass, also the first timed one
-    peak = torch.tensor([(hwm_bytes() - before) / 2**20], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    times: list[float] = []
+    peak = group_peak_mb(lambda: times.extend(step_times(lambda: run(batch), 1)), group, device)
     times += step_times(lambda: run(batch), opts["repeat"] - 1)
     if topo is not None:
         topo.destroy()
-    return {"seconds": sorted(times)[len(times) // 2], "peak_mib": float(peak.item()), "core": core}
+    return {"seconds": sorted(times)[len(times) // 2], "peak_mib": peak, "core": core}
 
 
 def _run_dap(args: argparse.Namespace, world: int) -> dict:
@@ -229,7 +214,6 @@ def _run_dap(args: argparse.Namespace, world: int) -> dict:
 
     opts = {k: getattr(args, k) for k in ("blocks", "extra_blocks", "n_seq", "n_extra", "n_templ", "template_blocks",
                                           "chains", "dtype", "repeat", "warmup")}
-    opts["affinity"] = "pin"
     with fixed_mmap_threshold():  # freed large tensors leave the resident set (as bench dap)
         per_rank = run_on_ranks(_dap_rank, world, opts, timeout=3600.0, backend="none")
     return {"seconds": max(r["seconds"] for r in per_rank), "peak_mib": max(r["peak_mib"] for r in per_rank),
@@ -268,7 +252,5 @@ def _run_multimer(args: argparse.Namespace) -> int:
     title = (f"AlphaFold-Multimer pass (model_1_multimer_v3 widths), complex {complex_}, {args.blocks} Evoformer + "
              f"{args.extra_blocks} extra-MSA + {args.template_blocks} template blocks, {args.n_seq} MSA rows, "
              f"{args.n_extra} extra rows, {args.n_templ} templates, {args.dtype}")
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    publish(args, {"benchmark": "fold-model --multimer", "date": date, "args": _args(args), "rows": rows},
-            [(title, rows, None)])
+    publish(args, {"benchmark": "fold-model --multimer", "args": _args(args), "rows": rows}, [(title, rows, None)])
     return 0

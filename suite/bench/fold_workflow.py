@@ -37,16 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
-    import numpy as np
-
     from ...fastfold.run import read_targets
-    from .fold_dbs import LETTERS
+    from .fold_dbs import random_sequences
 
-    rng = np.random.default_rng(args.seed)
     first = read_targets(ASSETS / "query.fasta")[0]
-    n = len(first.sequence)
-    return [(first.name, first.sequence)] + [(f"t{i}", "".join(rng.choice(LETTERS, n))) for i in
-                                             range(1, args.targets)]
+    return [(first.name, first.sequence), *random_sequences(args.targets - 1, len(first.sequence), args.seed, "t", 1)]
 
 
 def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
@@ -126,10 +121,9 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
 
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
     from ...utils.ray_cluster import join_ray
-    from .fold_dbs import LETTERS
+    from .fold_dbs import random_sequences
 
-    rng = np.random.default_rng(args.seed + 7)
-    targets = [Target(f"f{i}", "".join(rng.choice(LETTERS, args.fold_n_res))) for i in range(args.fold_targets)]
+    targets = [Target(n, s) for n, s in random_sequences(args.fold_targets, args.fold_n_res, args.seed + 7, "f")]
 
     def config(out: str, **kw) -> FoldConfig:
         return FoldConfig(output_dir=str(tmp / out), models=[ModelSpec(tiny=True, device="cpu")],

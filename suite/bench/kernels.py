@@ -22,26 +22,23 @@ MODES = ("fwd", "fwd+bwd")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default: cpu)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--ops", type=names(OPS), default=list(OPS), help="comma list (default: all)")
-    parser.add_argument("--modes", type=names(MODES), default=list(MODES), help="fwd,fwd+bwd (default both)")
+    parser.add_argument("--ops", type=names(OPS), default=list(OPS), help="comma list")
+    parser.add_argument("--modes", type=names(MODES), default=list(MODES), help="fwd,fwd+bwd")
     parser.add_argument("--n-res", type=int_list, default=None,
                         help="Evoformer N_res sizes (default: 256 on cpu, 256,768 on cuda)")
-    parser.add_argument("--heads", type=int_list, default=[4, 8], help="Evoformer head counts (default: 4,8)")
-    parser.add_argument("--seq", type=int_list, default=[4096], help="diffusion sequence lengths L (default: 4096)")
-    parser.add_argument("--diffusion-heads", type=int, default=8, help="heads in the diffusion cases (default: 8)")
+    parser.add_argument("--heads", type=int_list, default=[4, 8], help="Evoformer head counts")
+    parser.add_argument("--seq", type=int_list, default=[4096], help="diffusion sequence lengths L")
+    parser.add_argument("--diffusion-heads", type=int, default=8, help="heads in the diffusion cases")
     parser.add_argument("--suites", type=names(("evoformer", "diffusion")), default=["evoformer", "diffusion"],
-                        help="which size families to run (default: evoformer,diffusion)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls per case (median; default 3)")
+                        help="which size families to run")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per case (median)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case before giving up")
     parser.add_argument("--floor", action="store_true",
                         help="attention: also SDPA without bias or mask (the floor: what the bias and mask cost)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-
-
-# ---------------------------------------------------------------------------------------------- cases
 
 
 def _cases(args: argparse.Namespace) -> list[dict]:
@@ -68,9 +65,6 @@ def _score_cases(size, mode, *, lead, n_q, n_k, d, bias, mask):
     base = {"size": size, "mode": mode, "bias": bias, "mask": mask}
     return [{**base, "op": "softmax", "x": lead + [n_q, n_k]},
             {**base, "op": "attention", "q": lead + [n_q, d], "k": lead + [n_k, d]}]
-
-
-# ---------------------------------------------------------------------------------------------- worker
 
 
 def _inputs(case: dict, device, dtype) -> dict:
@@ -145,11 +139,8 @@ def _worker(spec: dict) -> dict:
 
 
 def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float, float]:
-    """Median wall and process CPU seconds per call (CPU time is the steadier figure on a shared machine).
-
-    With `min_sample_s` (the GPU), each sample runs the call back to back as many times as fill that long and
-    then synchronises once: a single synchronised call of a small op measures launch and sync latency, not
-    the op."""
+    """Median wall and process CPU seconds per call. With `min_sample_s` (the GPU) each sample runs the call back
+    to back for that long, then synchronises once (one synchronised call of a small op times the launch)."""
     calls = 1
     if min_sample_s > 0:
         t0 = time.perf_counter()
@@ -170,13 +161,12 @@ def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float,
 
 
 def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> dict:
-    """Time and memory of one implementation, each measured in its own fresh subprocess."""
+    """Time and memory of one implementation, each in a fresh process (memory: freed blocks leave the resident
+    set, `fixed_mmap_threshold`; time: the allocator users get)."""
     result = {}
     for measure in ("memory", "time"):
         spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,
                 "measure": measure}
-        # memory: freed blocks go back to the OS instead of being reused from a heap the warm-up made resident,
-        # which would hide them from the peak resident set; time: the default allocator users get
         with fixed_mmap_threshold() if measure == "memory" else contextlib.nullcontext():
             got = run_side(Side(f"{case['op']} {impl}", [sys.executable, "-m", __name__, json.dumps(spec)],
                                 timeout=args.timeout, env=safe_env(), measure=False))
@@ -185,9 +175,6 @@ def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> di
                                                                   or ["(no output)"])[0]}
         result.update(got.result())
     return result
-
-
-# ---------------------------------------------------------------------------------------------- driver
 
 
 def _row(case: dict, baseline: str, ours: dict, base: dict) -> dict:
@@ -221,11 +208,9 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
     columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "cpu-time ratio", "ours MiB",
                "base MiB", "mem ratio", "error"]
-    cpu = args.device == "cpu"
-    title = (f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call "
-             f"({'VmHWM, fresh process per case' if cpu else 'max_memory_allocated'})")
-    method = ("peak RSS growth (VmHWM reset via clear_refs), one subprocess per case" if cpu
+    method = ("peak RSS growth (VmHWM reset via clear_refs), one subprocess per case" if args.device == "cpu"
               else "torch.cuda.max_memory_allocated growth")
+    title = f"kernels on {args.device} ({dtype}); extra memory = peak growth during one call ({method})"
     publish(args, {"benchmark": "kernels", "device": args.device, "dtype": dtype, "rows": rows,
                    "memory_method": method}, [(title, rows, columns)])
     return 0
