@@ -12,6 +12,7 @@ version counter, so re-gathering does not trip autograd's in-place checks.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,9 @@ class Chunk:
         # CPU ranks sharing /dev/shm: gathers read the peers' master shards themselves, no peer taking part (set by
         # the manager once the shared segment exists, which needs the chunks' NVMe regions)
         self.peers: PeerReads | None = None
+        # CPU device, master on NVMe, gathers one-sided (one rank, or peer reads): an async gather is a read on this
+        # thread, overlapping compute (set by the manager)
+        self.reader: Executor | None = None
         self.collectives = env.collectives
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
@@ -135,27 +139,23 @@ class Chunk:
         return self.spec.size * self.full.element_size()
 
     def start_gather(self, async_op: bool) -> None:
-        """Materialise `full` from every rank's master shard (async through the process group: finish with
-        `wait`; one rank, shared-memory gathers and peer reads are synchronous). With peer reads no other rank
-        takes part: a rank may gather a chunk its peers do not."""
+        """Materialise `full` from every rank's master shard; `async_op`: finish with `wait` (through the process
+        group, or a master on NVMe read one-sidedly on the reader thread; shared-memory gathers and in-memory
+        one-sided reads stay synchronous). With peer reads no other rank takes part: a rank may gather a chunk its
+        peers do not."""
+        read_async = async_op and self.reads_async
         async_op = async_op and self.world > 1 and self.host_comm is None and self.peers is None
-        self.sm.to(ChunkState.GATHERING if async_op else ChunkState.GATHERED)
+        self.sm.to(ChunkState.GATHERING if async_op or read_async else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data
-        if self.master.tier == "nvme" and out.device.type == "cpu":
-            # pread, so the file's pages stay unmapped; on one rank of the master's dtype straight into the gathered
-            # buffer (fp32 compute, or a frozen chunk kept in the compute dtype)
-            direct = self.world == 1 and out.dtype == self.master.dtype
-            staging = out if direct else torch.empty(self.shard_numel, dtype=self.master.dtype)
-            src = self.master.read_into(staging).to(out.dtype)
-        else:
-            src = self.master.view().to(device=out.device, dtype=out.dtype)
-        if self.world == 1:
-            if src is not out:
-                out.copy_(src)
-        elif self.peers is not None:
-            self._read_peers(out, src)
-        elif self.host_comm is not None:
+        if read_async:  # the reader thread fills `out`; `wait` takes the result
+            self._work = self.reader.submit(self._read_one_sided, out)
+            return
+        if self.world == 1 or self.peers is not None:
+            self._read_one_sided(out)
+            return
+        src = self._own_shard(out)
+        if self.host_comm is not None:
             with self.collectives.collective("all_gather", self.index):
                 self.host_comm.all_gather(out, src)
         else:
@@ -164,6 +164,31 @@ class Chunk:
             self._src = src if async_op else None
         if not async_op:
             self.master.done()  # NVMe pages read: out of resident memory again
+
+    @property
+    def reads_async(self) -> bool:
+        """Whether an async gather reads on the reader thread: the master is on NVMe and the gather one-sided."""
+        return self.reader is not None and self.master.tier == "nvme" and (self.world == 1 or self.peers is not None)
+
+    def _own_shard(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's master shard in `out`'s dtype and device (on one rank, possibly `out` itself)."""
+        if self.master.tier == "nvme" and out.device.type == "cpu":
+            # pread, so the file's pages stay unmapped; on one rank of the master's dtype straight into the gathered
+            # buffer (fp32 compute, or a frozen chunk kept in the compute dtype)
+            direct = self.world == 1 and out.dtype == self.master.dtype
+            staging = out if direct else torch.empty(self.shard_numel, dtype=self.master.dtype)
+            return self.master.read_into(staging).to(out.dtype)
+        return self.master.view().to(device=out.device, dtype=out.dtype)
+
+    def _read_one_sided(self, out: torch.Tensor) -> None:
+        """`out` <- the whole chunk with no other rank taking part (one rank, or peer reads)."""
+        src = self._own_shard(out)
+        if self.world == 1:
+            if src is not out:
+                out.copy_(src)
+        else:
+            self._read_peers(out, src)
+        self.master.done()
 
     def _read_peers(self, out: torch.Tensor, own: torch.Tensor) -> None:
         """`out` <- every rank's master shard, the peers' read from shared memory or their files (`PeerReads`)."""
@@ -178,10 +203,14 @@ class Chunk:
     def wait(self) -> None:
         """Finish an async gather."""
         if self.sm.data is ChunkState.GATHERING:
-            with self.collectives.collective("all_gather (wait)", self.index):
-                self._work.wait()
-            self._work = self._src = None
-            self.master.done()
+            if isinstance(self._work, Future):  # the reader thread's read (its error, if any, raised here)
+                work, self._work = self._work, None
+                work.result()
+            else:
+                with self.collectives.collective("all_gather (wait)", self.index):
+                    self._work.wait()
+                self._work = self._src = None
+                self.master.done()
             self.sm.to(ChunkState.GATHERED)
 
     def release(self, in_use: bool = False) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -86,9 +87,16 @@ class ChunkManager:
                 c.master.use_region(self.peers.region(c.index))
                 c.peers = self.peers
         self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
-        # Prefetching needs a gather that runs beside compute: gloo's or an accelerator's. One CPU rank copies,
-        # and shared-memory gathers are synchronous: prefetching there would only hold the next chunk longer.
-        overlaps = device.type != "cpu" or (world > 1 and self.host_comm is None)
+        # Prefetching needs a gather that runs beside compute: gloo's, an accelerator's, or a read of an NVMe master
+        # on the reader thread (a CPU device whose gathers are one-sided: one rank, or peer reads). Copies between
+        # CPU tiers and shared-memory gathers are compute themselves: prefetching them would only hold the next
+        # chunk longer, so a CPU device prefetches the chunks whose master is on NVMe only.
+        self.reader = None
+        if device.type == "cpu" and self.nvme is not None and (world == 1 or self.peers is not None):
+            self.reader = ThreadPoolExecutor(1, thread_name_prefix="lowmem-tier-reader")
+            for c in self.chunks:
+                c.reader = self.reader
+        overlaps = device.type != "cpu" or (world > 1 and self.host_comm is None) or self.reader is not None
         self.prefetch = config.prefetch if overlaps else 0
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
@@ -306,6 +314,8 @@ class ChunkManager:
             return
         for i in self.trace.upcoming(self.prefetch):
             c = self.chunks[i]
+            if self.reader is not None and not c.reads_async:
+                continue  # a copy between CPU tiers: compute itself, gathered when used
             if c.sm.data is ChunkState.RELEASED and self._fits(c.full_nbytes):
                 self._gather(c, async_op=True)
 
@@ -330,6 +340,7 @@ class ChunkManager:
 
     def _maybe_promote(self, c: Chunk) -> None:
         if self.config.placement == "auto" and c.master.tier != "device" and self._fits(c.master.nbytes):
+            c.wait()  # a read of the master in flight on the reader thread ends before the master moves
             self._move_master(c, "device")
 
     def _move_master(self, c: Chunk, tier: str) -> None:
@@ -530,6 +541,9 @@ class ChunkManager:
         self.state_io.end_checkpoint()
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.release_idle()  # no read in flight
+            self.reader.shutdown(wait=True)
         if self.nvme is not None:
             self.nvme.close()
         if self.host_comm is not None:

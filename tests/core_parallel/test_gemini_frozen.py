@@ -148,3 +148,101 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
 
 def test_two_ranks_read_each_others_frozen_masters_in_the_compute_dtype(tmp_path):
     run_on_ranks(_two_ranks, 2, str(tmp_path), timeout=120)
+
+
+class _Deep(nn.Module):
+    """Enough chunks in a row that the recorded order has something to prefetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(17, 17) for _ in range(6))
+        self.layers[1].requires_grad_(False)
+        self.layers[4].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _nvme_run(tmp_path, prefetch: int, delays: list[float] | None, precision: str = "fp32", steps: int = 4):
+    import random
+    import time
+
+    torch.manual_seed(3)
+    model = _Deep()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    cfg = GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(tmp_path / f"p{prefetch}"),
+                       offload_param_frac=1.0, offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20,
+                       prefetch=prefetch)
+    model, gopt = setup_gemini(model, opt, cfg)
+    mgr = model.gemini_manager
+    submitted = []
+    if delays is not None:
+        rng = random.Random(0)
+        read = NvmeFile.read
+
+        def slow(f, offset, out):  # the reader thread sleeps a random while before each read
+            import threading
+
+            if threading.current_thread().name.startswith("lowmem-tier-reader"):
+                submitted.append(offset)
+                time.sleep(rng.choice(delays))
+            return read(f, offset, out)
+
+        NvmeFile.read = slow
+    try:
+        losses = []
+        g = torch.Generator().manual_seed(5)
+        dtype = _DTYPES[precision]
+        for _ in range(steps):
+            loss = model(torch.randn(8, 17, generator=g).to(dtype)).float().pow(2).mean()
+            loss.backward()
+            gopt.step()
+            gopt.zero_grad()
+            losses.append(loss.item())
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        if delays is not None:
+            NvmeFile.read = read
+        reader = mgr.reader
+        mgr.close()
+    return losses, state, submitted, reader
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_async_tier_reads_equal_synchronous_ones_bitwise_under_random_delays(precision, tmp_path):
+    sync_losses, sync_state, _, _ = _nvme_run(tmp_path / "sync", prefetch=0, delays=None, precision=precision)
+    losses, state, submitted, reader = _nvme_run(tmp_path / "async", prefetch=2, delays=[0.0, 0.002, 0.02],
+                                                 precision=precision)
+    assert reader is not None and submitted, "no read ran on the reader thread: nothing was prefetched"
+    assert losses == sync_losses
+    assert state.keys() == sync_state.keys()
+    for k in state:
+        assert torch.equal(state[k], sync_state[k]), k
+
+
+def test_a_failed_async_read_is_raised_where_the_chunk_is_used(tmp_path, monkeypatch):
+    import threading
+
+    from lowmem.core_parallel.gemini.storage import NvmeTierError
+
+    torch.manual_seed(3)
+    model = _Deep()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20, prefetch=2)
+    model, gopt = setup_gemini(model, opt, cfg)
+    model(torch.randn(2, 17)).sum().backward()
+    gopt.step()
+    gopt.zero_grad()
+    read = NvmeFile.read
+
+    def failing(f, offset, out):
+        if threading.current_thread().name.startswith("lowmem-tier-reader"):
+            raise NvmeTierError("planted: the disk failed under the reader thread")
+        return read(f, offset, out)
+
+    monkeypatch.setattr(NvmeFile, "read", failing)
+    with pytest.raises(NvmeTierError, match="planted"):
+        model(torch.randn(2, 17)).sum().backward()
