@@ -108,7 +108,8 @@ def make_flow_pipeline(family: str, components: dict[str, Any]) -> Any:
 def save_flow_lora_weights(folder: str | Path, family: str, layers: dict[str, dict | None]) -> Path:
     """Write `pytorch_lora_weights.safetensors` into `folder` atomically, as the family's pipeline's
     `save_lora_weights` writes it (`layers`: `transformer_lora_layers`, optionally `text_encoder_lora_layers`,
-    `text_encoder_2_lora_layers`; peft's names, fp32)."""
+    `text_encoder_2_lora_layers`; peft's names, fp32; `transformer_lora_adapter_metadata`: the adapter's config,
+    written in the file's metadata as Flux's script does)."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     pipeline = StableDiffusion3Pipeline if family == "sd3" else FluxPipeline
@@ -118,8 +119,8 @@ def save_flow_lora_weights(folder: str | Path, family: str, layers: dict[str, di
     def key(part: str, name: str) -> str:
         return lora_file_key(f"{part.removesuffix('_lora_layers')}.{name}").split(".", 1)[1]
 
-    layers = {k: None if v is None else {key(k, n): t.detach().float().cpu().contiguous() for n, t in v.items()}
-              for k, v in layers.items()}
+    layers = {k: v if v is None or k.endswith("_metadata") else
+              {key(k, n): t.detach().float().cpu().contiguous() for n, t in v.items()} for k, v in layers.items()}
     with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
         pipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
         os.replace(Path(tmp) / LORA_WEIGHT_NAME, folder / LORA_WEIGHT_NAME)

@@ -205,7 +205,10 @@ class _FlowFineTune(StableDiffusionFineTune):
 
         state = parts.get("state")
         sub = None if state is None else {k[len("unet."):]: v for k, v in state.items() if k.startswith("unet.")}
-        return {"transformer_lora_layers": get_peft_model_state_dict(self.unet, sub)}
+        out: dict[str, Any] = {"transformer_lora_layers": get_peft_model_state_dict(self.unet, sub)}
+        if self.family == "flux":  # train_dreambooth_lora_flux.py writes the adapter's config (rank, alpha) beside it
+            out["transformer_lora_adapter_metadata"] = self.unet.peft_config["default"].to_dict()
+        return out
 
     def save_lora(self, folder: Path, layers: dict[str, Any]) -> Path:
         from ...diffusion.flow_models import save_flow_lora_weights
