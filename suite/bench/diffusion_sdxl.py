@@ -119,9 +119,9 @@ def _prompt(parts: dict, batch: int, resolution: int) -> tuple:
 
 
 def _train(unet, latents_of, hidden, cond, optimizer, scheduler, steps: int, checkpointing: bool) -> None:
-    """The scripts' steps (`diffusion_whole.plain_step` of `noise_loss`: bf16 autocast, SDPA, MSE on the noise)
+    """The scripts' steps (`diffusion.plain_step` of `noise_loss`: bf16 autocast, SDPA, MSE on the noise)
     with SDXL's added conditioning."""
-    from .diffusion_whole import noise_loss, plain_step
+    from .diffusion import noise_loss, plain_step
 
     if checkpointing:
         unet.enable_gradient_checkpointing()
