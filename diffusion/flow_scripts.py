@@ -60,6 +60,10 @@ class FlowSettings:
     """How many times the instance images are repeated per epoch."""
     cache_latents: bool = False
     """VAE posteriors computed once per image (one crop and flip), sampled every step; the VAE dropped."""
+    text_encoder_lr: float | None = None
+    """Learning rate of the CLIP encoders' LoRA (LoRA scripts with --train_text_encoder; default: learning_rate)."""
+    adam_weight_decay_text_encoder: float | None = None
+    """AdamW weight decay of the CLIP encoders' LoRA (default: adam_weight_decay)."""
 
     def __post_init__(self) -> None:
         if self.family not in ("sd3", "flux"):
@@ -162,25 +166,27 @@ FLOW_SCRIPTS: dict[str, str] = {
 
 _FIXED: dict[str, Any] = {"num_inference_steps": 28}  # the validation pipelines' default steps (SD3's and Flux's)
 _FLOW_FIELD = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length", "guidance_scale",
-               "lora_layers", "lora_blocks", "lora_alpha", "repeats", "cache_latents")
-_TE_ONLY = "used only with --train_text_encoder, which is refused here"
+               "lora_layers", "lora_blocks", "lora_alpha", "repeats", "cache_latents", "text_encoder_lr",
+               "adam_weight_decay_text_encoder")
+_TE_ONLY = "used only with --train_text_encoder, which is refused by this script here"
+_FULL_TE = Refuse("the full scripts' --train_text_encoder trains every text encoder whole (SD3's T5-XXL, 4.7B "
+                  "parameters, too): not implemented here; the LoRA scripts' (LoRA on the CLIP encoders) is")
 
 FLOW_HANDLING: dict[str, Accept | Refuse] = {
     **{name: Accept(lambda v, name=name: {name: v}) for name in _FLOW_FIELD},
     "precondition_outputs": Accept(lambda v: {"precondition_outputs": bool(v)},
                                    "1: the loss compares x_s - s * pred with the clean latents; 0: the velocity"),
     "upcast_before_saving": Accept(lambda v: {}, "the LoRA weights train and are written in fp32 here"),
-    "train_text_encoder": Refuse("text-encoder training is not implemented here for SD3/Flux: the prompts' "
-                                 "embeddings are computed once and the text encoders freed before the transformer "
-                                 "trains"),
-    "text_encoder_lr": Accept(lambda v: {}, _TE_ONLY),
-    "adam_weight_decay_text_encoder": Accept(lambda v: {}, _TE_ONLY),
 }
 """What becomes of the SD3/Flux scripts' flags beyond the SD 1.x and SDXL tables."""
 
 
 def flow_handling(script: str, name: str) -> Accept | Refuse:
     """What becomes of flag `name` of `script`."""
+    if "lora" not in script and name == "train_text_encoder":
+        return _FULL_TE
+    if "lora" not in script and name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
+        return Accept(lambda v: {}, _TE_ONLY)
     return FLOW_HANDLING.get(name) or SDXL_HANDLING.get(name) or HANDLING[name]
 
 
@@ -231,6 +237,9 @@ def flow_script_config(script: str, values: Mapping[str, Any], launch: Mapping[s
             logger.info("--%s: %s", name, how.note)
     if "lora" not in script:
         fields["rank"] = None
+    if not values.get("train_text_encoder"):
+        flow.pop("text_encoder_lr", None)  # only the text encoders' LoRA has its own
+        flow.pop("adam_weight_decay_text_encoder", None)
     fields.update(launch or {})
     try:
         fields["extra"] = {"flow": FlowSettings(**flow)}

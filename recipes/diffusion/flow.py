@@ -79,6 +79,12 @@ class _FlowFineTune(StableDiffusionFineTune):
     def encoder_names(self) -> list[str]:
         return [enc for enc, _, _ in ENCODERS[self.family]]
 
+    def trained_encoders(self) -> list[str]:
+        """The text encoders whose LoRA trains (the CLIP ones with --train_text_encoder; T5 stays frozen)."""
+        if not (self.config.lora and self.config.train_text_encoder):
+            return []
+        return [enc for enc, cls, _ in ENCODERS[self.family] if cls.startswith("CLIP")]
+
     def tokenizers(self) -> list[tuple[Any, int]]:
         """(tokenizer, token length) of every text encoder: CLIP's 77, T5's --max_sequence_length."""
         n = flow_settings(self.config).max_sequence_length
@@ -107,15 +113,35 @@ class _FlowFineTune(StableDiffusionFineTune):
                     p.data = p.data.float()  # the scripts' cast_training_params: LoRA trains in fp32
         else:
             self.unet.requires_grad_(True)
+        for name in self.trained_encoders():
+            self._text_lora(getattr(self, name))
         if cfg.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
+
+    def _text_lora(self, encoder: Any) -> None:
+        """The scripts' text-encoder LoRA: rank r, alpha (Flux's --lora_alpha, else r), gaussian, on the attention
+        projections; trained in fp32."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from ...diffusion.lora import TEXT_TARGETS
+
+        rank = self.config.rank
+        config = LoraConfig(r=rank, lora_alpha=flow_settings(self.config).lora_alpha or rank,
+                            init_lora_weights="gaussian", target_modules=TEXT_TARGETS)
+        inject_adapter_in_model(config, encoder)
+        self.text_lora_config = config
+        for p in encoder.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        if self.config.gradient_checkpointing:
+            (getattr(encoder, "activation_checkpointing_enable", None) or encoder.gradient_checkpointing_enable)()
 
     def set_modes(self) -> None:
         self.unet.train()
         for name in ("vae", *self.encoder_names()):
             part = getattr(self, name, None)
             if part is not None:
-                part.eval()
+                part.train(name in self.trained_encoders())
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -176,7 +202,10 @@ class _FlowFineTune(StableDiffusionFineTune):
         s = flow_settings(self.config)
         latents, draws = self._latents(batch, batch_idx)
         ids = [self._both(batch, k).cpu() for k in id_keys(len(self.encoder_names()))]
-        cond = {k: v.to(self.device) for k, v in self.text_embeddings.lookup(ids).items()}
+        if self.text_embeddings is not None:
+            cond = {k: v.to(self.device) for k, v in self.text_embeddings.lookup(ids).items()}
+        else:  # --train_text_encoder: the CLIP encoders' LoRA trains, every step encodes
+            cond = self.encode_prompt_ids([getattr(self, n) for n in self.encoder_names()], ids)
         timesteps, sigmas = schedule_points(self.noise_scheduler, draws["u"].cpu())
         timesteps, sigmas = timesteps.to(self.device), sigmas.to(self.device)
         dtype = self.weight_dtype
@@ -187,6 +216,29 @@ class _FlowFineTune(StableDiffusionFineTune):
                          precondition_outputs=s.precondition_outputs,
                          prior_preservation=self.loss_cfg.with_prior_preservation,
                          prior_loss_weight=self.loss_cfg.prior_loss_weight)
+
+    def configure_optimizers(self) -> Any:
+        """AdamW as the SD recipe's; with --train_text_encoder the scripts' groups: the transformer's, then one per
+        trained encoder with `--text_encoder_lr` (else the possibly scaled learning rate) and
+        `--adam_weight_decay_text_encoder`."""
+        if not self.trained_encoders():
+            return super().configure_optimizers()
+        from diffusers.optimization import get_scheduler
+
+        s, o, train = flow_settings(self.config), self.config.optimizer, self.config.train
+        lr = o.learning_rate
+        if o.scale_lr:
+            lr *= train.gradient_accumulation_steps * train.train_batch_size * self.trainer.world_size
+        decay = o.adam_weight_decay if s.adam_weight_decay_text_encoder is None else s.adam_weight_decay_text_encoder
+        groups = [{"params": [p for p in self.unet.parameters() if p.requires_grad]}]
+        groups += [{"params": [p for p in getattr(self, n).parameters() if p.requires_grad],
+                    "lr": s.text_encoder_lr or lr, "weight_decay": decay} for n in self.trained_encoders()]
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.adam_weight_decay,
+                                eps=o.adam_epsilon)
+        steps = max(1, self.length.max_train_steps if self.length else self.trainer.max_steps)
+        sched = get_scheduler(o.lr_scheduler, optimizer=opt, num_warmup_steps=o.lr_warmup_steps,
+                              num_training_steps=steps, num_cycles=o.lr_num_cycles, power=o.lr_power)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- inference and export ---------------------------------------------------------------------------------
     def pipeline(self, use_ema: bool = False) -> Any:
@@ -204,10 +256,17 @@ class _FlowFineTune(StableDiffusionFineTune):
         from peft.utils import get_peft_model_state_dict
 
         state = parts.get("state")
-        sub = None if state is None else {k[len("unet."):]: v for k, v in state.items() if k.startswith("unet.")}
-        out: dict[str, Any] = {"transformer_lora_layers": get_peft_model_state_dict(self.unet, sub)}
-        if self.family == "flux":  # train_dreambooth_lora_flux.py writes the adapter's config (rank, alpha) beside it
+
+        def sub(prefix: str) -> dict[str, torch.Tensor] | None:
+            return None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+        out: dict[str, Any] = {"transformer_lora_layers": get_peft_model_state_dict(self.unet, sub("unet."))}
+        for name in self.trained_encoders():
+            out[f"{name}_lora_layers"] = get_peft_model_state_dict(getattr(self, name), sub(f"{name}."))
+        if self.family == "flux":  # train_dreambooth_lora_flux.py writes the adapters' configs (rank, alpha) beside
             out["transformer_lora_adapter_metadata"] = self.unet.peft_config["default"].to_dict()
+            if self.trained_encoders():
+                out["text_encoder_lora_adapter_metadata"] = self.text_lora_config.to_dict()
         return out
 
     def save_lora(self, folder: Path, layers: dict[str, Any]) -> Path:

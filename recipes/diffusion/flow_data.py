@@ -128,10 +128,26 @@ def precompute(module: Any, data: Any) -> None:
     """Every prompt's text conditioning into `module.text_embeddings` (the encoders dropped), and with
     `--cache_latents` every image's posterior into `module.latent_stores` (the VAE dropped)."""
     cfg = module.config
+    if module.trained_encoders() and not flow_settings(cfg).cache_latents:
+        return  # --train_text_encoder: every step encodes its prompts
     root = Path(cfg.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     module.precompute_dir = Path(tempfile.mkdtemp(dir=root, prefix=f".precomputed-rank{module.global_rank}-"))
     ds = FlowCaptionedImages(data.scan(), module.tokenizers(), cfg.data_config(), data.class_records)
+    if not module.trained_encoders():
+        _text(module, ds)
+    if flow_settings(cfg).cache_latents:
+        module.latent_stores = (_posteriors(module, ds, ds.records, module.precompute_dir / "latents", -1),
+                                _posteriors(module, ds, ds.class_records, module.precompute_dir / "class_latents", -2)
+                                if ds.class_records else None)
+        logger.info("pre-computed the latents of %d image(s); VAE dropped", len(ds.records) + len(ds.class_records))
+        module.vae = None
+    gc.collect()
+
+
+def _text(module: Any, ds: FlowCaptionedImages) -> None:
+    """Every prompt's conditioning into `module.text_embeddings`; the text encoders dropped from `module`."""
+    cfg = module.config
     encoders = [getattr(module, name) for name in module.encoder_names()]
 
     def encode(ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,13 +159,6 @@ def precompute(module: Any, data: Any) -> None:
     for name in module.encoder_names():
         setattr(module, name, None)
     encoders.clear()  # the last references: the encoders are freed here
-    if flow_settings(cfg).cache_latents:
-        module.latent_stores = (_posteriors(module, ds, ds.records, module.precompute_dir / "latents", -1),
-                                _posteriors(module, ds, ds.class_records, module.precompute_dir / "class_latents", -2)
-                                if ds.class_records else None)
-        logger.info("pre-computed the latents of %d image(s); VAE dropped", len(ds.records) + len(ds.class_records))
-        module.vae = None
-    gc.collect()
 
 
 @torch.no_grad()

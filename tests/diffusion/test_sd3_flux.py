@@ -133,7 +133,10 @@ def test_no_flag_is_silently_ignored(script):
     for flag in FLOW_SCRIPT_FLAGS[script]:
         if flag.required:
             continue
-        values = {**defaults, **required, **NEEDS.get(flag.name, {}), flag.name: _sample(flag)}
+        needs = NEEDS.get(flag.name, {})
+        if "lora" in script and flag.name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
+            needs = {"train_text_encoder": True}
+        values = {**defaults, **required, **needs, flag.name: _sample(flag)}
         if isinstance(flow_handling(script, flag.name), Refuse):
             with pytest.raises(InputError) as err:
                 flow_script_config(script, values)

@@ -10,8 +10,8 @@ Every flag and every assertion is kept, with more where a user would look beyond
   (`diffusion.flow_tiny`), `docs/source/en/imgs` a folder of 2 images: nothing is downloaded.
 - `--resolution 64` runs at 32 (the tiny pipelines' size; the cases assert files, keys and checkpoint sets), and
   every command line gets `--max_sequence_length 16` (T5's prompt length: time, not what the cases check).
-- `--train_text_encoder` is refused here (one line, exit 2, before anything loads): the two text-encoder cases
-  assert the refusal instead of the file's text-encoder keys.
+- The LoRA scripts' `--train_text_encoder` (LoRA on the CLIP encoders) is ported as it is; the full scripts'
+  (every encoder trained whole, T5 too) is refused here, in one line before anything loads (an added case).
 - A case whose command line differs from a checkpointing case's only by fewer steps and no checkpointing flags
   (`test_dreambooth`, `test_dreambooth_lora_sd3`, `test_dreambooth_lora_flux`) asserts its checks on that case's
   run (module-scoped `runs`): what they assert holds at any step.
@@ -108,7 +108,7 @@ def lora_keys(tmpdir: str) -> list[str]:
     return keys
 
 
-def sample(model: str, tmpdir: str | None = None, transformer=None) -> None:
+def sample(model: str, tmpdir: str | None = None, transformer=None):
     """The pipeline (with the LoRA file of `tmpdir`, or `transformer`) loads in diffusers and generates."""
     from diffusers import DiffusionPipeline
 
@@ -116,6 +116,7 @@ def sample(model: str, tmpdir: str | None = None, transformer=None) -> None:
     if tmpdir is not None:
         pipe.load_lora_weights(tmpdir)
     pipe("photo", num_inference_steps=1, height=32, width=32, max_sequence_length=16)
+    return pipe
 
 
 COMMON = """--instance_data_dir docs/source/en/imgs --instance_prompt photo --resolution 64 --train_batch_size 1
@@ -203,11 +204,22 @@ def test_dreambooth_lora(runs, stand_ins, family):  # test_dreambooth_lora_sd3 /
 
 
 @FAMILIES
-def test_dreambooth_lora_text_encoder(stand_ins, family, tmp_path):
-    """diffusers trains LoRA on the CLIP encoders here; refused in one line before anything loads."""
-    rc, errors = run_command(lora(family).format(tmpdir=tmp_path / "out") + " --train_text_encoder --max_train_steps 2",
-                             stand_ins)
-    assert rc == 2 and len(errors) == 1 and "--train_text_encoder:" in errors[0], errors
+def test_dreambooth_lora_text_encoder(runs, stand_ins, family):
+    tmpdir = runs(lora(family) + " --train_text_encoder --max_train_steps 2")
+    keys = lora_keys(tmpdir)
+    assert all(k.startswith(("transformer", "text_encoder")) for k in keys)
+    # more than diffusers checks: the CLIP encoders' layers are there (T5 is never adapted), and diffusers applies them
+    clips = {"text_encoder", "text_encoder_2"} if family == "sd3" else {"text_encoder"}
+    assert {k.split(".")[0] for k in keys} == {"transformer", *clips}
+    assert set(sample(stand_ins[MODEL[family]], tmpdir).get_list_adapters()) == {"transformer", *clips}
+
+
+def test_full_scripts_refuse_train_text_encoder(stand_ins, tmp_path):
+    """train_dreambooth_{sd3,flux}.py --train_text_encoder trains every encoder whole: refused in one line."""
+    for family in ("sd3", "flux"):
+        rc, errors = run_command(full(family).format(tmpdir=tmp_path / "out") + " --train_text_encoder "
+                                 "--max_train_steps 2", stand_ins)
+        assert rc == 2 and len(errors) == 1 and "--train_text_encoder:" in errors[0], errors
     assert not (tmp_path / "out" / "logs").exists()
 
 
