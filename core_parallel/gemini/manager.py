@@ -90,9 +90,11 @@ class ChunkManager:
         # Prefetching needs a gather that runs beside compute: gloo's, an accelerator's, or a read of an NVMe master
         # on the reader thread (a CPU device whose gathers are one-sided: one rank, or peer reads). Copies between
         # CPU tiers and shared-memory gathers are compute themselves: prefetching them would only hold the next
-        # chunk longer, so a CPU device prefetches the chunks whose master is on NVMe only.
+        # chunk longer, so a CPU device prefetches the chunks whose master is on NVMe only. The optimizer step reads
+        # the next NVMe piece on that thread too. prefetch=0: no thread, every read synchronous.
         self.reader = None
-        if device.type == "cpu" and self.nvme is not None and (world == 1 or self.peers is not None):
+        one_sided = world == 1 or self.peers is not None
+        if device.type == "cpu" and self.nvme is not None and one_sided and config.prefetch:
             self.reader = ThreadPoolExecutor(1, thread_name_prefix="lowmem-tier-reader")
             for c in self.chunks:
                 c.reader = self.reader

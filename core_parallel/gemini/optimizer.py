@@ -216,9 +216,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                   for g in self.param_groups]
         try:
             with self.manager.master_writes():  # peers reading this rank's masters wait for the new values
-                for c in self.manager.trainable_chunks:
-                    if c.grad.allocated:
-                        self._step_chunk(c, used, hypers)
+                self._step_chunks([c for c in self.manager.trainable_chunks if c.grad.allocated], used, hypers)
         finally:
             for pages in self._scratch.values():
                 pages.drop()
@@ -248,49 +246,73 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if run:
             yield run
 
-    def _staged(self, name: str, buf: TieredBuffer, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of `buf` (on NVMe) read into this step's scratch buffer `name`: updating through the
-        file mapping would take a write fault per page; the result goes back with one pwrite (`_step_chunk`)."""
-        pages = self._scratch.get(name)
+    def _staged(self, name: str, buf: TieredBuffer, lo: int, hi: int, parity: int = 0) -> torch.Tensor:
+        """Elements [lo, hi) of `buf` (on NVMe) read into this step's scratch buffer `name` (two of each, `parity`,
+        so the next piece is read while this one is updated): updating through the file mapping would take a write
+        fault per page; the result goes back with one pwrite (`_step_chunks`)."""
+        pages = self._scratch.get(f"{name}{parity}")
         if pages is None:  # one piece, reused for every piece of every chunk
-            pages = self._scratch[name] = HostPages(STEP_PIECE * 4)
+            pages = self._scratch[f"{name}{parity}"] = HostPages(STEP_PIECE * 4)
         return buf.read_into(pages.tensor(torch.float32, hi - lo), lo)
 
-    def _step_chunk(self, c: Chunk, used: set[int], hypers: list) -> None:
-        """Update one chunk's shard where its optimizer state lives. NVMe shards are staged in scratch memory a
-        piece of at most `STEP_PIECE` elements at a time and written back, so the step holds four pieces, not
-        four shards."""
-        bufs = {"master": c.master, "grad": c.grad, **c.states}
+    def _spans(self, c: Chunk, used: set[int]) -> list[tuple[int, int, list]]:
         runs = list(self._runs(c, used))
-        if any(b.tier == "nvme" for b in bufs.values()):
-            spans = _pieces(runs, STEP_PIECE)
-        else:
-            spans = [(0, c.shard_numel, runs)] if runs else []
-        moved = False
-        for span_lo, span_hi, span_runs in spans:
-            views = {k: self._staged(k, b, span_lo, span_hi) if b.tier == "nvme" else b.view()[span_lo:span_hi]
-                     for k, b in bufs.items()}
-            grad, master = views["grad"], views["master"]
-            states = {k: views[k] for k in c.states}
-            param = master if master.device == grad.device else master.to(grad.device)
-            for lo, hi, gi, step in span_runs:
-                lo, hi = lo - span_lo, hi - span_lo
-                if self.kind == "adam":
-                    adam_update_(param[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
-                                 step, hypers[gi])
-                else:
-                    buf = states["momentum_buffer"][lo:hi] if "momentum_buffer" in states else None
-                    sgd_update_(param[lo:hi], grad[lo:hi], buf, step, hypers[gi])
-            if param is not master:
-                master.copy_(param)
-                moved = True
-            for k in ("master", *c.states):
-                if bufs[k].tier == "nvme":
-                    bufs[k].write_from(views[k], span_lo)
-        if moved:
-            self.manager.ledger.transfer(c.grad.tier, c.master.tier, c.master.nbytes)
-        for b in bufs.values():
-            b.done()
+        if any(b.tier == "nvme" for b in (c.master, c.grad, *c.states.values())):
+            return _pieces(runs, STEP_PIECE)
+        return [(0, c.shard_numel, runs)] if runs else []
+
+    def _views(self, c: Chunk, lo: int, hi: int, parity: int) -> dict[str, torch.Tensor]:
+        """Elements [lo, hi) of the chunk's master, gradient and states: NVMe ones staged in scratch memory."""
+        bufs = {"master": c.master, "grad": c.grad, **c.states}
+        return {k: self._staged(k, b, lo, hi, parity) if b.tier == "nvme" else b.view()[lo:hi]
+                for k, b in bufs.items()}
+
+    def _step_chunks(self, chunks: list[Chunk], used: set[int], hypers: list) -> None:
+        """Update each chunk's shard where its optimizer state lives. NVMe shards are staged in scratch memory a
+        piece of at most `STEP_PIECE` elements at a time and written back, so the step holds eight pieces (two
+        sets of four), not four shards. With the manager's reader thread (a CPU device) the next piece is read
+        while this one is updated and written: the step streams at the disk's pace."""
+        work = [(c, *span) for c in chunks for span in self._spans(c, used)]
+        reader = self.manager.reader
+        pending = None
+        for k, (c, lo, hi, runs) in enumerate(work):
+            if pending is not None:
+                views = pending.result()
+            else:
+                views = self._views(c, lo, hi, k % 2)
+            pending = None
+            if k + 1 < len(work) and reader is not None:
+                nc, nlo, nhi, _ = work[k + 1]
+                pending = reader.submit(self._views, nc, nlo, nhi, (k + 1) % 2)
+            try:
+                self._update(c, views, lo, runs, hypers)
+            except BaseException:
+                if pending is not None:
+                    pending.result()  # the scratch memory is not read into once the step is gone
+                raise
+            if k + 1 == len(work) or work[k + 1][0] is not c:
+                for b in (c.master, c.grad, *c.states.values()):
+                    b.done()
+
+    def _update(self, c: Chunk, views: dict[str, torch.Tensor], span_lo: int, runs: list, hypers: list) -> None:
+        """Step elements [span_lo, span_lo + len) of the chunk (`views`) and write staged NVMe pieces back."""
+        grad, master = views["grad"], views["master"]
+        states = {k: views[k] for k in c.states}
+        param = master if master.device == grad.device else master.to(grad.device)
+        for lo, hi, gi, step in runs:
+            lo, hi = lo - span_lo, hi - span_lo
+            if self.kind == "adam":
+                adam_update_(param[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
+                             step, hypers[gi])
+            else:
+                buf = states["momentum_buffer"][lo:hi] if "momentum_buffer" in states else None
+                sgd_update_(param[lo:hi], grad[lo:hi], buf, step, hypers[gi])
+        if param is not master:
+            master.copy_(param)
+            self.manager.ledger.transfer(c.grad.tier, c.master.tier, master.numel() * 4)
+        for k, b in (("master", c.master), *c.states.items()):
+            if b.tier == "nvme":
+                b.write_from(views[k], span_lo)
 
     # ---- torch-format state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
