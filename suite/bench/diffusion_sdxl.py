@@ -299,9 +299,6 @@ def run(args: argparse.Namespace) -> int:
             r.update(_full_checks(side.argv[side.argv.index("--output_dir") + 1]))
     if "full" in opts["rows"] and "plain" in opts["sides"] and not opts["plain_full_cap"]:
         rows.append(_plain_full_note())
-    for r in rows:
-        if r.get("cap_mib") and r["peak_mib"]:  # a cgroup limit where the machine has one (method says)
-            r["under_cap"] = r["peak_mib"] <= r["cap_mib"] and not r["oom_killed"]
     plain = {r["row"]: r for r in rows if r["side"] == "plain" and r.get("peak_mib")}
     for r in rows:
         if r["side"] == "ours" and r["row"] in plain:

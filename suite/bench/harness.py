@@ -3,10 +3,11 @@
 Sides run as processes of their own (`Side`, `run_side`: a memory cgroup under an optional cap, a time limit, the
 peak and wall time, what they printed, `emit`ted JSON lines and `log_step` per-step times read back); whole
 commands side by side: `whole_rows`. Sides that run as ranks time steps with `step_times` and take peaks with
-`peak_over` / `memory.SideMeter`; `worst` folds the ranks. Baselines at their best: `fast_optimizer`,
-`ddp_options`, `torch_baseline` (`ran` names what ran). `publish` prints the tables and writes `--json`,
-`--markdown` and `--plot`; `add_ratios` compares rows with their baseline.
+`peak_over` / `memory.SideMeter`. Baselines at their best: `fast_optimizer`, `ddp_options`, `torch_baseline` (`ran`
+names what ran). `publish` prints the tables and writes `--json`, `--markdown` and `--plot`; `add_ratios` compares
+rows with their baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -33,7 +34,7 @@ __all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "
            "kill_group", "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl",
            "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side", "safe_env", "step_seconds",
            "step_times", "text_table", "time_fn", "timed", "tool_main", "torch_baseline", "torch_device",
-           "whole_rows", "worst", "write_json", "write_text"]
+           "whole_rows", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -337,7 +338,6 @@ class SideRun:
     oom_killed: bool = False
     stdout: str = ""
     stderr: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def timed_out(self) -> bool:
@@ -388,8 +388,10 @@ class SideRun:
         out = {"returncode": self.returncode, "peak_mib": mib(self.peak_bytes), "wall_s": self.wall_s,
                "method": self.method, "oom_killed": self.oom_killed, "step_times_s": list(times),
                "step_s": median(times[1:]), "command": " ".join(self.side.argv)}
-        if self.side.cap_bytes:
+        if self.side.cap_bytes:  # held to its cap where the kernel enforced one (`method` says)
             out["cap_mib"] = self.side.cap_bytes / 2**20
+            if self.peak_bytes:
+                out["under_cap"] = self.peak_bytes <= self.side.cap_bytes and not self.oom_killed
         return out
 
 
@@ -428,7 +430,7 @@ def run_side(side: Side) -> SideRun:
             except subprocess.TimeoutExpired:
                 got = {"returncode": None, "wall_s": time.perf_counter() - t0, "peak_bytes": None, "method": None}
             run = SideRun(side, got["returncode"], got["wall_s"], got["peak_bytes"], got["method"],
-                          bool(got.get("oom_kills")), extra=got)
+                          bool(got.get("oom_kills")))
         else:
             proc = subprocess.Popen(side.argv, stdout=out, stderr=subprocess.STDOUT if log else err, cwd=side.cwd,
                                     env=side.env, start_new_session=True)
@@ -625,8 +627,3 @@ def publish(args: argparse.Namespace, payload: dict[str, Any],
 def median(values: Sequence[float]) -> float | None:
     """The median, None for no values."""
     return statistics.median(values) if values else None
-
-
-def worst(per_rank: Sequence[dict], keys: Iterable[str]) -> dict:
-    """The first rank's result with each of `keys` replaced by its largest value over the ranks."""
-    return {**per_rank[0], **{k: max(r[k] for r in per_rank) for k in keys}}
