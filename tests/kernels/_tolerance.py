@@ -52,7 +52,7 @@ def check_op(fn, ref, tensors, kwargs, dtype, backend_cm, g_seed=0):
         out = fn(*xo, **kwargs)
     assert out.dtype == dtype
     check(out, rl, r64.detach(), "output", dtype)
-    g = torch.randn(r64.shape, generator=torch.Generator().manual_seed(g_seed), dtype=torch.float64)
+    g = torch.randn(r64.shape, generator=torch.Generator().manual_seed(g_seed), dtype=torch.float64).to(r64.device)
     for i, (a, b, c) in enumerate(zip(grads(out, xo, g), grads(rl, xl, g), grads(r64, x64, g))):
         if c is not None:
             check(a, b, c, f"grad of input {i}", dtype)
