@@ -4,6 +4,7 @@ writes it with the scripts' save hooks (v0.40.0):
 | file | written by | holds |
 |---|---|---|
 | `unet/` (`config.json`, `diffusion_pytorch_model.safetensors`) | the hook's `save_pretrained` (full UNet) | weights |
+| `transformer/` (the same files) | the SD3 / Flux full scripts' hook | weights |
 | `unet_ema/` | `EMAModel.save_pretrained` (--use_ema) | EMA weights; `optimization_step` in its config |
 | `text_encoder/` (`model.safetensors`) | DreamBooth's hook (--train_text_encoder) | weights |
 | `pytorch_lora_weights.safetensors` | the LoRA scripts' hook (`save_lora_weights`) | LoRA layers (1) |
@@ -11,7 +12,8 @@ writes it with the scripts' save hooks (v0.40.0):
 | `random_states_0.pkl` | `torch.save` of Python's, numpy's and torch's RNG states | RNG states |
 
 (1) diffusers' names: `unet.`, and with the SDXL scripts' `--train_text_encoder` `text_encoder.` and
-`text_encoder_2.` layers.
+`text_encoder_2.` layers; the SD3 / Flux LoRA scripts' peft names under `transformer.` (and `text_encoder.`,
+`text_encoder_2.`), read through the module's `lora_file_names`.
 
 Everything is read with `torch.load(weights_only=True)` or safetensors. The pieces become a Lightning checkpoint
 (`lightning_checkpoint`) that the run resumes like its own `checkpoint-N` (the loops restart at the scripts'
@@ -50,13 +52,20 @@ def is_accelerate_checkpoint(path: Path) -> bool:
     return (path / "optimizer.bin").is_file() or (path / "scheduler.bin").is_file()
 
 
+def _denoiser(cfg: Any) -> tuple[str, str]:
+    """The trained model's files in the checkpoint: `unet/`, or the SD3 / Flux scripts' `transformer/`."""
+    if (cfg.extra or {}).get("flow") is None:
+        return _UNET
+    return tuple(name.replace("unet/", "transformer/") for name in _UNET)
+
+
 def required_files(cfg: Any) -> list[str]:
     """The files this run needs from an accelerate checkpoint (what the script's save hook writes for it)."""
     need = ["optimizer.bin", "scheduler.bin"]
     if cfg.lora:
         need.append(_LORA)
     else:
-        need += _UNET
+        need += _denoiser(cfg)
         if cfg.use_ema:
             need += _EMA
         if cfg.train_text_encoder:
@@ -111,6 +120,8 @@ def _lora_names(module: StableDiffusionFineTune) -> dict[str, str]:
     without it, one on transformers 4 with it; both resume)."""
     from diffusers.utils import convert_state_dict_to_diffusers
 
+    if hasattr(module, "lora_file_names"):  # the SD3 / Flux scripts write peft's names under `transformer.`
+        return module.lora_file_names()
     out = {}
     for part in ("unet", "text_encoder", "text_encoder_2"):
         model = getattr(module, part, None)
@@ -203,7 +214,7 @@ def lightning_checkpoint(path: Path, module: StableDiffusionFineTune, trainer: p
     if cfg.lora:
         state = _lora(path / _LORA, module)
     else:
-        state = _named(path / _UNET[1], "unet", module.unet)
+        state = _named(path / _denoiser(cfg)[1], "unet", module.unet)
         if cfg.train_text_encoder:
             state.update(_named(path / _TEXT[1], "text_encoder", module.text_encoder))
     params = [p for p in module.parameters() if p.requires_grad]

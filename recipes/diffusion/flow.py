@@ -269,6 +269,19 @@ class _FlowFineTune(StableDiffusionFineTune):
                 out["text_encoder_lora_adapter_metadata"] = self.text_lora_config.to_dict()
         return out
 
+    def lora_file_names(self) -> dict[str, str]:
+        """The LoRA file's key of each trained parameter -> its name here (resuming the scripts' accelerate
+        checkpoints): `save_lora_weights` of `get_peft_model_state_dict`, peft's names without the adapter's under
+        `transformer.` / `text_encoder.` / `text_encoder_2.`, text encoders' in CLIP's `text_model.` layout."""
+        from ...diffusion.lora import lora_file_key
+
+        out = {}
+        for part, attr in (("transformer", "unet"), *((n, n) for n in self.trained_encoders())):
+            for name, p in getattr(self, attr).named_parameters():
+                if p.requires_grad:
+                    out[lora_file_key(f"{part}.{name.replace('.default.', '.')}")] = f"{attr}.{name}"
+        return out
+
     def save_lora(self, folder: Path, layers: dict[str, Any]) -> Path:
         from ...diffusion.flow_models import save_flow_lora_weights
 

@@ -338,3 +338,26 @@ def test_prior_preservation_and_validation_images(capsys, tmp_path, folders, mon
     assert sorted(p.name for p in (tmp_path / "class").iterdir()) == ["class-00000.png", "class-00001.png"]
     assert (tmp_path / "out" / "validation" / "final.png").is_file()
     assert not list((tmp_path / "out").glob(".precomputed-*"))  # the pre-computed files are removed at the end
+
+
+@pytest.mark.parametrize(("script", "extra"), [
+    ("train_dreambooth_lora_flux", ("--train_text_encoder", "--text_encoder_lr", "2e-3")),
+    ("train_dreambooth_sd3", ()),
+])
+def test_resumes_the_scripts_accelerate_checkpoint(capsys, tmp_path, folders, script, extra):
+    """A run resumed from accelerate's checkpoint-2 as the scripts write it (the save hook's `transformer/` or
+    LoRA file, optimizer.bin, scheduler.bin, random_states_0.pkl) ends where 3 steps in one go end."""
+    from tests.diffusion.conftest import as_accelerate
+
+    args = ["--checkpointing_steps", "2", "--max_train_steps", "3", *extra]
+    _run(capsys, script, folders, tmp_path / "whole", *args)
+    ckpt = tmp_path / "resumed" / "checkpoint-2"
+    as_accelerate(tmp_path / "whole" / "checkpoint-2", ckpt)
+    if "lora" not in script:
+        shutil.copytree(tmp_path / "whole" / "checkpoint-2" / "transformer", ckpt / "transformer")
+    _run(capsys, script, folders, tmp_path / "resumed", *args, "--resume_from_checkpoint", "latest")
+    name = "pytorch_lora_weights.safetensors" if "lora" in script else "transformer/diffusion_pytorch_model.safetensors"
+    a, b = _tensors(tmp_path / "whole" / name), _tensors(tmp_path / "resumed" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if "lora" in script:
+        assert {k.split(".")[0] for k in a} == {"transformer", "text_encoder"}
