@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -67,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")
     targets = [Target(n, s) for n, s in random_sequences(args.targets, args.n_res, args.seed, "t")]
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fold_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_fold_", ignore_cleanup_errors=True) as folder:
+        tmp = Path(folder)
         from ...fastfold.data.tools import ToolError, find_binary
 
         try:
@@ -113,6 +112,4 @@ def run(args: argparse.Namespace) -> int:
                        "stages": stages, "runs": runs, "jackhmmer": jackhmmer},
                 [(f"suite fold stages, one target ({'jackhmmer' if jackhmmer else 'single sequence'})", stages, None),
                  (f"{len(targets)} targets of {args.n_res} residues", runs, None)])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0

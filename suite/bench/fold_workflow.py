@@ -183,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
     queries = _queries(args)
     dbs = _databases(args, queries)
     targets = [Target(n, s) for n, s in queries]
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fold_workflow_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_fold_workflow_", ignore_cleanup_errors=True) as folder:
+        tmp = Path(folder)
         features = _feature_rows(args, targets, dbs, tmp)
         fold = _fold_rows(args, tmp) if args.fold_targets else []
         tables = [(f"feature generation ({', '.join(k.split('_')[0] for k in dbs)}), {len(queries[0][1])} residues "
@@ -195,7 +195,5 @@ def run(args: argparse.Namespace) -> int:
         publish(args, {"benchmark": "fold-workflow", "databases": dbs,
                        "args": {k: v for k, v in vars(args).items() if k != "func"}, "features": features,
                        "fold": fold}, tables)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     ok = all(r["done"] == args.fold_targets and r.get("equal to local", True) for r in fold)
     return 0 if ok else 1

@@ -155,25 +155,15 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _read_int(path: str) -> int:
-    with open(path) as f:
-        return int(f.read().split()[0])
-
-
 class Cgroup:
-    """A fresh child of this process's memory cgroup: `add` processes, read `peak()`, `remove()` it.
-
-    `Cgroup.create()` returns None where the machine does not allow one (not root, no memory controller, a v2
-    parent that holds processes and so cannot hand the controller down)."""
+    """A fresh child of this process's memory cgroup: `add` processes, read `peak()`, `remove()` it. `create()`
+    is None where the machine allows none (not root, no memory controller, a v2 parent holding processes)."""
 
     def __init__(self, version: int, path: str, home: str) -> None:
         self.version, self.path, self.home = version, path, home  # home: this process's own group folder
         self.method = "cgroup2:memory.peak" if version == 2 else "cgroup1:memory.max_usage_in_bytes"
+        self.procs = os.path.join(path, "cgroup.procs")
         self._peak_fd: int | None = None
-
-    @property
-    def procs(self) -> str:
-        return os.path.join(self.path, "cgroup.procs")
 
     @classmethod
     def create(cls, label: str = "bench") -> Cgroup | None:
@@ -225,11 +215,11 @@ class Cgroup:
         """Highest charge since the group was made (or since `reset_peak`), bytes."""
         if self._peak_fd is not None:
             return int(os.pread(self._peak_fd, 64, 0).split()[0])
-        return _read_int(os.path.join(self.path, "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+        with open(os.path.join(self.path, "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")) as f:
+            return int(f.read().split()[0])
 
     def set_limit(self, nbytes: int) -> None:
-        """Cap the group's charge (anonymous memory and page cache) at `nbytes`: the kernel reclaims page cache
-        first and kills a task of the group when nothing more can be reclaimed (`oom_kills` counts it)."""
+        """Cap the group's charge (page cache included): the kernel reclaims, then kills (`oom_kills`)."""
         _write(os.path.join(self.path, "memory.max" if self.version == 2 else "memory.limit_in_bytes"), str(nbytes))
 
     def oom_kills(self) -> int | None:
