@@ -389,33 +389,19 @@ class SideMeter:
 # ---- whole commands ----------------------------------------------------------------------------------------
 
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
 def tree_rss_bytes(pid: int) -> int:
     """Summed RSS of `pid` and all its descendants now (0 for processes gone meanwhile)."""
-    kids = _children_map()
-    todo, total, page = [pid], 0, _PAGE
-    while todo:
-        p = todo.pop()
-        todo.extend(kids.get(p, ()))
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            pass
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in tree:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
     return total
 
 
