@@ -105,7 +105,7 @@ def encode_prompt_sd3(encoders: list[Any], ids: list[torch.Tensor]) -> dict[str,
     `hidden` `[B, 77 + L, D_t5]` (both CLIPs' penultimate states side by side, zero-padded to T5's width, then T5's
     last states) and `pooled` `[B, P_l + P_g]` (both projections)."""
     (h1, p1), (h2, p2) = _clip(encoders[0], ids[0]), _clip(encoders[1], ids[1])
-    t5 = encoders[2](ids[2].to(encoders[2].device))[0]
+    t5 = encoders[2](ids[2].to(encoders[2].device))[0].to(h1.device)
     clip = torch.cat([h1, h2], dim=-1).to(t5.dtype)
     clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
     return {"hidden": torch.cat([clip, t5], dim=-2), "pooled": torch.cat([p1, p2], dim=-1)}
@@ -114,7 +114,7 @@ def encode_prompt_sd3(encoders: list[Any], ids: list[torch.Tensor]) -> dict[str,
 def encode_prompt_flux(encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Flux's conditioning: `hidden` T5's last hidden states `[B, L, D]`, `pooled` CLIP-L's pooled output `[B, P]`."""
     pooled = encoders[0](ids[0].to(encoders[0].device), output_hidden_states=False).pooler_output
-    hidden = encoders[1](ids[1].to(encoders[1].device))[0]
+    hidden = encoders[1](ids[1].to(encoders[1].device))[0].to(pooled.device)
     return {"hidden": hidden, "pooled": pooled.to(hidden.dtype)}
 
 

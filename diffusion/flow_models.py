@@ -20,8 +20,8 @@ from .errors import InputError
 from .lora import LORA_WEIGHT_NAME, lora_file_key
 from .models import check_pipeline_folder, drop_folder_cache, resolve_pretrained
 
-__all__ = ["ENCODERS", "FLOW_COMPONENTS", "load_flow_component", "load_flow_components", "make_flow_pipeline",
-           "save_flow_lora_weights"]
+__all__ = ["ENCODERS", "FLOW_COMPONENTS", "load_flow_component", "load_flow_components", "load_streamed_t5",
+           "make_flow_pipeline", "save_flow_lora_weights", "t5_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +82,39 @@ def load_flow_component(folder: Path, family: str, name: str, *, variant: str | 
     return part
 
 
+def t5_name(family: str) -> str:
+    """The subfolder of the family's T5 encoder."""
+    return next(enc for enc, cls, _ in ENCODERS[family] if cls.startswith("T5"))
+
+
+def load_streamed_t5(folder: Path, family: str, *, variant: str | None = None, dtype: Any = None,
+                     device: Any = "cpu") -> Any:
+    """The family's T5 encoder streamed block by block on `device` (`diffusion.flow_stream`), or, where streaming
+    does not apply, loaded whole (frozen, eval mode)."""
+    from transformers import T5EncoderModel
+
+    from .flow_stream import streamed_encoder
+
+    name = t5_name(family)
+    model = streamed_encoder(folder / name, T5EncoderModel, dtype, variant, device=device)
+    if model is None:
+        model = load_flow_component(folder, family, name, variant=variant, dtype=dtype).requires_grad_(False).eval()
+        model.to(device)
+    return model
+
+
 def load_flow_components(pretrained: str, family: str, *, revision: str | None = None, variant: str | None = None,
-                         cache_dir: str | None = None, text_encoder_dtype: Any = None) -> dict[str, Any]:
+                         cache_dir: str | None = None, text_encoder_dtype: Any = None,
+                         skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every component of the SD3 / Flux folder `pretrained` (a folder, or a hub id in the local cache), the text
     encoders in `text_encoder_dtype`, plus `source` (the folder) and `inference_scheduler` (the scheduler again,
-    for validation pipelines)."""
+    for validation pipelines); the components `skip` are None (loaded when needed: T5, streamed)."""
     folder = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     check_pipeline_folder(folder, FLOW_COMPONENTS[family])
     out: dict[str, Any] = {"source": folder}
     for name in FLOW_COMPONENTS[family]:
-        out[name] = load_flow_component(folder, family, name, variant=variant,
-                                        dtype=text_encoder_dtype if name.startswith("text_encoder") else None)
+        dtype = text_encoder_dtype if name.startswith("text_encoder") else None
+        out[name] = None if name in skip else load_flow_component(folder, family, name, variant=variant, dtype=dtype)
     out["inference_scheduler"] = load_flow_component(folder, family, "scheduler")
     return out
 

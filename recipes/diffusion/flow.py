@@ -29,7 +29,7 @@ from ...diffusion.flow import (
     sd3_forward,
     timestep_density,
 )
-from ...diffusion.flow_models import ENCODERS
+from ...diffusion.flow_models import ENCODERS, t5_name
 from ...diffusion.training import step_generator
 from .flow_data import FlowData, flow_settings, frozen_component, id_keys, precompute, release_stores
 from .launch import fit_finetune
@@ -53,9 +53,12 @@ class _FlowFineTune(StableDiffusionFineTune):
 
         self.config = cfg = config
         half = None if self.weight_dtype == torch.float32 else self.weight_dtype
+        # T5 (SD3's and Flux's 4.7B T5-XXL) is not loaded here unless it runs in every step (--train_text_encoder):
+        # it encodes the prompts once, streamed block by block (`frozen_component`, `diffusion.flow_stream`)
+        skip = () if self.trained_encoders() else (t5_name(self.family),)
         comps = dict(components or load_flow_components(cfg.pretrained_model_name_or_path, self.family,
                                                         revision=cfg.revision, variant=cfg.variant,
-                                                        cache_dir=cfg.cache_dir, text_encoder_dtype=half))
+                                                        cache_dir=cfg.cache_dir, text_encoder_dtype=half, skip=skip))
         self.unet, self.vae, self.noise_scheduler = comps["transformer"], comps["vae"], comps["scheduler"]
         for enc, _, tok in ENCODERS[self.family]:
             setattr(self, enc, comps[enc])
@@ -101,7 +104,8 @@ class _FlowFineTune(StableDiffusionFineTune):
         cfg, s = self.config, flow_settings(self.config)
         self.vae.requires_grad_(False).to(torch.float32)  # the scripts keep the VAE in fp32
         for name in self.encoder_names():
-            getattr(self, name).requires_grad_(False).to(self.weight_dtype)
+            if getattr(self, name) is not None:
+                getattr(self, name).requires_grad_(False).to(self.weight_dtype)
         if cfg.lora:
             from peft import LoraConfig
 

@@ -148,7 +148,7 @@ def precompute(module: Any, data: Any) -> None:
 def _text(module: Any, ds: FlowCaptionedImages) -> None:
     """Every prompt's conditioning into `module.text_embeddings`; the text encoders dropped from `module`."""
     cfg = module.config
-    encoders = [getattr(module, name) for name in module.encoder_names()]
+    encoders = [frozen_component(module, name) for name in module.encoder_names()]  # T5 streamed
 
     def encode(ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in module.encode_prompt_ids(encoders, ids).items()}
@@ -175,15 +175,18 @@ def _posteriors(module: Any, ds: FlowCaptionedImages, records: list[ImageRecord]
 
 
 def frozen_component(module: Any, name: str) -> Any:
-    """`module.<name>`, or where `precompute` dropped it, the component loaded again from the base folder in the
-    dtype the run holds it in (for one pipeline; not kept)."""
-    from ...diffusion.flow_models import load_flow_component
+    """`module.<name>`, or where `precompute` dropped it (or T5 was never loaded), the component loaded again from
+    the base folder in the dtype the run holds it in (for one use; not kept); T5 streamed block by block."""
+    from ...diffusion.flow_models import load_flow_component, load_streamed_t5, t5_name
 
     part = getattr(module, name)
     if part is not None:
         return part
-    logger.info("loading %s again for this pipeline (dropped after pre-computing)", name)
     dtype = torch.float32 if name == "vae" else module.weight_dtype
+    if name == t5_name(module.family):
+        return load_streamed_t5(module.base_source, module.family, variant=module.config.variant, dtype=dtype,
+                                device=module.device)
+    logger.info("loading %s again for this pipeline (dropped after pre-computing)", name)
     loaded = load_flow_component(module.base_source, module.family, name, variant=module.config.variant,
                                  dtype=dtype)
     return loaded.to(module.device, dtype).requires_grad_(False).eval()

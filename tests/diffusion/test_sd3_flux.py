@@ -361,3 +361,28 @@ def test_resumes_the_scripts_accelerate_checkpoint(capsys, tmp_path, folders, sc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if "lora" in script:
         assert {k.split(".")[0] for k in a} == {"transformer", "text_encoder"}
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_t5_streams_block_by_block(folders, family):
+    """T5 (SD3's and Flux's 4.7B T5-XXL at real size) encodes the prompts block by block from its safetensors: the
+    same outputs as the encoder loaded whole, and no weights held before, between or after its forwards."""
+    from transformers import T5EncoderModel
+
+    from lowmem.diffusion.flow_stream import streamed_encoder
+
+    sub = folders[family] / ("text_encoder_3" if family == "sd3" else "text_encoder_2")
+    whole = T5EncoderModel.from_pretrained(sub).eval().requires_grad_(False)
+    streamed = streamed_encoder(sub, T5EncoderModel)
+    held = []
+
+    def count(*_) -> None:
+        held.append(sum(p.untyped_storage().nbytes() for p in streamed.parameters()))
+
+    streamed.encoder.block[1].register_forward_pre_hook(count)  # after the block's weights were read
+    ids = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        assert torch.equal(streamed(ids)[0], whole(ids)[0])
+        assert sum(p.untyped_storage().nbytes() for p in streamed.parameters()) == 0
+    block = sum(p.numel() * p.element_size() for p in streamed.encoder.block[1].parameters())
+    assert held == [block, block]  # while block 1 runs, only its own weights are in memory
