@@ -1,7 +1,7 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution
 (method: docs/diffusion.md, "Benchmark"), in-process ranks or (`--whole_command`) whole commands as users run them:
 `python -m lowmem.suite.bench.diffusion write_pipeline DIR` and `... plain_loop BASE OUT` against `suite diffusion
-finetune`. `setup_variant` and `make_step` are also `suite bench gpu`'s SD row."""
+finetune`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .harness import (
 )
 from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
-__all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss", "options",
+__all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss",
            "plain_loop", "plain_step", "run", "setup_variant", "unet_model", "whole_commands", "write_pipeline"]
 
 _MODULE = __spec__.name if __spec__ is not None else __name__
@@ -366,13 +366,6 @@ def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
     if worst.get("peak_reset") is False:
         row["note"] = "peak RSS since process start (clear_refs unavailable)"
     return row
-
-
-def options(argv: list[str]) -> dict:
-    """The run's settings from `suite bench diffusion`'s flags `argv` (defaults filled in, checked)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return _defaults(parser.parse_args(argv))
 
 
 def _defaults(args: argparse.Namespace) -> dict:

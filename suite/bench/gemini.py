@@ -71,7 +71,7 @@ def _wrap(strategy: str, model, opt, extra: dict):
 
 
 def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
-    """The bench's model and step (also `suite bench gpu`'s): an MLP of `params` parameters of `width`, wrapped
+    """The bench's model and step: an MLP of `params` parameters of `width`, wrapped
     by `strategy` (`extra`: GeminiConfig fields), one step taken; returns (model, step function, setup_rss)."""
     import torch
 
