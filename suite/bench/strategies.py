@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
 
 
-def _module(hidden: int, layers: int, batch: int, n_batches: int):
+def _module(hidden: int, layers: int, batch: int, n_batches: int, cuda: bool):
+    """The MLP every strategy trains; it records each training step's seconds (`times`)."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -43,6 +44,17 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
             torch.manual_seed(0)
             blocks = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(layers)]
             self.net = nn.Sequential(*blocks, nn.Linear(hidden, hidden))
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -59,28 +71,6 @@ def _module(hidden: int, layers: int, batch: int, n_batches: int):
     return MLP()
 
 
-def _timer(cuda: bool):
-    import lightning.pytorch as pl
-    import torch
-
-    class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._t0 = 0.0
-
-        def on_train_batch_start(self, *args) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, *args) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._t0)
-
-    return StepTimer()
-
-
 def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     """One rank of one strategy: fit for warmup + steps, return peak memory and step times."""
     import lightning.pytorch as pl
@@ -90,7 +80,6 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
-    timer = _timer(cuda)
     meter = SideMeter().start()
     strategy = name
     if name == "ddp":
@@ -100,9 +89,9 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args["accelerator"], devices=world, max_steps=n_steps,
         precision=args["precision"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer],
+        enable_model_summary=False, use_distributed_sampler=False,
     )
-    module = _module(args["hidden"], args["layers"], args["batch"], n_steps)
+    module = _module(args["hidden"], args["layers"], args["batch"], n_steps, cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     before = hwm_bytes()  # own peak (VmHWM): ru_maxrss inherits the parent's across fork and exec
@@ -110,7 +99,7 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else hwm_bytes() - before
     charged = meter.peak()
     meter.close()
-    times = sorted(timer.times[args["warmup"]:])
+    times = sorted(module.times[args["warmup"]:])
     return {"peak_bytes": int(peak), "step_s": times[len(times) // 2] if times else float("nan"),
             "charged_bytes": charged, "memory_method": meter.method, "ran": ran(name, "AdamW")}
 
