@@ -74,6 +74,12 @@ class GeminiConfig:
     with "cpu"."""
     device_memory_budget: int | str | None = None
     """Bytes of device memory Gemini may use for model data, e.g. '20GB'; None means what the device has."""
+    memory_budget: int | str | None = None
+    """auto only: bytes the whole process may hold at once (RAM on a CPU device, device memory on an accelerator),
+    e.g. '6GiB'. What the process holds beside the model (measured at setup and at each step's peak: activations,
+    temporaries, other models) is taken off, and the placement keeps the most-read model data resident in the rest
+    (master shards before optimizer states), the remainder on the offload tier. Exclusive with
+    `device_memory_budget`; on a CPU device it needs `offload_tier="nvme"` (the CPU tier is the same memory)."""
     chunk_mb: float | None = None
     """Chunk size in MiB of the compute dtype; None searches the size that wastes least padding."""
     precision: str = "fp32"
@@ -109,6 +115,13 @@ class GeminiConfig:
         self._check_tier()
         if self.device_memory_budget is not None:
             parse_bytes(self.device_memory_budget, "device_memory_budget")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget, "memory_budget")
+            if self.placement != "auto":
+                raise InputError("memory_budget needs placement='auto' (the placement decides what stays resident)")
+            if self.device_memory_budget is not None:
+                raise InputError("give memory_budget (the whole process) or device_memory_budget (model data on the "
+                                 "device), not both")
         if self.chunk_mb is not None and not (isinstance(self.chunk_mb, (int, float)) and self.chunk_mb > 0):
             raise InputError(f"chunk_mb must be a positive number of MiB or None, got {self.chunk_mb!r}")
         if self.precision not in _PRECISIONS:
@@ -146,6 +159,11 @@ class GeminiConfig:
                 f"offload_dir={self.offload_dir!r} applies to offload_tier='nvme' only; offload_tier='cpu' keeps "
                 "off-device data in CPU memory (drop offload_dir, or set offload_tier='nvme')"
             )
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """`memory_budget` in bytes (None when unset)."""
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget, "memory_budget")
 
     @property
     def budget_bytes(self) -> int | None:

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ...utils.errors import InputError
 from ..groups import world_rank
+from .budget import ProcessMemory, outside_model
 from .config import GeminiConfig
 from .hooks import register_hooks
 from .layout import ParamInfo, chunk_elems_from_mb, plan_chunks
@@ -31,6 +33,20 @@ def _device_budget(config: GeminiConfig, device: torch.device) -> int:
     import psutil
 
     return psutil.virtual_memory().total
+
+
+def _model_budget(config: GeminiConfig, device: torch.device, params: list) -> tuple[int, ProcessMemory]:
+    """The model-data budget `memory_budget` leaves beside what the process holds already (`gemini/budget.py`)."""
+    if device.type == "cpu" and config.offload_tier != "nvme":
+        raise InputError("memory_budget on a CPU device needs offload_tier='nvme' (an offload_dir): the CPU tier is "
+                         "the same memory, so nothing could leave it")
+    memory = ProcessMemory(device)
+    outside = outside_model(memory, params)
+    budget = config.memory_budget_bytes - outside
+    if budget <= 0:
+        raise InputError(f"memory_budget={config.memory_budget}: the process holds {outside / 2**20:.0f} MiB beside "
+                         "the model already; raise the budget")
+    return budget, memory
 
 
 def _param_infos(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[list, list[ParamInfo]]:
@@ -97,12 +113,17 @@ def setup_gemini(
     dtype = _DTYPES[config.precision]
     elems = None if config.chunk_mb is None else chunk_elems_from_mb(config.chunk_mb, dtype.itemsize)
     specs = plan_chunks(infos, world, elems)
+    budget, memory = _device_budget(config, device), None
+    if config.memory_budget is not None:
+        budget, memory = _model_budget(config, device, params)
     manager = ChunkManager(
         specs, params, config, group=group, rank=rank, world=world, device=device, dtype=dtype,
-        state_kinds=kinds, budget=_device_budget(config, device), names=[i.name for i in infos],
+        state_kinds=kinds, budget=budget, names=[i.name for i in infos], memory=memory,
     )
     with torch.no_grad():
         manager.load_params()
+    if memory is not None:
+        memory.reset_peak()  # the first step's peak is measured from here
     index_of = {id(p): i for i, p in enumerate(params)}
     manager.handles.extend(register_hooks(model, manager, index_of))
     model.memory_report = manager.memory_report

@@ -14,6 +14,7 @@ a gather is a collective that every rank must run in the same order (as in any Z
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..host_comm import HostCollectives, host_collectives_supported
 from ..trace import CollectiveTrace
+from .budget import ProcessMemory
 from .chunk import Chunk, ChunkEnv, Reduction
 from .config import GeminiConfig
 from .host_memory import HostHeap, PageRecycler
@@ -35,6 +37,8 @@ from .storage import NvmeFile, TieredBuffer
 
 __all__ = ["ChunkManager"]
 
+logger = logging.getLogger(__name__)
+
 HOST_COMM_SLOT_BYTES = 4 << 20
 """Largest slot per rank of the host collectives' shared segment (each rank maps all `world` slots); bigger
 chunk shards go through in pieces."""
@@ -47,9 +51,12 @@ class ChunkManager:
         self, specs: list[ChunkSpec], params: list[torch.nn.Parameter], config: GeminiConfig, *,
         group: dist.ProcessGroup | None, rank: int, world: int, device: torch.device, dtype: torch.dtype,
         state_kinds: tuple[str, ...], budget: int | None, names: list[str] | None = None,
+        memory: ProcessMemory | None = None,
     ) -> None:
         self.config, self.group, self.rank, self.world = config, group, rank, world
         self.device, self.budget = device, budget
+        self.memory = memory  # `memory_budget`: the process measured, the model-data budget adjusted at each step
+        self.last_process_peak: int | None = None  # `memory_budget`: the process's peak in the last step
         self.params = params
         self.names: list[str] = list(names or [])  # parameter names (as in named_parameters), for messages
         self.handles: list = []  # the hooks driving this manager (`hooks.register_hooks`)
@@ -121,12 +128,26 @@ class ChunkManager:
         n = len(specs)
         if self.config.placement == "static":
             return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
-        total = sum(s.size // self.world * (4 * (2 + n_states) if s.trainable else itemsize) for s in specs)
+        def master(s: ChunkSpec) -> int:
+            return s.size // self.world * (4 if s.trainable else itemsize)
+
+        def optim(s: ChunkSpec) -> int:
+            return s.size // self.world * 4 * (1 + n_states) if s.trainable else 0
+
         biggest = max((s.size * itemsize + s.size * 4 for s in specs), default=0)  # gathered chunk + its gradients
-        reserve = 2 * (1 + self.config.prefetch) * biggest
-        if self.budget is None or total + reserve <= self.budget:
+        left = None if self.budget is None else self.budget - 2 * (1 + self.config.prefetch) * biggest
+        if left is None or sum(master(s) + optim(s) for s in specs) <= left:
             return [("device", "device")] * n
-        return [(self.off_tier, self.off_tier)] * n  # params come back on device as the budget allows
+        # The most-read bytes stay: every master is read at each gather (forward and backward), a chunk's gradient
+        # and optimizer states once a step; so masters first (in the order of use), then the optimizer's buffers.
+        # What does not fit starts on the offload tier (masters come back to the device as the budget allows).
+        plan = [[self.off_tier, self.off_tier] for _ in specs]
+        for kind, size in ((0, master), (1, optim)):
+            for i, s in enumerate(specs):
+                if size(s) and size(s) <= left:
+                    plan[i][kind] = "device"
+                    left -= size(s)
+        return [(p, o) for p, o in plan]
 
     def _buffer(self, numel: int, tier: str, movable: bool, dtype: torch.dtype = torch.float32) -> TieredBuffer:
         reserved = self.nvme is not None and (movable or tier == "nvme")
@@ -144,9 +165,10 @@ class ChunkManager:
             # give the same values; half the bytes stored and moved under bf16/fp16, and no cast per gather)
             master = self._buffer(numel, ptier, movable=auto, dtype=torch.float32 if spec.trainable else env.dtype)
             grad, states = None, {}
-            if spec.trainable:
-                grad = self._buffer(numel, otier, movable=False)
-                states = {k: self._buffer(numel, otier, movable=False) for k in state_kinds}
+            if spec.trainable:  # under a memory_budget the optimizer's buffers may leave the device later
+                movable = self.memory is not None
+                grad = self._buffer(numel, otier, movable=movable)
+                states = {k: self._buffer(numel, otier, movable=movable) for k in state_kinds}
             chunks.append(Chunk(spec, env, master=master, grad=grad, states=states))
         if self.nvme is not None:
             self.nvme.open()
@@ -496,13 +518,50 @@ class ChunkManager:
             self.nvme.flush()
         self.trace.freeze()
         self.trace.new_step()
+        if self.memory is not None:
+            self._fit_memory_budget()
         self.ledger.new_step()
         self.collectives.end_step()
+
+    def _fit_memory_budget(self) -> None:
+        """`memory_budget`: the model-data budget for the next step is the memory budget less what the process held
+        beside the model at this step's peak; a step over the memory budget lowers it by the excess too. Masters
+        are evicted (furthest next use first) until the model data fits."""
+        limit = self.config.memory_budget_bytes
+        peak = self.last_process_peak = self.memory.peak()
+        outside = max(peak - self.ledger.peak_device, 0)
+        budget = limit - outside
+        if peak > limit:
+            budget = min(budget, self.budget - (peak - limit))
+        # the working set: gathered chunks (prefetched too) and their gradients, as `_plan` reserves
+        floor = 2 * (1 + self.config.prefetch) * max((c.full_nbytes + c.spec.size * 4 for c in self.chunks), default=0)
+        self.budget = max(budget, floor)
+        logger.debug("memory_budget: step peak %d, model data at its peak %d, model-data budget now %d", peak,
+                     self.ledger.peak_device, self.budget)
+        # the least-read bytes leave first: optimizer buffers (once a step), last chunk first; then masters
+        for c in reversed(self.trainable_chunks):
+            if self._fits(0):
+                break
+            for kind, b in (("grads", c.grad), *(("optim", v) for v in c.states.values())):
+                if b.tier == "device":
+                    if b.allocated:
+                        self.ledger.move("device", self.off_tier, kind, b.nbytes)
+                    b.move(self.off_tier)
+        while not self._fits(0):
+            victim = pick_victim([c.index for c in self.chunks if c.master.tier == "device"], self.trace,
+                                 self._last_used)
+            if victim is None:  # only the working set is left
+                break
+            self._move_master(self.chunks[victim], self.off_tier)
+        self.memory.reset_peak()
 
     def memory_report(self) -> dict:
         """Bytes per tier and kind on this rank, the device peak and the traffic since the last step."""
         report = self.ledger.report()
         report["budget_bytes"] = self.budget
+        if self.memory is not None:
+            report["memory_budget_bytes"] = self.config.memory_budget_bytes
+            report["process_peak_bytes_last_step"] = self.last_process_peak
         report["chunks"] = len(self.chunks)
         report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report
