@@ -105,14 +105,26 @@ def load_streamed_t5(folder: Path, family: str, *, variant: str | None = None, d
 
 def load_flow_components(pretrained: str, family: str, *, revision: str | None = None, variant: str | None = None,
                          cache_dir: str | None = None, text_encoder_dtype: Any = None,
-                         skip: tuple[str, ...] = ()) -> dict[str, Any]:
+                         skip: tuple[str, ...] = (), stream_transformer: bool = False) -> dict[str, Any]:
     """Every component of the SD3 / Flux folder `pretrained` (a folder, or a hub id in the local cache), the text
     encoders in `text_encoder_dtype`, plus `source` (the folder) and `inference_scheduler` (the scheduler again,
-    for validation pipelines); the components `skip` are None (loaded when needed: T5, streamed)."""
+    for validation pipelines); the components `skip` are None (loaded when needed: T5, streamed). With
+    `stream_transformer` the transformer is built hollow for Gemini's shards (`flow_stream.hollow_transformer`)
+    where the folder allows it."""
     folder = resolve_pretrained(pretrained, revision=revision, cache_dir=cache_dir)
     check_pipeline_folder(folder, FLOW_COMPONENTS[family])
     out: dict[str, Any] = {"source": folder}
+    if stream_transformer:
+        import diffusers
+
+        from .flow_stream import hollow_transformer
+
+        cls = diffusers.SD3Transformer2DModel if family == "sd3" else diffusers.FluxTransformer2DModel
+        out["transformer"] = hollow_transformer(folder, cls, variant)
+        skip = (*skip, "transformer") if out["transformer"] is not None else skip
     for name in FLOW_COMPONENTS[family]:
+        if name in skip and name in out:
+            continue
         dtype = text_encoder_dtype if name.startswith("text_encoder") else None
         out[name] = None if name in skip else load_flow_component(folder, family, name, variant=variant, dtype=dtype)
     out["inference_scheduler"] = load_flow_component(folder, family, "scheduler")

@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["streamed_encoder", "weight_files"]
+__all__ = ["hollow_transformer", "streamed_encoder", "weight_files"]
 
 logger = logging.getLogger(__name__)
 
 
-def weight_files(folder: Path, variant: str | None = None) -> list[Path] | None:
-    """The safetensors files of the component folder `folder` (shards in index order); None where there are none."""
-    stem = "model" if variant is None else f"model.{variant}"
+def weight_files(folder: Path, variant: str | None = None, name: str = "model") -> list[Path] | None:
+    """The safetensors files `name[.variant].safetensors` of the component folder `folder` (shards in index order);
+    None where there are none."""
+    stem = name if variant is None else f"{name}.{variant}"
     single = folder / f"{stem}.safetensors"
     if single.is_file():
         return [single]
@@ -123,3 +124,29 @@ def streamed_encoder(folder: Path, cls: Any, dtype: torch.dtype | None = None, v
     logger.info("%s: %s built without weights; its %d blocks stream from %s", folder, type(model).__name__,
                 len(model.encoder.block), ", ".join(f.name for f in files))
     return model.requires_grad_(False).eval()
+
+
+def hollow_transformer(folder: Path, cls: Any, variant: str | None = None) -> Any:
+    """The diffusers transformer of the pipeline folder `folder` (its `transformer/`) with hollow parameters reading
+    from its safetensors, for Gemini to fill its shards from (as `diffusion.streaming.load_unet_hollow` builds the
+    UNet), in eval mode as `from_pretrained` returns it; None where that does not apply (no safetensors, keys that
+    differ from the model's, buffers: SD3's position embedding): the caller loads it whole."""
+    from ..core_parallel.gemini.lazy import SafetensorsSource, hollow_parameters
+
+    sub = Path(folder) / "transformer"
+    files = weight_files(sub, variant, "diffusion_pytorch_model")
+    if files is None:
+        return None
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(sub))
+    source = SafetensorsSource(files)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    if any(True for _ in model.buffers()) or set(source.keys()) != params:
+        logger.info("%s: keys or buffers differ from the model's; loading it whole", sub)
+        source.close()
+        return None
+    hollow_parameters(model, source)
+    model.register_to_config(_name_or_path=str(folder))
+    logger.info("%s: %s built without weights; %d tensors stream from %s", sub, type(model).__name__, len(params),
+                ", ".join(f.name for f in files))
+    return model.eval()

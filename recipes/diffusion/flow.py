@@ -33,7 +33,7 @@ from ...diffusion.flow_models import ENCODERS, t5_name
 from ...diffusion.training import step_generator
 from .flow_data import FlowData, flow_settings, frozen_component, id_keys, precompute, release_stores
 from .launch import fit_finetune
-from .module import StableDiffusionFineTune
+from .module import StableDiffusionFineTune, stream_unet
 
 __all__ = ["FluxFineTune", "SD3FineTune", "fit_flow"]
 
@@ -58,7 +58,8 @@ class _FlowFineTune(StableDiffusionFineTune):
         skip = () if self.trained_encoders() else (t5_name(self.family),)
         comps = dict(components or load_flow_components(cfg.pretrained_model_name_or_path, self.family,
                                                         revision=cfg.revision, variant=cfg.variant,
-                                                        cache_dir=cfg.cache_dir, text_encoder_dtype=half, skip=skip))
+                                                        cache_dir=cfg.cache_dir, text_encoder_dtype=half, skip=skip,
+                                                        stream_transformer=stream_unet(cfg)))
         self.unet, self.vae, self.noise_scheduler = comps["transformer"], comps["vae"], comps["scheduler"]
         for enc, _, tok in ENCODERS[self.family]:
             setattr(self, enc, comps[enc])
@@ -109,7 +110,10 @@ class _FlowFineTune(StableDiffusionFineTune):
         if cfg.lora:
             from peft import LoraConfig
 
-            self.unet.requires_grad_(False).to(self.weight_dtype)
+            from ...core_parallel.gemini.lazy import cast_parameters
+
+            self.unet.requires_grad_(False)
+            cast_parameters(self.unet, self.weight_dtype)  # a hollow transformer's frozen base too, read nothing yet
             self.unet.add_adapter(LoraConfig(r=cfg.rank, lora_alpha=s.lora_alpha or cfg.rank,
                                              init_lora_weights="gaussian", target_modules=s.lora_targets()))
             for p in self.unet.parameters():
@@ -248,7 +252,10 @@ class _FlowFineTune(StableDiffusionFineTune):
     def pipeline(self, use_ema: bool = False) -> Any:
         """The family's pipeline over the current transformer (the dropped encoders / VAE loaded again)."""
         from ...diffusion.flow_models import make_flow_pipeline
+        from ...diffusion.streaming import gemini_of
 
+        if gemini_of(self.unet) is None:
+            self.fill_hollow()  # used before training (class images): no Gemini fills it yet
         comps = {"transformer": self.unet, "scheduler": self.inference_scheduler,
                  **{name: frozen_component(self, name) for name in ("vae", *self.encoder_names())},
                  **{tok: getattr(self, tok) for _, _, tok in ENCODERS[self.family]}}

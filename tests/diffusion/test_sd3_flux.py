@@ -298,16 +298,25 @@ def test_sd3_lora_resumes_exactly(capsys, tmp_path, folders):
 @pytest.mark.parametrize(("script", "extra"), [
     ("train_dreambooth_lora_sd3", ("--cache_latents", "--weighting_scheme", "sigma_sqrt")),
     ("train_dreambooth_flux", ("--guidance_scale", "2.0")),
+    ("train_dreambooth_lora_flux", ("--rank", "8", "--lora_alpha", "16")),  # LoRA over a hollow base
 ])
-def test_gemini_nvme_equals_the_plain_loop(capsys, tmp_path, folders, script, extra):
-    """The same 2 steps under --strategy gemini_nvme (the trained weights and their optimizer state on NVMe) and
-    plain: equal losses and trained weights within fp32 tolerance; the result loads in diffusers and generates."""
+def test_gemini_nvme_equals_the_plain_loop(capsys, tmp_path, folders, script, extra, monkeypatch):
+    """The same 2 steps under --strategy gemini_nvme (the trained weights and their optimizer state on NVMe; Flux's
+    transformer built without weights and streamed into the shards, SD3's, with its position-embedding buffer,
+    loaded whole) and plain: equal losses and trained weights within fp32 tolerance; the result loads in diffusers
+    and generates."""
     from diffusers import DiffusionPipeline
 
+    import lowmem.diffusion.flow_stream as flow_stream
+
+    built, hollow = [], flow_stream.hollow_transformer
+    monkeypatch.setattr(flow_stream, "hollow_transformer", lambda *a, **k: built.append(hollow(*a, **k)) or built[-1])
     args = ["--max_train_steps", "2", *extra]
     plain = _run(capsys, script, folders, tmp_path / "plain", *args)
+    assert built == []  # nothing streams without Gemini
     gemini = _run(capsys, script, folders, tmp_path / "gemini", *args, "--strategy", "gemini_nvme", "--offload_dir",
                   str(tmp_path / "nvme"))
+    assert len(built) == 1 and (built[0] is not None) == script.endswith("flux")
     assert len(plain) == 2 and all(math.isfinite(v) for v in plain)
     assert gemini == pytest.approx(plain, rel=1e-5, abs=1e-6)
     lora = "lora" in script
