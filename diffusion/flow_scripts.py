@@ -49,7 +49,8 @@ class FlowSettings:
     max_sequence_length: int = 77
     """T5's token length of every prompt."""
     guidance_scale: float = 3.5
-    """Flux: the guidance the transformer is conditioned on in training (where it embeds guidance) and validation."""
+    """Flux: the guidance the transformer is conditioned on in training, where it embeds guidance (Flux.1-dev);
+    validation images use the pipeline's default, as the script's."""
     lora_layers: str | None = None
     """Comma-separated module names the transformer's LoRA adapts (default: the script's attention layers)."""
     lora_blocks: str | None = None
@@ -169,6 +170,7 @@ _FLOW_FIELD = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max
                "lora_layers", "lora_blocks", "lora_alpha", "repeats", "cache_latents", "text_encoder_lr",
                "adam_weight_decay_text_encoder")
 _TE_ONLY = "used only with --train_text_encoder, which is refused by this script here"
+_LORA_TE = Accept(None, "LoRA on the CLIP text encoders too (T5 stays frozen), their prompts encoded every step")
 _FULL_TE = Refuse("the full scripts' --train_text_encoder trains every text encoder whole (SD3's T5-XXL, 4.7B "
                   "parameters, too): not implemented here; the LoRA scripts' (LoRA on the CLIP encoders) is")
 
@@ -183,8 +185,8 @@ FLOW_HANDLING: dict[str, Accept | Refuse] = {
 
 def flow_handling(script: str, name: str) -> Accept | Refuse:
     """What becomes of flag `name` of `script`."""
-    if "lora" not in script and name == "train_text_encoder":
-        return _FULL_TE
+    if name == "train_text_encoder":
+        return _LORA_TE if "lora" in script else _FULL_TE
     if "lora" not in script and name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
         return Accept(lambda v: {}, _TE_ONLY)
     return FLOW_HANDLING.get(name) or SDXL_HANDLING.get(name) or HANDLING[name]
