@@ -65,9 +65,11 @@ PRESETS: dict[str, Preset] = {
 """Strategy name -> what it stands for. Names not here (Lightning's `auto`, `ddp`, ...) shard nothing here."""
 
 
-def config_for_strategy(name: str, *, offload_dir: str | os.PathLike | None = None) -> ZeroConfig | GeminiConfig | None:
+def config_for_strategy(name: str, *, offload_dir: str | os.PathLike | None = None,
+                        memory_budget: str | int | None = None) -> ZeroConfig | GeminiConfig | None:
     """The `ZeroConfig` / `GeminiConfig` that the strategy `name` stands for (precision fp32), with `offload_dir` as
-    its NVMe folder; None for names that shard nothing here. `gemini_nvme` without a folder gets a new temporary one.
+    its NVMe folder; None for names that shard nothing here. `gemini_nvme` without a folder gets a new temporary one;
+    so does `gemini_auto` with a `memory_budget` (the whole process's, `GeminiConfig.memory_budget`).
 
     One `InputError` naming `offload_dir` for a folder given with a name that has no NVMe tier.
     """
@@ -83,6 +85,11 @@ def config_for_strategy(name: str, *, offload_dir: str | os.PathLike | None = No
     keywords = dict(preset.keywords)
     if offload_dir is not None:
         keywords.update(offload="nvme", offload_dir=offload_dir)
+    if memory_budget is not None:
+        if keywords.get("placement") != "auto":
+            raise InputError(f"memory_budget {memory_budget}: only gemini_auto places the model by a budget, not "
+                             f"--strategy {name}")
+        keywords.update(offload="nvme", memory_budget=memory_budget)
     return ZeroConfig(**keywords) if preset.kind == "zero" else gemini_config(**keywords)
 
 

@@ -326,6 +326,9 @@ class LaunchSection:
     gemini_auto (each names a `parallel` config), or another strategy Lightning registers."""
     offload_dir: str | None = None
     """Folder of the NVMe tier (gemini_nvme, gemini_auto); it becomes the `parallel` config's offload_dir."""
+    memory_budget: str | None = None
+    """gemini_auto: memory the whole run may hold at once (e.g. 6GiB; RAM on CPU, device memory on a GPU). What
+    fits stays resident, the rest streams from the NVMe tier (--offload_dir, or a temporary folder)."""
     parallel: ZeroConfig | GeminiConfig | None = None
     """The sharding config itself, instead of --strategy (config files and code): `{zero: {stage: 2, ...}}`
     (core_parallel.ZeroConfig's fields) or `{gemini: {placement: auto, offload_tier: nvme, offload_dir: /x,
@@ -346,6 +349,11 @@ class LaunchSection:
                                  "(an explicit --strategy replaces a config file's parallel)")
             if self.offload_dir is not None:
                 raise ValueError("offload_dir goes inside parallel (gemini: {offload_tier: nvme, offload_dir: ...})")
+            if self.memory_budget is not None:
+                raise ValueError("memory_budget goes inside parallel (gemini: {placement: auto, memory_budget: ...})")
+        elif self.memory_budget is not None and self.strategy != "gemini_auto":
+            raise ValueError(f"memory_budget {self.memory_budget}: only --strategy gemini_auto places the model by a "
+                             f"budget, not {self.strategy}")
             if self.parallel.precision != "fp32":
                 raise ValueError("parallel: precision is --mixed_precision's; leave the config's at fp32")
 
@@ -357,8 +365,8 @@ class LaunchSection:
         builds its own."""
         if self.sharding is None:
             given = self.parallel
-            self.sharding = given if given is not None else config_for_strategy(self.strategy,
-                                                                                offload_dir=self.offload_dir)
+            self.sharding = given if given is not None else config_for_strategy(
+                self.strategy, offload_dir=self.offload_dir, memory_budget=self.memory_budget)
         return self.sharding
 
 

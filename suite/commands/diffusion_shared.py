@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["LAUNCH_SETTINGS", "add_script_parser", "run_summary"]
 
-LAUNCH_SETTINGS = ("strategy", "devices", "num_nodes", "offload_dir", "attention_backend")
+LAUNCH_SETTINGS = ("strategy", "devices", "num_nodes", "offload_dir", "memory_budget", "attention_backend")
 """The launcher's settings a script command adds to the script's own flags (what `accelerate launch` and its
 config would set): FineTuneConfig settings, flags generated from the config like `finetune`'s."""
 

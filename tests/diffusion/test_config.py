@@ -44,7 +44,7 @@ def test_every_setting_has_one_generated_flag_with_its_docstring():
     assert not hasattr(command, "FLAGS") and not hasattr(command, "LAUNCH_FLAGS")  # no hand-written flag table
     source = inspect.getsource(command) + inspect.getsource(shared)
     assert source.count("add_argument(") == 2, "only --config and the scripts' frozen tables are written by hand"
-    assert len(table) == 86 and FineTuneConfig.field_names() == list(table)
+    assert len(table) == 87 and FineTuneConfig.field_names() == list(table)
 
 
 def test_sections_are_the_owners_dataclasses_and_flat_names_read_through():

@@ -164,3 +164,35 @@ def test_offload_dir_reaches_the_strategy_object_not_the_environment(tmp_path, m
     for name in ("gemini", "zero2", "auto"):  # refused where the config is built, before anything loads
         with pytest.raises(InputError, match=f"{refused}.*{name}"):
             FineTuneConfig(output_dir=str(tmp_path / "x"), strategy=name, offload_dir=folder)
+
+
+def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path, sd_folder, image_folder):
+    """`--memory_budget` (issue 47) builds gemini_auto's config with the budget and an NVMe tier; elsewhere one line,
+    exit 2, before anything is written. A tight budget (part of the model streamed from NVMe) trains the same LoRA
+    weights as everything resident."""
+    from safetensors.torch import load_file
+
+    from lowmem.core_parallel.gemini.budget import ProcessMemory
+
+    cfg = FineTuneConfig(output_dir=str(tmp_path / "c"), strategy="gemini_auto", memory_budget="8GiB")
+    assert (cfg.parallel.placement, cfg.parallel.memory_budget, cfg.parallel.offload_tier) == ("auto", "8GiB", "nvme")
+    rc = main(["diffusion", "finetune", "--strategy", "gemini", "--memory_budget", "2GiB",
+               "--output_dir", str(tmp_path / "refused")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("suite diffusion: error:")]
+    assert rc == 2 and len(err) == 1 and "memory_budget" in err[0] and "gemini_auto" in err[0]
+    assert not (tmp_path / "refused").exists()
+
+    base = ["diffusion", "train_text_to_image_lora", f"--pretrained_model_name_or_path={sd_folder}",
+            f"--train_data_dir={image_folder}", "--resolution=32", "--train_batch_size=1", "--max_train_steps=3",
+            "--seed=7", "--learning_rate=1e-3"]
+    budget = ProcessMemory(torch.device("cpu")).now() + (48 << 20)  # this process and a little: tight
+    weights = {}
+    for name, extra in (("gemini", ["--strategy", "gemini"]),
+                        ("budget", ["--strategy", "gemini_auto", "--memory_budget", str(budget),
+                                    "--offload_dir", str(tmp_path / "nvme")])):
+        rc = main([*base, f"--output_dir={tmp_path / name}", *extra])
+        assert rc == 0, capsys.readouterr().err[-2000:]
+        weights[name] = load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
+    assert weights["gemini"].keys() == weights["budget"].keys()
+    for k, v in weights["gemini"].items():
+        assert torch.equal(v, weights["budget"][k]), k
