@@ -129,8 +129,8 @@ def streamed_encoder(folder: Path, cls: Any, dtype: torch.dtype | None = None, v
 def hollow_transformer(folder: Path, cls: Any, variant: str | None = None) -> Any:
     """The diffusers transformer of the pipeline folder `folder` (its `transformer/`) with hollow parameters reading
     from its safetensors, for Gemini to fill its shards from (as `diffusion.streaming.load_unet_hollow` builds the
-    UNet), in eval mode as `from_pretrained` returns it; None where that does not apply (no safetensors, keys that
-    differ from the model's, buffers: SD3's position embedding): the caller loads it whole."""
+    UNet), its buffers (SD3's position embedding) read whole, in eval mode as `from_pretrained` returns it; None
+    where that does not apply (no safetensors, keys that differ from the model's): the caller loads it whole."""
     from ..core_parallel.gemini.lazy import SafetensorsSource, hollow_parameters
 
     sub = Path(folder) / "transformer"
@@ -141,11 +141,15 @@ def hollow_transformer(folder: Path, cls: Any, variant: str | None = None) -> An
         model = cls.from_config(cls.load_config(sub))
     source = SafetensorsSource(files)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    if any(True for _ in model.buffers()) or set(source.keys()) != params:
-        logger.info("%s: keys or buffers differ from the model's; loading it whole", sub)
+    buffers = dict(model.named_buffers())
+    if set(source.keys()) != params | set(buffers):
+        logger.info("%s: keys differ from the model's (or a buffer not in the file); loading it whole", sub)
         source.close()
         return None
     hollow_parameters(model, source)
+    for name, b in buffers.items():  # small and saved (SD3's position embedding): read whole now
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = source.read(name).view(b.shape).to(b.dtype)
     model.register_to_config(_name_or_path=str(folder))
     logger.info("%s: %s built without weights; %d tensors stream from %s", sub, type(model).__name__, len(params),
                 ", ".join(f.name for f in files))

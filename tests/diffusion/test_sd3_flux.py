@@ -301,10 +301,9 @@ def test_sd3_lora_resumes_exactly(capsys, tmp_path, folders):
     ("train_dreambooth_lora_flux", ("--rank", "8", "--lora_alpha", "16")),  # LoRA over a hollow base
 ])
 def test_gemini_nvme_equals_the_plain_loop(capsys, tmp_path, folders, script, extra, monkeypatch):
-    """The same 2 steps under --strategy gemini_nvme (the trained weights and their optimizer state on NVMe; Flux's
-    transformer built without weights and streamed into the shards, SD3's, with its position-embedding buffer,
-    loaded whole) and plain: equal losses and trained weights within fp32 tolerance; the result loads in diffusers
-    and generates."""
+    """The same 2 steps under --strategy gemini_nvme (the trained weights and their optimizer state on NVMe; the
+    transformer built without weights and streamed into the shards) and plain: equal losses and trained weights
+    within fp32 tolerance; the result loads in diffusers and generates."""
     from diffusers import DiffusionPipeline
 
     import lowmem.diffusion.flow_stream as flow_stream
@@ -316,7 +315,7 @@ def test_gemini_nvme_equals_the_plain_loop(capsys, tmp_path, folders, script, ex
     assert built == []  # nothing streams without Gemini
     gemini = _run(capsys, script, folders, tmp_path / "gemini", *args, "--strategy", "gemini_nvme", "--offload_dir",
                   str(tmp_path / "nvme"))
-    assert len(built) == 1 and (built[0] is not None) == script.endswith("flux")
+    assert len(built) == 1 and built[0] is not None
     assert len(plain) == 2 and all(math.isfinite(v) for v in plain)
     assert gemini == pytest.approx(plain, rel=1e-5, abs=1e-6)
     lora = "lora" in script
