@@ -186,7 +186,7 @@ def _sd(s: _Stage) -> None:
              "train_mib / peak_mib: max_memory_allocated growth / total over the steps")
     batches = [1] if s.smoke else [1, 8, 32]
     for i, b in enumerate(batches):
-        if not s.run([*argv, "--batch", str(b)], "sd", title, share=0.6 if i == 0 else 1 / (len(batches) - i),
+        if not s.run([*argv, "--batch", str(b)], "sd", title, share=0.75 if i == 0 else 1 / (len(batches) - i),
                      probe=i > 0, per=2, batch=b):
             break
 
@@ -194,7 +194,7 @@ def _sd(s: _Stage) -> None:
 def _gemini(s: _Stage) -> None:
     """`suite bench gemini --ranks 1` at 1B; Gemini again with a memory snapshot when its peak is above FSDP2's;
     the CPU tier on a model whose states exceed 24 GiB."""
-    params, width, batch, tier, strategies = (("2M", "256", "4", "1M", "gemini,fsdp2") if s.smoke else
+    params, width, batch, tier, strategies = (("2M", "256", "4", "1M", "gemini") if s.smoke else
                                               ("1B", "4096", "16", "2B", "gemini,fsdp2,ddp"))
     base = ["bench", "gemini", "--ranks", "1", "--width", width, "--batch", batch]
     main = [*base, "--params", params, "--steps", "1" if s.smoke else "3", "--strategies", strategies]
@@ -324,7 +324,7 @@ def _judge(stage: dict, args: argparse.Namespace) -> list[dict]:
             got = values(tables)
             measured = ", ".join(text.format(v) for v, text in got) or "not measured"
             met = all(passes(v) for v, _ in got) if got and passes else None
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        except Exception as exc:  # noqa: BLE001 - rows of an unexpected shape leave this target unjudged
             measured, met = f"not judged: {type(exc).__name__} {exc}", None
         out.append({"stage": name, "target": target, "measured": measured,
                     "met": met if args.device == "cuda" and not args.smoke else None})
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 log.write(f"\n===== stage {stage.name} (slice {slice_s:.0f} s) =====\n")
                 s = _Stage(args, record, time.monotonic() + slice_s, work, log, save,
-                           repo if (repo / "pyproject.toml").exists() and (repo / "tests").is_dir() else None)
+                           repo if (repo / "tests").is_dir() else None)
                 _run_stage(stage, s)
                 bank = max(0.0, slice_s - record["seconds"]) if record["status"] == "ok" else 0.0
                 save()

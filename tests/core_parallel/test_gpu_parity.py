@@ -1,7 +1,8 @@
 """Gemini on CUDA against plain torch AdamW on the same model and data: the loss of each of 5 steps, with the
 chunks on the device, with master weights and Adam state in the CPU tier (fp32: within 1e-5 relative to
 1 + |loss|), and computing in bf16 (against torch under bf16 autocast with fp32 weights: within 2e-2).
-`suite bench gpu`'s checks stage runs these (`pytest -m gpu`); skipped without CUDA."""
+`suite bench gpu`'s checks stage runs these (`pytest -m gpu`); skipped without CUDA, where one case runs on CPU
+instead, so that the check's own code is tested before a GPU is lent."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import torch
 import torch.nn as nn
 
 from lowmem import core_parallel
-
-pytestmark = pytest.mark.gpu
 
 TIER = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
 CASES = {"fp32 chunks on the device": ({}, False, 1e-5), "fp32 CPU tier": (TIER, False, 1e-5),
@@ -51,7 +50,14 @@ def worst_difference(case: str, device: torch.device) -> tuple[float, float]:
     return max(abs(a - b) / (1 + abs(b)) for a, b in zip(got, want)), tol
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemini_matches_torch_adamw_on_cuda(case):
     diff, tol = worst_difference(case, torch.device("cuda"))
     assert diff <= tol, f"{case}: loss differs by {diff:.2e} > {tol:.0e}"
+
+
+def test_the_gpu_check_runs_here_on_cpu():
+    """The same check on CPU: its code works before a GPU is lent."""
+    diff, tol = worst_difference("fp32 chunks on the device", torch.device("cpu"))
+    assert diff <= tol

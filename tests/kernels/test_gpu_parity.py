@@ -1,6 +1,7 @@
 """The kernels on CUDA with Triton compiled (no interpreter, no fallback) against float64, fp32 and bf16, output
 and every gradient, by the tests' rule (`_tolerance.check_op`: at most 2x torch's own error in that dtype plus a
-dtype margin). `suite bench gpu`'s checks stage runs these (`pytest -m gpu`); skipped without CUDA."""
+dtype margin). `suite bench gpu`'s checks stage runs these (`pytest -m gpu`); skipped without CUDA, where one case
+runs interpreted instead, so that the check's own code is tested before a GPU is lent."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import torch
 
 from lowmem import kernels
 from tests.kernels._tolerance import check_op
-
-pytestmark = pytest.mark.gpu
 
 
 def _cases() -> dict[str, tuple]:
@@ -61,9 +60,15 @@ def check_case(name: str, dtype: torch.dtype, device: torch.device) -> list[str]
     return seen
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(_cases()))
 def test_kernel_matches_float64_on_cuda_with_triton_compiled(name, dtype):
     assert os.environ.get("TRITON_INTERPRET") != "1", "Triton interpreted: the compiled kernels are not checked"
     fallbacks = check_case(name, dtype, torch.device("cuda"))
     assert not fallbacks, fallbacks
+
+
+def test_the_gpu_check_runs_here_interpreted():
+    """The same check on CPU (Triton interpreted, as every test here runs it): its code works before a GPU is lent."""
+    assert check_case("layer_norm [3,37,129]", torch.float32, torch.device("cpu")) == []

@@ -70,13 +70,13 @@ def test_smoke_rows_measure_both_sides_and_feed_the_targets(smoke):
     sd = stages["sd"]["tables"]["sd"]["rows"]
     assert [(r["batch"], r["variant"].split()[0]) for r in sd] == [(1, "plain"), (1, "ours")]
     gem = stages["gemini"]["tables"]
-    assert {r["strategy"] for r in gem["gemini"]["rows"]} == {"gemini", "fsdp2"}
+    assert [r["strategy"] for r in gem["gemini"]["rows"]] == ["gemini"]  # FSDP2 and DDP: the same command on CUDA
     assert gem["gemini_tier"]["rows"][0]["samples_per_s"] > 0
     assert [r["n_res"] for r in stages["fold"]["tables"]["fold"]["rows"]] == [16]
     assert [(r["n_res"], r["card"]) for r in stages["fold"]["tables"]["fold_passes"]["rows"]] == [(24, "24 GiB")]
     measured = {t["target"]: t["measured"] for t in payload["targets"]}
     unmeasured = {t for t, m in measured.items() if m == "not measured"}
-    assert all("softmax" in t or "attention" in t or "DDP" in t for t in unmeasured), unmeasured  # not in smoke
+    assert all(any(w in t for w in ("softmax", "attention", "DDP", "FSDP2")) for t in unmeasured), unmeasured
     assert not any(m.startswith("not judged") for m in measured.values()), measured
 
 
