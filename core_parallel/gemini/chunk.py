@@ -26,7 +26,20 @@ from .peer_reads import PeerReads
 from .state import ChunkState, ChunkStateMachine
 from .storage import TieredBuffer
 
-__all__ = ["Chunk", "ChunkEnv", "Reduction"]
+__all__ = ["Chunk", "ChunkEnv", "Reduction", "stored_dtype"]
+
+
+def stored_dtype(spec: ChunkSpec, compute: torch.dtype) -> torch.dtype:
+    """The dtype a chunk is gathered in: the compute dtype; a frozen chunk's is also the dtype it is stored in (it is
+    never stepped, so it needs no fp32 master): its parameters' own dtype where that is narrower than the compute
+    dtype (a LoRA base the user cast to bf16 under mixed precision stays bf16, as diffusers' scripts cast it),
+    else the compute dtype (what compute reads: a gather from an fp32 master rounded to it)."""
+    if spec.trainable:
+        return compute
+    own = getattr(torch, spec.dtype, None)
+    if isinstance(own, torch.dtype) and own.is_floating_point and own.itemsize < compute.itemsize:
+        return own
+    return compute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +54,7 @@ class ChunkEnv:
     device: torch.device
     """Where the gathered chunk lives (the parameters' device)."""
     dtype: torch.dtype
-    """Compute dtype of the gathered chunk."""
+    """Compute dtype of the gathered chunk (a frozen chunk's: `stored_dtype`)."""
     group: dist.ProcessGroup | None
     """The process group the chunks are sharded over (None: the default group, or one process)."""
     map_elems: int
@@ -71,7 +84,7 @@ class Chunk:
         self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
         trainable = frozenset(s.param for s in spec.slots) if spec.trainable else frozenset()
         self.sm = ChunkStateMachine(spec.index, trainable)
-        self.full = torch.empty(0, dtype=env.dtype, device=env.device)
+        self.full = torch.empty(0, dtype=stored_dtype(spec, env.dtype), device=env.device)
         self.master = master
         self.grad = grad
         self.states: dict[str, TieredBuffer] = states or {}

@@ -63,7 +63,9 @@ def _param_infos(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         if p.requires_grad and id(p) not in in_optim:
             raise ValueError(f"parameter {name} requires grad but is not in the optimizer; freeze it or add it")
         # a frozen parameter in the optimizer is accepted, as torch does: it gets no gradient, so no step
-        infos.append(ParamInfo(index=len(params), name=name, numel=p.numel(), dtype="chunk", trainable=p.requires_grad))
+        # trainable chunks hold any floating dtype (fp32 masters); frozen ones one dtype each (`chunk.stored_dtype`)
+        group = "chunk" if p.requires_grad else str(p.dtype).removeprefix("torch.")
+        infos.append(ParamInfo(index=len(params), name=name, numel=p.numel(), dtype=group, trainable=p.requires_grad))
         params.append(p)
     if not params:
         raise ValueError("the model has no parameters to place in chunks")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..host_comm import HostCollectives, host_collectives_supported
 from ..trace import CollectiveTrace
 from .budget import ProcessMemory
-from .chunk import Chunk, ChunkEnv, Reduction
+from .chunk import Chunk, ChunkEnv, Reduction, stored_dtype
 from .config import GeminiConfig
 from .host_memory import HostHeap, PageRecycler
 from .layout import ChunkSpec, Slot
@@ -123,18 +123,19 @@ class ChunkManager:
         self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
 
     # ---- setup -------------------------------------------------------------------------------------
-    def _plan(self, specs: list[ChunkSpec], itemsize: int, n_states: int) -> list[tuple[str, str]]:
+    def _plan(self, specs: list[ChunkSpec], env: ChunkEnv, n_states: int) -> list[tuple[str, str]]:
         """(parameter tier, optimizer tier) per chunk."""
         n = len(specs)
         if self.config.placement == "static":
             return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
+
         def master(s: ChunkSpec) -> int:
-            return s.size // self.world * (4 if s.trainable else itemsize)
+            return s.size // self.world * (4 if s.trainable else stored_dtype(s, env.dtype).itemsize)
 
         def optim(s: ChunkSpec) -> int:
             return s.size // self.world * 4 * (1 + n_states) if s.trainable else 0
 
-        biggest = max((s.size * itemsize + s.size * 4 for s in specs), default=0)  # gathered chunk + its gradients
+        biggest = max((s.size * env.dtype.itemsize + s.size * 4 for s in specs), default=0)  # gathered + grads
         left = None if self.budget is None else self.budget - 2 * (1 + self.config.prefetch) * biggest
         if left is None or sum(master(s) + optim(s) for s in specs) <= left:
             return [("device", "device")] * n
@@ -156,14 +157,15 @@ class ChunkManager:
 
     def _build_chunks(self, specs: list[ChunkSpec], env: ChunkEnv, state_kinds: tuple[str, ...]) -> list[Chunk]:
         """The chunks with their shard buffers placed (NVMe regions reserved, the file opened; no data yet)."""
-        plan = self._plan(specs, env.dtype.itemsize, len(state_kinds))
+        plan = self._plan(specs, env, len(state_kinds))
         auto = self.config.placement == "auto"
         chunks = []
         for spec, (ptier, otier) in zip(specs, plan):
             numel = spec.size // env.world
             # a frozen chunk is never stepped: its master is what compute reads, in the compute dtype (gathers
             # give the same values; half the bytes stored and moved under bf16/fp16, and no cast per gather)
-            master = self._buffer(numel, ptier, movable=auto, dtype=torch.float32 if spec.trainable else env.dtype)
+            master = self._buffer(numel, ptier, movable=auto,
+                                  dtype=torch.float32 if spec.trainable else stored_dtype(spec, env.dtype))
             grad, states = None, {}
             if spec.trainable:  # under a memory_budget the optimizer's buffers may leave the device later
                 movable = self.memory is not None

@@ -251,3 +251,36 @@ def test_a_failed_async_read_is_raised_where_the_chunk_is_used(tmp_path, monkeyp
     monkeypatch.setattr(NvmeFile, "read", failing)
     with pytest.raises(NvmeTierError, match="planted"):
         model(torch.randn(2, 17)).sum().backward()
+
+
+def test_a_frozen_base_cast_by_the_user_stays_in_its_dtype_under_mixed_precision(tmp_path):
+    """Mixed precision (fp32 parameters, bf16 autocast) with the frozen base cast to bf16 first, as diffusers' LoRA
+    scripts cast it (`weight_dtype`): the base stays bf16 in every tier, with no fp32 copy; the trainable adapter keeps
+    fp32 masters; the losses are those of plain torch running the same model under autocast."""
+    def built():
+        model, opt = _built()
+        model.base1.to(torch.bfloat16)
+        model.base2.to(torch.bfloat16)
+        return model, opt
+
+    ref, ref_opt = built()
+    model, opt = built()
+    model, gopt = setup_gemini(model, opt, _config("nvme", "fp32", tmp_path, prefetch=1))
+    mgr = model.gemini_manager
+    for c in mgr.chunks:
+        want = torch.float32 if c.spec.trainable else torch.bfloat16
+        assert c.master.dtype == want and c.full.dtype == want, (c.index, c.master.dtype, c.full.dtype)
+    assert model.base1.weight.dtype == torch.bfloat16 and model.down.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(6, 13, generator=g)
+        losses = []
+        for m, o in ((ref, ref_opt), (model, gopt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x).float().pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
+    mgr.close()
