@@ -193,24 +193,24 @@ def _sd(s: _Stage) -> None:
 
 def _gemini(s: _Stage) -> None:
     """`suite bench gemini --ranks 1` at 1B; Gemini again with a memory snapshot when its peak is above FSDP2's;
-    the CPU tier on a model whose states exceed 24 GiB."""
-    params, width, batch, tier, strategies = (("2M", "256", "4", "1M", "gemini") if s.smoke else
-                                              ("1B", "4096", "16", "2B", "gemini,fsdp2,ddp"))
-    base = ["bench", "gemini", "--ranks", "1", "--width", width, "--batch", batch]
-    main = [*base, "--params", params, "--steps", "1" if s.smoke else "3", "--strategies", strategies]
+    the CPU tier on a model whose states exceed 24 GiB (the smoke run: one command, Gemini alone with the tier)."""
+    base = ["bench", "gemini", "--ranks", "1", "--width", "256" if s.smoke else "4096", "--batch", "4" if s.smoke
+            else "16"]
+    tier = ["--steps", "1", "--strategies", "gemini", "--offload_tier", "cpu", "--cap_gib", "24"]
+    main = [*base, "--params", "1M", *tier] if s.smoke else [*base, "--params", "1B", "--steps", "3", "--strategies",
+                                                             "gemini,fsdp2,ddp"]
     rows = s.run(main, "gemini", " ".join(["suite", *main]) + " (one device; fused Adam on every side; peak = "
-                 "max_memory_allocated over the steps on CUDA)", share=0.6, per=strategies.count(",") + 1) or []
+                 "max_memory_allocated over the steps on CUDA)", share=0.6, per=1 if s.smoke else 3) or []
     peak = {r["strategy"]: r.get("train_peak_MiB") for r in rows}
     if all(isinstance(peak.get(k), float) for k in ("gemini", "fsdp2")) and peak["gemini"] > peak["fsdp2"]:
         detail = [*main[:-1], "gemini", "--memory_snapshot", str(Path(s.args.out).resolve() / "gemini_snapshot.pickle")]
         s.run(detail, "gemini_detail", "Gemini again, alone, torch.cuda.memory history recorded (snapshot for "
               "https://pytorch.org/memory_viz)", share=0.5, per=1)
-    else:
+    elif not s.smoke:
         s.note("no memory snapshot: Gemini's peak is not above FSDP2's (or one of them did not run)")
-    cpu_tier = [*base, "--params", tier, "--steps", "1", "--strategies", "gemini", "--offload_tier", "cpu",
-                "--cap_gib", "24"]
-    s.run(cpu_tier, "gemini_tier", " ".join(["suite", *cpu_tier]) + ": master weights and Adam state in the CPU tier "
-          "(16 B/parameter) on an emulated 24 GiB card", per=1)
+    if not s.smoke:
+        s.run([*base, "--params", "2B", *tier], "gemini_tier", " ".join(["suite", *base, "--params", "2B", *tier])
+              + ": master weights and Adam state in the CPU tier (16 B/parameter) on an emulated 24 GiB card", per=1)
 
 
 def _lines(text: str) -> list[dict]:
@@ -234,8 +234,8 @@ def _fold(s: _Stage) -> None:
             *budget, "--warmup", "0" if s.smoke else "1", "--repeat", "1" if s.smoke else "2"]
     s.run(argv, "fold", " ".join(["suite", *argv]) + " (model_3_ptm's stack at released widths, no recycling; peak "
           "= max_memory_allocated growth over the passes)", share=0.45)
-    passes = [(24, "auto", 24)] if s.smoke else [(2048, "auto", 24), (512, "4", None), (1024, "4", None),
-                                                 (3072, "auto", 24), (4096, "auto", 24)]
+    passes = [] if s.smoke else [(2048, "auto", 24), (512, "4", None), (1024, "4", None), (3072, "auto", 24),
+                                 (4096, "auto", 24)]  # the smoke run's time: the same child as the command's
     title = ("one pass, `suite bench fold-model --_child N:chunked`; 24 GiB: --memory_budget_mb 6144 (a quarter "
              "of a 24 GiB card, as auto chunks size themselves there), fits = its peak under 24 GiB")
     search = True
