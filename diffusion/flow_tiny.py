@@ -18,11 +18,23 @@ _T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
 
 
 def t5_tokenizer(max_length: int = 512) -> Any:
-    """A `T5Tokenizer` (transformers' fast one) over the three T5 specials and the printable ASCII characters."""
-    from transformers import T5Tokenizer
+    """A T5 tokenizer over the three T5 specials and the printable ASCII characters: transformers 5's `T5Tokenizer`
+    (built on `tokenizers`) from the vocabulary; where `T5Tokenizer` is the SentencePiece one (transformers 4, which
+    needs the `sentencepiece` package), the same unigram built with `tokenizers` in a `T5TokenizerFast`."""
+    import transformers
 
     vocab = [(t, 0.0) for t in _T5_SPECIALS] + [(chr(c), -1.0) for c in range(32, 127)] + [("\u2581", -1.0)]
-    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return transformers.T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.Unigram(vocab, unk_id=_T5_SPECIALS.index("<unk>")))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", _T5_SPECIALS.index("</s>"))])
+    return transformers.T5TokenizerFast(tokenizer_object=tok, extra_ids=0, model_max_length=max_length,
+                                        pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
 def _t5(tokenizer: Any) -> Any:
