@@ -9,6 +9,7 @@ the scheduler.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import tempfile
@@ -61,7 +62,9 @@ def _loader(folder: Path, family: str, name: str, variant: str | None, dtype: An
     for enc, cls_name, tok in ENCODERS[family]:
         if name == enc:
             cls = getattr(transformers, cls_name)
-            kw = {} if dtype is None else {"dtype": dtype}
+            # transformers 5 names it dtype; 4.x torch_dtype
+            key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+            kw = {} if dtype is None else {key: dtype}
             return lambda: cls.from_pretrained(folder, subfolder=enc, variant=variant, **kw)
         if name == tok:
             return lambda: transformers.AutoTokenizer.from_pretrained(folder, subfolder=tok)
@@ -155,6 +158,9 @@ def save_flow_lora_weights(folder: str | Path, family: str, layers: dict[str, di
 
     layers = {k: v if v is None or k.endswith("_metadata") else
               {key(k, n): t.detach().float().cpu().contiguous() for n, t in v.items()} for k, v in layers.items()}
+    accepted = inspect.signature(pipeline.save_lora_weights).parameters
+    # diffusers before adapter metadata in LoRA files (0.33) writes the file without it, as its scripts then did
+    layers = {k: v for k, v in layers.items() if not k.endswith("_metadata") or k in accepted}
     with tempfile.TemporaryDirectory(dir=folder, prefix=".lora-") as tmp:
         pipeline.save_lora_weights(tmp, safe_serialization=True, **layers)
         os.replace(Path(tmp) / LORA_WEIGHT_NAME, folder / LORA_WEIGHT_NAME)

@@ -261,8 +261,12 @@ def test_dreambooth_lora_checkpointing_checkpoints_total_limit_removes_multiple_
 
 
 def test_dreambooth_lora_with_metadata(runs):  # Flux only: the adapter's config in the file's metadata
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from diffusers.loaders import lora_base
     from safetensors import safe_open
+
+    if not hasattr(lora_base, "LORA_ADAPTER_METADATA_KEY"):  # diffusers 0.33 (make test-min) writes none
+        pytest.skip("this diffusers writes no adapter metadata into LoRA files")
+    LORA_ADAPTER_METADATA_KEY = lora_base.LORA_ADAPTER_METADATA_KEY
 
     tmpdir = runs(lora("flux") + " --max_train_steps 2 --lora_alpha=8 --rank=4")
     with safe_open(os.path.join(tmpdir, "pytorch_lora_weights.safetensors"), framework="pt", device="cpu") as f:
