@@ -15,8 +15,8 @@ from typing import Any
 
 from ..utils.errors import InputError
 
-__all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "check_backend", "end_process_groups", "group_timeout",
-           "world_rank"]
+__all__ = ["BACKENDS", "GLOO", "LAUNCH_BACKENDS", "NCCL", "abandon_process_groups", "check_backend",
+           "end_process_groups", "group_timeout", "world_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ def group_timeout(group: Any = None) -> float:
         return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError, ValueError):
         return default_pg_timeout.total_seconds()
+
+
+def abandon_process_groups() -> bool:
+    """After a failure this rank reports by itself (no barrier: another rank may be gone): destroy its process groups
+    now, so the interpreter's exit does not tear gloo's and the store's threads down in no particular order (a rank
+    that refused bad input with exit 2 aborted there now and then: "terminate called without an active exception",
+    exit -6). Returns whether there was a group to destroy."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the rank is exiting with its own error already
+        logger.debug("destroying the process group after a failure: %s", exc)
+    return True
 
 
 def end_process_groups() -> bool:

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..core_parallel.groups import end_process_groups
+from ..core_parallel.groups import abandon_process_groups, end_process_groups
 from .errors import EXIT_USAGE, UsageError, missing_extra
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -90,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         sys.stderr.write(f"suite {args.command}: error: {exc}\n")
+        abandon_process_groups()  # a torchrun job's rank exits 2 cleanly, not aborted by the interpreter's teardown
         return EXIT_USAGE
     except ImportError as exc:  # an optional package (openmm, ray, ...) the command needs: name its extra
         err = missing_extra(exc)
