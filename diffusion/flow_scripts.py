@@ -57,14 +57,18 @@ class FlowSettings:
     """SD3: comma-separated `transformer_blocks` indices the LoRA is restricted to."""
     lora_alpha: int | None = None
     """Flux: LoRA alpha (None: the rank, as SD3's script)."""
+    lora_dropout: float = 0.0
+    """Dropout probability of the LoRA layers' input (peft's `LoraConfig(lora_dropout=...)`: the transformer's and,
+    with --train_text_encoder, the CLIP encoders')."""
     repeats: int = 1
     """How many times the instance images are repeated per epoch."""
     cache_latents: bool = False
     """VAE posteriors computed once per image (one crop and flip), sampled every step; the VAE dropped."""
     text_encoder_lr: float | None = None
-    """Learning rate of the CLIP encoders' LoRA (LoRA scripts with --train_text_encoder; default: learning_rate)."""
+    """Learning rate of the trained text encoders (their LoRA, or the full scripts' whole encoders, with
+    --train_text_encoder; default: learning_rate)."""
     adam_weight_decay_text_encoder: float | None = None
-    """AdamW weight decay of the CLIP encoders' LoRA (default: adam_weight_decay)."""
+    """AdamW weight decay of the trained text encoders (default: adam_weight_decay)."""
 
     def __post_init__(self) -> None:
         if self.family not in ("sd3", "flux"):
@@ -76,6 +80,8 @@ class FlowSettings:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_blocks is not None:
             try:
                 [int(b) for b in self.lora_blocks.split(",")]
@@ -167,12 +173,17 @@ FLOW_SCRIPTS: dict[str, str] = {
 
 _FIXED: dict[str, Any] = {"num_inference_steps": 28}  # the validation pipelines' default steps (SD3's and Flux's)
 _FLOW_FIELD = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length", "guidance_scale",
-               "lora_layers", "lora_blocks", "lora_alpha", "repeats", "cache_latents", "text_encoder_lr",
-               "adam_weight_decay_text_encoder")
-_TE_ONLY = "used only with --train_text_encoder, which is refused by this script here"
+               "lora_layers", "lora_blocks", "lora_alpha", "lora_dropout", "repeats", "cache_latents",
+               "text_encoder_lr", "adam_weight_decay_text_encoder")
 _LORA_TE = Accept(None, "LoRA on the CLIP text encoders too (T5 stays frozen), their prompts encoded every step")
-_FULL_TE = Refuse("the full scripts' --train_text_encoder trains every text encoder whole (SD3's T5-XXL, 4.7B "
-                  "parameters, too): not implemented here; the LoRA scripts' (LoRA on the CLIP encoders) is")
+_FULL_TE = {
+    "sd3": Accept(None, "CLIP-L, CLIP-G and T5 trained whole with the transformer (as train_dreambooth_sd3.py sets "
+                        "them up), their prompts encoded every step"),
+    "flux": Accept(None, "the CLIP encoder trained whole with the transformer (T5 stays frozen), the prompts encoded "
+                         "every step"),
+}
+FULL_TE_STRATEGIES = ("auto", "ddp", "zero1", "zero2", "zero2_offload")
+"""The `--strategy` values the full scripts' --train_text_encoder runs under (the Gemini ones are refused)."""
 
 FLOW_HANDLING: dict[str, Accept | Refuse] = {
     **{name: Accept(lambda v, name=name: {name: v}) for name in _FLOW_FIELD},
@@ -186,9 +197,7 @@ FLOW_HANDLING: dict[str, Accept | Refuse] = {
 def flow_handling(script: str, name: str) -> Accept | Refuse:
     """What becomes of flag `name` of `script`."""
     if name == "train_text_encoder":
-        return _LORA_TE if "lora" in script else _FULL_TE
-    if "lora" not in script and name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
-        return Accept(lambda v: {}, _TE_ONLY)
+        return _LORA_TE if "lora" in script else _FULL_TE[script_family(script)]
     return FLOW_HANDLING.get(name) or SDXL_HANDLING.get(name) or HANDLING[name]
 
 

@@ -122,6 +122,14 @@ def _folder_of(module: StableDiffusionFineTune, name: str) -> str:
     return getattr(module, "denoiser_folder", "unet") if name == "unet" else name
 
 
+def _text_encoders(module: StableDiffusionFineTune) -> list[str]:
+    """The text encoders a full fine-tune trains: the module's `trained_text_encoders()` where it has one (SD3's
+    --train_text_encoder trains three), else `text_encoder` with `train_text_encoder`."""
+    if hasattr(module, "trained_text_encoders"):
+        return module.trained_text_encoders()
+    return ["text_encoder"] if module.config.train_text_encoder else []
+
+
 def write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
     """The user-facing weights of a checkpoint: LoRA file, or unet/ (+ text_encoder/, unet_ema/); call on every
     rank, rank 0 writes into `folder` (None on the others)."""
@@ -135,8 +143,8 @@ def write_weights(module: StableDiffusionFineTune, folder: Path | None) -> None:
             getattr(module, "save_lora", save_lora_weights)(folder, _lora_layers(module, parts))
         return
     write_component(module, "unet", folder / _folder_of(module, "unet") if rank0 else None)
-    if cfg.train_text_encoder:
-        write_component(module, "text_encoder", folder / "text_encoder" if rank0 else None)
+    for name in _text_encoders(module):
+        write_component(module, name, folder / name if rank0 else None)
     if module.ema is not None and rank0:
         module.pipeline(use_ema=True).unet.save_pretrained(folder / "unet_ema", safe_serialization=True)
 
@@ -163,7 +171,7 @@ def export(trainer: pl.Trainer, module: StableDiffusionFineTune) -> Path:
         logger.info("exported %s", path)
         return path
     drop = ["text_encoder"] if cfg.skip_save_text_encoder else []
-    names = ["unet"] + (["text_encoder"] if cfg.train_text_encoder and not cfg.skip_save_text_encoder else [])
+    names = ["unet"] + ([] if cfg.skip_save_text_encoder else _text_encoders(module))
     if module.base_source is not None and cfg.tokenizer_name is None:
         # every component the trainer did not train is the base's, file for file
         import tempfile

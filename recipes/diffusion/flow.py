@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 class _FlowFineTune(StableDiffusionFineTune):
     """Fine-tunes a flow-matching transformer (whole, or LoRA adapters); the text encoders are frozen, their
-    outputs computed once (`flow_data.precompute`)."""
+    outputs computed once (`flow_data.precompute`), unless --train_text_encoder trains some (`trained_encoders`):
+    then every step encodes its prompts."""
 
     denoiser_folder = "transformer"
     """The subfolder the trained model is written to (export, checkpoints)."""
@@ -52,7 +53,7 @@ class _FlowFineTune(StableDiffusionFineTune):
         from ...diffusion.flow_models import load_flow_components
 
         self.config = cfg = config
-        half = None if self.weight_dtype == torch.float32 else self.weight_dtype
+        half = None if self.weight_dtype == torch.float32 or self.full_text_encoders() else self.weight_dtype
         # T5 (SD3's and Flux's 4.7B T5-XXL) is not loaded here unless it runs in every step (--train_text_encoder):
         # it encodes the prompts once, streamed block by block (`frozen_component`, `diffusion.flow_stream`)
         skip = () if self.trained_encoders() else (t5_name(self.family),)
@@ -84,10 +85,22 @@ class _FlowFineTune(StableDiffusionFineTune):
         return [enc for enc, _, _ in ENCODERS[self.family]]
 
     def trained_encoders(self) -> list[str]:
-        """The text encoders whose LoRA trains (the CLIP ones with --train_text_encoder; T5 stays frozen)."""
-        if not (self.config.lora and self.config.train_text_encoder):
+        """The text encoders trained with --train_text_encoder: the LoRA scripts' adapters on the CLIP encoders;
+        the full scripts' whole encoders, SD3's three (T5 too: train_dreambooth_sd3.py sets all three
+        `requires_grad_(True)` and gives each a parameter group), Flux's CLIP (its T5 stays frozen)."""
+        if not self.config.train_text_encoder:
             return []
-        return [enc for enc, cls, _ in ENCODERS[self.family] if cls.startswith("CLIP")]
+        if self.config.lora or self.family == "flux":
+            return [enc for enc, cls, _ in ENCODERS[self.family] if cls.startswith("CLIP")]
+        return self.encoder_names()
+
+    def full_text_encoders(self) -> list[str]:
+        """The text encoders trained whole (the full scripts' --train_text_encoder), in the scripts' order."""
+        return [] if self.config.lora else self.trained_encoders()
+
+    def trained_text_encoders(self) -> list[str]:
+        """The components `export` writes beside the transformer of a full fine-tune."""
+        return self.full_text_encoders()
 
     def tokenizers(self) -> list[tuple[Any, int]]:
         """(tokenizer, token length) of every text encoder: CLIP's 77, T5's --max_sequence_length."""
@@ -105,8 +118,10 @@ class _FlowFineTune(StableDiffusionFineTune):
         cfg, s = self.config, flow_settings(self.config)
         self.vae.requires_grad_(False).to(torch.float32)  # the scripts keep the VAE in fp32
         for name in self.encoder_names():
-            if getattr(self, name) is not None:
+            if getattr(self, name) is not None and name not in self.full_text_encoders():
                 getattr(self, name).requires_grad_(False).to(self.weight_dtype)
+        for name in self.full_text_encoders():  # trained whole in fp32, as the scripts leave them
+            self._checkpointing(getattr(self, name).requires_grad_(True).to(torch.float32))
         if cfg.lora:
             from peft import LoraConfig
 
@@ -115,14 +130,15 @@ class _FlowFineTune(StableDiffusionFineTune):
             self.unet.requires_grad_(False)
             cast_parameters(self.unet, self.weight_dtype)  # a hollow transformer's frozen base too, read nothing yet
             self.unet.add_adapter(LoraConfig(r=cfg.rank, lora_alpha=s.lora_alpha or cfg.rank,
-                                             init_lora_weights="gaussian", target_modules=s.lora_targets()))
+                                             lora_dropout=s.lora_dropout, init_lora_weights="gaussian",
+                                             target_modules=s.lora_targets()))
             for p in self.unet.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()  # the scripts' cast_training_params: LoRA trains in fp32
+            for name in self.trained_encoders():
+                self._text_lora(getattr(self, name))
         else:
             self.unet.requires_grad_(True)
-        for name in self.trained_encoders():
-            self._text_lora(getattr(self, name))
         if cfg.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
 
@@ -133,14 +149,18 @@ class _FlowFineTune(StableDiffusionFineTune):
 
         from ...diffusion.lora import TEXT_TARGETS
 
-        rank = self.config.rank
-        config = LoraConfig(r=rank, lora_alpha=flow_settings(self.config).lora_alpha or rank,
+        rank, s = self.config.rank, flow_settings(self.config)
+        config = LoraConfig(r=rank, lora_alpha=s.lora_alpha or rank, lora_dropout=s.lora_dropout,
                             init_lora_weights="gaussian", target_modules=TEXT_TARGETS)
         inject_adapter_in_model(config, encoder)
         self.text_lora_config = config
         for p in encoder.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+        self._checkpointing(encoder)
+
+    def _checkpointing(self, encoder: Any) -> None:
+        """A trained text encoder's gradient checkpointing (--gradient_checkpointing)."""
         if self.config.gradient_checkpointing:
             (getattr(encoder, "activation_checkpointing_enable", None) or encoder.gradient_checkpointing_enable)()
 
@@ -212,7 +232,7 @@ class _FlowFineTune(StableDiffusionFineTune):
         ids = [self._both(batch, k).cpu() for k in id_keys(len(self.encoder_names()))]
         if self.text_embeddings is not None:
             cond = {k: v.to(self.device) for k, v in self.text_embeddings.lookup(ids).items()}
-        else:  # --train_text_encoder: the CLIP encoders' LoRA trains, every step encodes
+        else:  # --train_text_encoder: some encoders train (LoRA, or whole), every step encodes
             cond = self.encode_prompt_ids([getattr(self, n) for n in self.encoder_names()], ids)
         timesteps, sigmas = schedule_points(self.noise_scheduler, draws["u"].cpu())
         timesteps, sigmas = timesteps.to(self.device), sigmas.to(self.device)
