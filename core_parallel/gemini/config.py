@@ -88,8 +88,10 @@ class GeminiConfig:
     """Number of chunks all-gathered ahead of use, following the order recorded in the first step."""
     keep_gathered: int | None = None
     """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
-    of the recorded order (it will be used again soon); None: `prefetch + 1`. Higher values trade a few
-    gathered chunks of memory for fewer re-gathers (all-gathers on several ranks)."""
+    of the recorded order (it will be used again soon), chunks counted by their size over the largest one's (a
+    small chunk used all through the step, such as a LoRA's adapters, takes little of the window); None:
+    `prefetch + 1`. Higher values trade a few gathered chunks of memory for fewer re-gathers (all-gathers on
+    several ranks, tier reads)."""
     host_collectives: bool = True
     """CPU ranks on one host all-gather and reduce-scatter through a shared-memory segment instead of the process
     group (gloo's loopback TCP); the process group is used when the ranks cannot share `/dev/shm`."""

@@ -119,6 +119,7 @@ class ChunkManager:
         self._clock = 0
         self._last_used: dict[int, int] = {}
         self._idle_kept: int | None = None  # first step: the idle chunk kept gathered (`_defer_release`)
+        self._weights: dict[int, float] | None = None  # `_window_weights`, computed once the chunks exist
         self.param_dtypes = [p.dtype for p in params]
         self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
 
@@ -299,10 +300,17 @@ class ChunkManager:
                     continue
                 if soon is None:
                     keep = self.config.keep_gathered
-                    soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep) \
-                        if self.trace.frozen else ()
+                    soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep,
+                                               self._window_weights()) if self.trace.frozen else ()
                 if i not in soon:
                     self._release(c)
+
+    def _window_weights(self) -> dict[int, float]:
+        """Each chunk's gathered size over the largest one's: `keep_gathered` counts chunks by these weights."""
+        if self._weights is None:
+            largest = max((c.full_nbytes for c in self.chunks), default=1) or 1
+            self._weights = {c.index: c.full_nbytes / largest for c in self.chunks}
+        return self._weights
 
     def _defer_release(self, i: int) -> None:
         """While the first step records the order, the chunk that went idle last stays gathered (the one kept

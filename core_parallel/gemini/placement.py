@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["KINDS", "AccessTrace", "MemoryLedger", "pick_victim", "static_plan"]
 
@@ -73,14 +73,18 @@ class AccessTrace:
             return positions[i] - self.cursor
         return len(self.order) - self.cursor + positions[0]
 
-    def upcoming(self, n: int) -> list[int]:
-        """The next `n` distinct chunks in the recorded order from the cursor."""
+    def upcoming(self, n: float, weights: Mapping[int, float] | None = None) -> list[int]:
+        """The next distinct chunks in the recorded order from the cursor, `n` of them; with `weights` (a chunk's
+        size over the largest chunk's), as many as weigh `n` together: a small chunk used all through the step
+        (a LoRA's adapters beside a frozen base) does not push a large one out of the window."""
         out: list[int] = []
+        total = 0.0
         for c in self.order[self.cursor :]:
-            if len(out) >= n:
+            if total >= n:
                 break
             if c not in out:
                 out.append(c)
+                total += 1.0 if weights is None else weights.get(c, 1.0)
         return out
 
 

@@ -1,6 +1,7 @@
 """The callbacks of a fine-tuning run besides the checkpoints (`checkpoints.CheckpointEvery`): validation images
 (`ValidateEvery`), plain progress lines for log files (`PlainProgress`) or a progress bar
-(`progress_bar_callback`), and the end of a completed run (`FinishRun`: export, then the final validation).
+(`progress_bar_callback`), what each step moved between memory tiers and the disk (`TierTraffic`), and the end of
+a completed run (`FinishRun`: export, then the final validation).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from .export import export
 if TYPE_CHECKING:
     from .module import StableDiffusionFineTune
 
-__all__ = ["FinishRun", "PlainProgress", "ValidateEvery", "at_step_boundary", "progress_bar_callback"]
+__all__ = ["FinishRun", "PlainProgress", "TierTraffic", "ValidateEvery", "at_step_boundary", "disk_io_bytes",
+           "progress_bar_callback"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,44 @@ class PlainProgress(pl.Callback):
         loss, ips, lr = (float(m[k]) if k in m else float("nan") for k in ("train_loss", "images_per_s", "lr"))
         print(f"step {step}/{trainer.max_steps} loss {loss:.4f} images/s {ips:.3g} lr {lr:.3g} "
               f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=self.stream or sys.stdout, flush=True)
+
+
+def disk_io_bytes() -> tuple[int, int] | None:
+    """(read, written) bytes this process (all its threads) made the storage layer move (`/proc/self/io`'s
+    read_bytes and write_bytes: page cache hits excluded, writes counted when dirtied); None where not readable."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class TierTraffic(pl.Callback):
+    """Per optimizer step, logged beside the loss (so in the CSV log): the MiB this process read from and wrote to
+    the disk (`disk_read_mib`, `disk_write_mib`, from `disk_io_bytes`), and under Gemini the MiB its ledger moved
+    between tiers in the step (`tier_mib/<src>-><dst>`, `memory_report()["traffic_last_step"]`)."""
+
+    def __init__(self) -> None:
+        self._io: tuple[int, int] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        self._io = disk_io_bytes()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not at_step_boundary(trainer, batch_idx):
+            return
+        io, metrics = disk_io_bytes(), {}
+        if io is not None and self._io is not None:
+            metrics["disk_read_mib"] = (io[0] - self._io[0]) / 2**20
+            metrics["disk_write_mib"] = (io[1] - self._io[1]) / 2**20
+        self._io = io
+        report = getattr(trainer.strategy.model, "memory_report", None)
+        if callable(report):
+            for route, nbytes in report().get("traffic_last_step", {}).items():
+                metrics[f"tier_mib/{route}"] = nbytes / 2**20
+        for name, value in metrics.items():
+            module.log(name, float(value), on_step=True, on_epoch=False)
 
 
 class FinishRun(pl.Callback):

@@ -26,7 +26,7 @@ from ...diffusion.errors import InputError
 from ...diffusion.schedule import RunLength, run_length
 from ..strategies import STRATEGY_NAMES, strategy_from_config
 from .accelerate_checkpoint import check_files, lightning_checkpoint
-from .callbacks import FinishRun, PlainProgress, ValidateEvery, progress_bar_callback
+from .callbacks import FinishRun, PlainProgress, TierTraffic, ValidateEvery, progress_bar_callback
 from .checkpoints import CKPT_FILE, CheckpointEvery, checkpoint_step, find_checkpoint
 from .datamodule import ImageCaptionData
 from .module import EVAL_MODE_WARNING, StableDiffusionFineTune
@@ -161,7 +161,7 @@ def trainer_kwargs(cfg: FineTuneConfig, length: RunLength | int, callbacks: list
         cbs.append(PlainProgress(cfg.log_every_n_steps))
     if cfg.prompts:
         cbs.append(ValidateEvery(cfg.output_dir, cfg.validation_steps))
-    cbs += [*(callbacks or []), FinishRun()]
+    cbs += [TierTraffic(), *(callbacks or []), FinishRun()]
     return dict(
         precision=MIXED_PRECISION[cfg.mixed_precision], max_steps=max_steps, max_epochs=max_epochs,
         accumulate_grad_batches=cfg.gradient_accumulation_steps,

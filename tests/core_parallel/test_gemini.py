@@ -383,6 +383,60 @@ def test_first_step_gathers_a_shared_chunk_once_per_run_of_modules(tmp_path, mon
     model.gemini_manager.close()
 
 
+class _Interleaved(torch.nn.Module):
+    """A frozen base in two chunks ({x1, x2} and {y1, y2}, registered in that order) run as x1, adapter, y1, y2,
+    x2, with a small trainable adapter (LoRA-like, rank 1, a chunk of its own) between: chunk X is used again
+    after the adapter's chunk and chunk Y."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x1, self.x2, self.y1, self.y2 = (torch.nn.Linear(16, 16) for _ in range(4))
+        self.down, self.up = torch.nn.Linear(16, 1, bias=False), torch.nn.Linear(1, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.x1(x)
+        h = h + self.up(self.down(h))
+        return self.x2(self.y2(self.y1(h)))
+
+
+def test_a_small_chunk_between_uses_does_not_push_a_large_one_out_of_the_keep_window(tmp_path, monkeypatch):
+    """`keep_gathered` counts chunks by size: the adapter's small chunk between two uses of chunk X leaves X
+    gathered (with a count of chunks, the adapter's and Y's filled the window of 2 and X was read from disk again
+    at each use); the values match plain torch."""
+    from lowmem.core_parallel.gemini import chunk as chunk_mod
+
+    torch.manual_seed(0)
+    model = _Interleaved()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("down", "up")))
+    ref = copy.deepcopy(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ref_opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=2 * 16 * 17 * 4 / 2**20)
+    model, opt = setup_gemini(model, torch.optim.Adam(trainable, lr=1e-2), cfg)
+    chunks = model.gemini_manager.chunks
+    assert len(chunks) == 3 and sorted(c.full_nbytes for c in chunks)[0] < chunks[0].full_nbytes / 10
+    gathers: list[int] = []
+    real = chunk_mod.Chunk.start_gather
+    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
+        self, *a, **k))
+    for _step in range(3):
+        gathers.clear()
+        x = torch.randn(8, 16)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(x).pow(2).mean()
+            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
+            o.step()
+            o.zero_grad()
+    # the last step follows the recorded order: the large chunks once in the forward and once in the backward
+    large = [c.index for c in chunks if c.full_nbytes == max(c.full_nbytes for c in chunks)]
+    assert [gathers.count(i) for i in large] == [2, 2], gathers
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    model.gemini_manager.close()
+
+
 def test_lr_scheduler_on_the_users_optimizer_follows_gemini_steps_without_a_false_order_warning():
     """A torch LR scheduler built on the user's optimizer (as Lightning and the scripts build it) drives Gemini's
     steps (shared param_groups) and sees the step as done, so it does not warn that it ran before the step."""

@@ -184,7 +184,7 @@ def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path
 
     base = ["diffusion", "train_text_to_image_lora", f"--pretrained_model_name_or_path={sd_folder}",
             f"--train_data_dir={image_folder}", "--resolution=32", "--train_batch_size=1", "--max_train_steps=3",
-            "--seed=7", "--learning_rate=1e-3"]
+            "--seed=7", "--learning_rate=1e-3", "--report_to=csv"]
     budget = ProcessMemory(torch.device("cpu")).now() + (48 << 20)  # this process and a little: tight
     weights = {}
     for name, extra in (("gemini", ["--strategy", "gemini"]),
@@ -196,3 +196,11 @@ def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path
     assert weights["gemini"].keys() == weights["budget"].keys()
     for k, v in weights["gemini"].items():
         assert torch.equal(v, weights["budget"][k]), k
+    # what each step moved (`TierTraffic`, read by `suite bench diffusion --frontier`): the streamed run read its
+    # evicted chunks from the NVMe tier in every step; all resident, nothing came from there
+    from lowmem.suite.bench.harness import csv_metric
+
+    streamed = csv_metric(str(tmp_path / "budget"), "tier_mib/nvme->device")
+    assert len(streamed) == 3 and all(v > 0 for v in streamed[1:]), streamed
+    assert not csv_metric(str(tmp_path / "gemini"), "tier_mib/nvme->device")
+    assert len(csv_metric(str(tmp_path / "gemini"), "disk_read_mib")) == 3
