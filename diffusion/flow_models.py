@@ -22,7 +22,7 @@ from .lora import LORA_WEIGHT_NAME, lora_file_key
 from .models import check_pipeline_folder, drop_folder_cache, resolve_pretrained
 
 __all__ = ["ENCODERS", "FLOW_COMPONENTS", "load_flow_component", "load_flow_components", "load_streamed_t5",
-           "make_flow_pipeline", "save_flow_lora_weights", "t5_name"]
+           "make_flow_pipeline", "save_flow_lora_weights", "t5_name", "trained_text_encoders"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,15 @@ def load_flow_component(folder: Path, family: str, name: str, *, variant: str | 
     if name.startswith(("vae", "text_encoder")):
         drop_folder_cache(folder / name)  # read whole and copied: out of the page cache
     return part
+
+
+def trained_text_encoders(family: str, lora: bool) -> list[str]:
+    """The text encoders the scripts' --train_text_encoder trains: the LoRA scripts' adapters go on the CLIP
+    encoders; train_dreambooth_sd3.py trains all three whole (T5 too), train_dreambooth_flux.py its CLIP (T5
+    frozen)."""
+    if lora or family == "flux":
+        return [enc for enc, cls, _ in ENCODERS[family] if cls.startswith("CLIP")]
+    return [enc for enc, _, _ in ENCODERS[family]]
 
 
 def t5_name(family: str) -> str:

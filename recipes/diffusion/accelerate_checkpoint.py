@@ -7,6 +7,7 @@ writes it with the scripts' save hooks (v0.40.0):
 | `transformer/` (the same files) | the SD3 / Flux full scripts' hook | weights |
 | `unet_ema/` | `EMAModel.save_pretrained` (--use_ema) | EMA weights; `optimization_step` in its config |
 | `text_encoder/` (`model.safetensors`) | DreamBooth's hook (--train_text_encoder) | weights |
+| `text_encoder{,_2,_3}/` | the SD3 / Flux full scripts' hook (--train_text_encoder) (2) | weights |
 | `pytorch_lora_weights.safetensors` | the LoRA scripts' hook (`save_lora_weights`) | LoRA layers (1) |
 | `optimizer.bin`, `scheduler.bin` | `torch.save(x.state_dict())` of the optimizer, the LR scheduler | state |
 | `random_states_0.pkl` | `torch.save` of Python's, numpy's and torch's RNG states | RNG states |
@@ -14,6 +15,11 @@ writes it with the scripts' save hooks (v0.40.0):
 (1) diffusers' names: `unet.`, and with the SDXL scripts' `--train_text_encoder` `text_encoder.` and
 `text_encoder_2.` layers; the SD3 / Flux LoRA scripts' peft names under `transformer.` (and `text_encoder.`,
 `text_encoder_2.`), read through the module's `lora_file_names`.
+(2) each trained encoder's `save_pretrained` (T5's tied `encoder.embed_tokens.weight` left out, as transformers
+writes it); the Flux full script's hook would write its CLIP encoder under `text_encoder/`. DISCREPANCY: in
+v0.40.0 neither script reaches a checkpoint with --train_text_encoder (SD3's first step calls its `encode_prompt`
+without `max_sequence_length`, a TypeError; Flux's hook raises "Wrong model supplied" on its `CLIPTextModel`), so
+these folders are the layout the hooks are written for.
 
 Everything is read with `torch.load(weights_only=True)` or safetensors. The pieces become a Lightning checkpoint
 (`lightning_checkpoint`) that the run resumes like its own `checkpoint-N` (the loops restart at the scripts'
@@ -59,6 +65,19 @@ def _denoiser(cfg: Any) -> tuple[str, str]:
     return tuple(name.replace("unet/", "transformer/") for name in _UNET)
 
 
+def _text_folders(cfg: Any) -> list[str]:
+    """The trained text encoders' folders of a full fine-tune: SD 1.x's `text_encoder/`, the SD3 / Flux full
+    scripts' trained encoders."""
+    if not cfg.train_text_encoder or cfg.lora:
+        return []
+    flow = (cfg.extra or {}).get("flow")
+    if flow is None:
+        return ["text_encoder"]
+    from ...diffusion.flow_models import trained_text_encoders
+
+    return trained_text_encoders(flow.family, False)
+
+
 def required_files(cfg: Any) -> list[str]:
     """The files this run needs from an accelerate checkpoint (what the script's save hook writes for it)."""
     need = ["optimizer.bin", "scheduler.bin"]
@@ -68,8 +87,7 @@ def required_files(cfg: Any) -> list[str]:
         need += _denoiser(cfg)
         if cfg.use_ema:
             need += _EMA
-        if cfg.train_text_encoder:
-            need += _TEXT
+        need += [name.replace("text_encoder/", f"{part}/") for part in _text_folders(cfg) for name in _TEXT]
     return need
 
 
@@ -102,7 +120,10 @@ def _named(path: Path, prefix: str, module: torch.nn.Module) -> dict[str, torch.
     """A component's weights file as the LightningModule's state-dict names; every key must match."""
     weights = _safetensors(path)
     own = module.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    present = {own[k].data_ptr() for k in weights if k in own}
+    # a tied weight (T5's encoder.embed_tokens.weight is its shared.weight) is written once by save_pretrained
+    missing = sorted(k for k in set(own) - set(weights) if own[k].data_ptr() not in present)
+    unexpected = sorted(set(weights) - set(own))
     wrong = [k for k in own if k in weights and weights[k].shape != own[k].shape]
     if missing or unexpected or wrong:
         what = (f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}" if unexpected
@@ -215,8 +236,8 @@ def lightning_checkpoint(path: Path, module: StableDiffusionFineTune, trainer: p
         state = _lora(path / _LORA, module)
     else:
         state = _named(path / _denoiser(cfg)[1], "unet", module.unet)
-        if cfg.train_text_encoder:
-            state.update(_named(path / _TEXT[1], "text_encoder", module.text_encoder))
+        for part in _text_folders(cfg):
+            state.update(_named(path / part / "model.safetensors", part, getattr(module, part)))
     params = [p for p in module.parameters() if p.requires_grad]
     ckpt: dict[str, Any] = {
         "epoch": 0, "global_step": step, "pytorch-lightning_version": pl.__version__, "state_dict": state,

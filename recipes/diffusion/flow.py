@@ -29,7 +29,7 @@ from ...diffusion.flow import (
     sd3_forward,
     timestep_density,
 )
-from ...diffusion.flow_models import ENCODERS, t5_name
+from ...diffusion.flow_models import ENCODERS, t5_name, trained_text_encoders
 from ...diffusion.training import step_generator
 from .flow_data import FlowData, flow_settings, frozen_component, id_keys, precompute, release_stores
 from .launch import fit_finetune
@@ -90,9 +90,7 @@ class _FlowFineTune(StableDiffusionFineTune):
         `requires_grad_(True)` and gives each a parameter group), Flux's CLIP (its T5 stays frozen)."""
         if not self.config.train_text_encoder:
             return []
-        if self.config.lora or self.family == "flux":
-            return [enc for enc, cls, _ in ENCODERS[self.family] if cls.startswith("CLIP")]
-        return self.encoder_names()
+        return trained_text_encoders(self.family, self.config.lora)
 
     def full_text_encoders(self) -> list[str]:
         """The text encoders trained whole (the full scripts' --train_text_encoder), in the scripts' order."""
@@ -226,7 +224,18 @@ class _FlowFineTune(StableDiffusionFineTune):
         return float(config.get("shift_factor") or 0.0), float(config["scaling_factor"])
 
     def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The loss of one micro-batch (`diffusion.flow`), as the SD3 / Flux scripts compute it."""
+        """The loss of one micro-batch (`diffusion.flow`), as the SD3 / Flux scripts compute it. Dropout in the
+        forward (--lora_dropout; a text encoder trained in train mode, SD3's T5 with its dropout_rate) draws from
+        torch's generator seeded by (seed, step, micro-batch, rank) only, so a resumed run draws the same masks."""
+        g = step_generator(self.config.seed, self.global_step, batch_idx % self.trainer.accumulate_grad_batches,
+                           -1 - self.global_rank)  # a stream apart from `_draws`' (rank 0's)
+        seed = int(torch.randint(2**62, (1,), generator=g))
+        devices = [self.device] if self.device.type == "cuda" else []  # the CPU's state is always forked
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self._loss(batch, batch_idx)
+
+    def _loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         s = flow_settings(self.config)
         latents, draws = self._latents(batch, batch_idx)
         ids = [self._both(batch, k).cpu() for k in id_keys(len(self.encoder_names()))]

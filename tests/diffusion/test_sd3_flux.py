@@ -102,7 +102,7 @@ NEEDS = {"with_prior_preservation": {"class_data_dir": "cls", "class_prompt": "a
          "dataset_name": {"instance_data_dir": None}}
 # accepted, and by design without effect on the settings (said in their --help)
 NO_EFFECT = {"optimizer", "prodigy_beta3", "prodigy_decouple", "prodigy_safeguard_warmup",
-             "prodigy_use_bias_correction", "upcast_before_saving", "text_encoder_lr", "adam_weight_decay_text_encoder"}
+             "prodigy_use_bias_correction", "upcast_before_saving"}
 
 
 def _sample(flag) -> object:
@@ -134,7 +134,7 @@ def test_no_flag_is_silently_ignored(script):
         if flag.required:
             continue
         needs = NEEDS.get(flag.name, {})
-        if "lora" in script and flag.name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
+        if flag.name in ("text_encoder_lr", "adam_weight_decay_text_encoder"):
             needs = {"train_text_encoder": True}
         values = {**defaults, **required, **needs, flag.name: _sample(flag)}
         if isinstance(flow_handling(script, flag.name), Refuse):
@@ -335,7 +335,8 @@ def test_prior_preservation_and_validation_images(capsys, tmp_path, folders, mon
 
 
 @pytest.mark.parametrize(("script", "extra"), [
-    ("train_dreambooth_lora_flux", ("--train_text_encoder", "--text_encoder_lr", "2e-3", "--weighting_scheme", "mode")),
+    ("train_dreambooth_lora_flux", ("--train_text_encoder", "--text_encoder_lr", "2e-3", "--weighting_scheme", "mode",
+                                    "--lora_dropout", "0.3")),
     ("train_dreambooth_sd3", ()),
 ])
 def test_resumes_exactly(capsys, tmp_path, folders, script, extra):
