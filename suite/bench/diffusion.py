@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import UsageError
+from .frontier import add_frontier_arguments, run_frontier
 from .harness import (
     Side,
     add_ratios,
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare whole commands instead, start to exit, on a pipeline folder of these shapes: "
                              "the plain diffusers loop against `suite diffusion finetune` (docs/benchmarks.md)")
     add_whole_arguments(parser)
+    add_frontier_arguments(parser)
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -542,6 +544,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     opts = _defaults(args)
+    if opts.get("frontier"):
+        return run_frontier(opts, args)
     if opts.get("whole_command"):
         return run_whole(opts, args)
     levels = "" if opts["checkpoint_levels"] is None else f" top {opts['checkpoint_levels']} levels"
