@@ -155,7 +155,11 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
             ours_rows = whole_rows(sides, labels, drop=[folder], batch=opts["batch"], compare=False)
             add_ratios(ours_rows, got[0], WHOLE_RATIOS)
             for r, side in zip(ours_rows, sides):
-                r.update(_traffic(side.argv[side.argv.index("--output_dir") + 1]))
+                out = side.argv[side.argv.index("--output_dir") + 1]
+                r.update(_traffic(out))
+                for name in os.listdir(out) if os.path.isdir(out) else ():  # the weights: GBs per budget at size
+                    if name != "logs":
+                        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
             rows += ours_rows
     finally:
         if not opts["work"]:
