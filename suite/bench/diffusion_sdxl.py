@@ -254,9 +254,10 @@ def _full_checks(out: str) -> dict:
     with tempfile.TemporaryDirectory() as cwd:
         done = run_side(Side("check_pipeline", [sys.executable, "-m", _MODULE, "check_pipeline", os.path.abspath(out)],
                              cwd=cwd, measure=False))
-    lines = done.json_lines()
-    loaded = lines[-1] if done.returncode == 0 and lines else {
-        "loads": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    try:
+        loaded = done.result()
+    except RuntimeError:
+        loaded = {"loads": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return {"losses": losses, "loss_finite": bool(losses) and all(math.isfinite(v) for v in losses),
             "pipeline": loaded}
 

@@ -14,7 +14,7 @@ import time
 import types
 
 from ..errors import UsageError
-from .harness import Side, emit, publish, run_side, safe_env, torch_device, write_json, write_text
+from .harness import child, child_main, publish, run_side, torch_device, write_json, write_text
 from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
@@ -94,9 +94,9 @@ def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: i
 # ---- the children: `python -m lowmem.suite.bench.fold_openfold JSON` ----------------------------------------
 
 
-def _forward_and_finish(side: str, model, batch, device, *call_args, **extra) -> int:
-    """Time one pass (the model and batch already on `device`) and emit the side's line; its peak is VmHWM, its
-    own (ru_maxrss would carry the bench's peak across fork and exec)."""
+def _forward(side: str, model, batch, device, *call_args, **extra) -> dict:
+    """Time one pass (the model and batch already on `device`): the side's row; its peak is VmHWM, its own
+    (ru_maxrss would carry the bench's peak across fork and exec)."""
     import torch
 
     t_ready = time.perf_counter()
@@ -111,11 +111,10 @@ def _forward_and_finish(side: str, model, batch, device, *call_args, **extra) ->
               "threads": torch.get_num_threads(), "child_maxrss_bytes": hwm_bytes(), **extra}
     if device.type == "cuda":
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    emit(result)
-    return 0
+    return result
 
 
-def _child_ours(opts: argparse.Namespace) -> int:
+def _child_ours(opts: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(opts.threads)
@@ -125,8 +124,7 @@ def _child_ours(opts: argparse.Namespace) -> int:
     device = torch_device(opts.device)
     model = from_params(opts.params, _config(opts.preset, opts.tiny)).eval().to(device)
     batch = {k: v.to(device) for k, v in torch.load(opts.features, weights_only=True).items()}
-    return _forward_and_finish("ours", model, batch, device, InferenceOptions(chunk_size=opts.chunk_size,
-                                                                              residual="in_place"))
+    return _forward("ours", model, batch, device, InferenceOptions(chunk_size=opts.chunk_size, residual="in_place"))
 
 
 def _openfold_imports(paths: list[str]) -> tuple[str, dict]:
@@ -156,7 +154,7 @@ def _openfold_features(batch: dict, atom37_to_torsion_angles) -> dict:
     return batch
 
 
-def _child_openfold(opts: argparse.Namespace) -> int:
+def _child_openfold(opts: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(opts.threads)
@@ -169,45 +167,37 @@ def _child_openfold(opts: argparse.Namespace) -> int:
     model = of["AlphaFold"](c).eval()
     of["import_jax_weights_"](model, opts.params, version=opts.preset)
     batch = _openfold_features(torch.load(opts.features, weights_only=True), of["atom37_to_torsion_angles"])
-    return _forward_and_finish("openfold", model.to(device), {k: v.to(device) for k, v in batch.items()}, device,
-                               softmax=softmax, openfold=of["where"])
+    return _forward("openfold", model.to(device), {k: v.to(device) for k, v in batch.items()}, device,
+                    softmax=softmax, openfold=of["where"])
 
 
-def _child_probe(opts: argparse.Namespace) -> int:
-    """Import what the OpenFold child needs; one JSON line: {"ok": true, ...} or the module that is missing."""
+def _child_probe(opts: argparse.Namespace) -> dict:
+    """Import what the OpenFold child needs: {"ok": true, ...} or the module that is missing."""
     try:
         softmax, of = _openfold_imports(opts.path)
     except ImportError as exc:
-        emit({"ok": False, "missing": getattr(exc, "name", None), "error": str(exc)})
-        return 0
-    emit({"ok": True, "softmax": softmax, "openfold": of["where"]})
-    return 0
+        return {"ok": False, "missing": getattr(exc, "name", None), "error": str(exc)}
+    return {"ok": True, "softmax": softmax, "openfold": of["where"]}
 
 
 _CHILD_DEFAULTS = {"params": None, "features": None, "preset": "model_1_ptm", "chunk_size": 4, "threads": 2,
                    "device": "cpu", "path": [], "tiny": False}
 
 
-def child_main(argv: list[str] | None = None) -> int:
-    """One side ("ours", "openfold", "probe") of the comparison, its settings a JSON object (`_CHILD_DEFAULTS`)."""
-    opts = argparse.Namespace(**{**_CHILD_DEFAULTS, **json.loads((argv or sys.argv[1:])[0])})
+def _side(spec: dict) -> dict:
+    """One side ("ours", "openfold", "probe") of the comparison, its settings `spec` (`_CHILD_DEFAULTS`)."""
+    opts = argparse.Namespace(**{**_CHILD_DEFAULTS, **spec})
     return {"ours": _child_ours, "openfold": _child_openfold, "probe": _child_probe}[opts.side](opts)
 
 
 # ---- the parent -------------------------------------------------------------------------------------------
 
 
-def _child(name: str, side: str, measure: bool = True, **opts) -> Side:
-    return Side(name, [sys.executable, "-m", __name__, json.dumps({"side": side, **opts})], env=safe_env(),
-                measure=measure)
-
-
 def run_one(side: str, *, timeout: float | None = None, use_cgroup: bool = True, **opts) -> dict:
     """One side's child run to its exit, measured as a whole process (`harness.run_side`): its JSON line plus
     `wall_s`, `peak_bytes` and `method`; a crash is a RuntimeError with the end of its stderr."""
-    child = _child(f"fold-model --openfold: the {side} side", side, **opts)
-    child.timeout, child.use_cgroup = timeout, use_cgroup
-    got = run_side(child)
+    got = run_side(child(f"fold-model --openfold: the {side} side", __name__, {"side": side, **opts},
+                         timeout=timeout, use_cgroup=use_cgroup))
     return {**got.result(), "wall_s": got.wall_s, "peak_bytes": got.peak_bytes, "method": got.method}
 
 
@@ -268,7 +258,8 @@ def _pythonpath(args: argparse.Namespace) -> list[str]:
 
 
 def _probe(args: argparse.Namespace, paths: list[str]) -> dict:
-    probe = run_side(_child("fold-model --openfold: importing openfold", "probe", False, path=paths)).result()
+    probe = run_side(child("fold-model --openfold: importing openfold", __name__, {"side": "probe", "path": paths},
+                           measure=False)).result()
     if not probe["ok"]:
         missing = probe.get("missing") or ""
         if missing.split(".")[0] == "openfold":
@@ -331,4 +322,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main())
+    child_main(_side)

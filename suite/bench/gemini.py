@@ -14,15 +14,15 @@ from ..errors import UsageError
 from .harness import (
     count,
     emulate_card,
-    fast_optimizer,
     names,
     peak_over,
     publish,
     ran,
     ratio,
     step_times,
-    torch_baseline,
     torch_device,
+    train_side,
+    train_step,
 )
 from .memory import SideMeter, fix_malloc, rss_bytes
 
@@ -60,36 +60,16 @@ def _mlp(params: int, width: int):
     return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
 
 
-def _wrap(strategy: str, model, opt, extra: dict):
-    from ... import core_parallel
-
-    if strategy in ("gemini", *ALSO):
-        return core_parallel.setup(model, opt, core_parallel.GeminiConfig(**extra, peer_reads=strategy == "gemini"))
-    if strategy == "zero2":
-        return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=2))
-    return torch_baseline(strategy, model)
-
-
 def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
     """The bench's model and step: an MLP of `params` parameters of `width`, wrapped
     by `strategy` (`extra`: GeminiConfig fields), one step taken; returns (model, step function, setup_rss)."""
     import torch
 
-    model = _mlp(params, width).to(device)
-    opt, _ = fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)
-    model, opt = _wrap(strategy, model, opt, extra)
+    model, opt = train_side(strategy, _mlp(params, width).to(device), gemini=extra)
     setup_rss = rss_bytes()
     if hasattr(model, "memory_report") and device.type == "cpu":
         setup_rss -= sum(model.memory_report()["bytes"]["device"].values())
-    x = torch.randn(batch // world, width, device=device)
-    backward = getattr(opt, "backward", lambda loss: loss.backward())
-
-    def step() -> None:
-        loss = model(x).pow(2).mean()
-        backward(loss)
-        opt.step()
-        opt.zero_grad()
-
+    step = train_step(model, opt, torch.randn(batch // world, width, device=device))
     step()
     return model, step, setup_rss
 

@@ -8,25 +8,21 @@ and gpu.json, gpu.md and gpu.log are rewritten after every command. docs/benchma
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .harness import SUITE, Side, SideRun, markdown_table, names, run_side, write_text
+from .harness import SUITE, Side, json_lines, machine_info, markdown_table, names, run_side, smi, write_text
 
 __all__ = ["STAGES", "Stage", "add_arguments", "markdown", "run"]
 
@@ -118,16 +114,14 @@ class _Stage:
         self.log.write(f"\n$ {shown}  (limit {limit:.0f} s)\n")
         self.log.flush()
         try:
-            code = run_side(Side(shown, argv, timeout=limit, cwd=str(cwd or self.work), env=env, log=str(out),
-                                 measure=False)).returncode
+            got = run_side(Side(shown, argv, timeout=limit, cwd=str(cwd or self.work), env=env, log=str(out),
+                                measure=False))
         finally:
             text = out.read_text(errors="replace") if out.exists() else ""
             self.log.write(text)
             self.log.flush()
             done["seconds"] = round(time.monotonic() - t0, 1)
-        last = f"exit code {code}: " + (text.strip().splitlines() or [""])[-1][:160]
-        done["outcome"] = ("ok" if code == 0 else f"killed at its limit of {limit:.0f} s" if code is None else "OOM"
-                           if "OutOfMemoryError" in text or "out of memory" in text else last.rstrip(": "))
+        code, done["outcome"] = got.returncode, got.outcome(text)
         if code != 0 and not probe:
             self.failed.append(done["outcome"])
         rows = None
@@ -213,12 +207,8 @@ def _gemini(s: _Stage) -> None:
               + ": master weights and Adam state in the CPU tier (16 B/parameter) on an emulated 24 GiB card", per=1)
 
 
-def _lines(text: str) -> list[dict]:
-    return SideRun(Side("", []), 0, 0.0, stdout=text).json_lines()
-
-
 def _one_pass(text: str) -> list[dict]:
-    got = [r for r in _lines(text) if "n_res" in r]
+    got = [r for r in json_lines(text) if "n_res" in r]
     return [{"seconds": r["seconds"], "peak_mib": r["peak_bytes"] / 2**20} for r in got[-1:]]
 
 
@@ -228,7 +218,7 @@ def _fold(s: _Stage) -> None:
     until one does not fit in 24 GiB, and chunk 4."""
     shape = ["--blocks", "1" if s.smoke else "4", "--extra_blocks", "1", "--n_seq", "4" if s.smoke else "128",
              "--n_extra", "8" if s.smoke else "256", "--dtype", "float32", "--device", s.dev]
-    free = (_smi("memory.free") if s.dev == "cuda" else ["-"])[0].split()[0]  # "81079 MiB" of the first card
+    free = (smi("memory.free") if s.dev == "cuda" else ["-"])[0].split()[0]  # "81079 MiB" of the first card
     budget = ["--memory_budget_mb", str(int(free) // 4)] if free.isdigit() else []
     argv = ["bench", "fold-model", "--n_res", "16" if s.smoke else "512,1024", *shape, "--chunk_size", "auto",
             *budget, "--warmup", "0" if s.smoke else "1", "--repeat", "1" if s.smoke else "2"]
@@ -370,14 +360,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="suite-bench-gpu-"))
     repo = Path(__file__).resolve().parents[2]
     payload = {"benchmark": "gpu", "command": " ".join(["suite", *sys.argv[1:]]) if sys.argv else "",
-               "device": args.device, "smoke": args.smoke, "budget_s": args.budget_s, "machine": _machine(args.device),
+               "device": args.device, "smoke": args.smoke, "budget_s": args.budget_s, "machine": machine_info(),
                "stages": [], "finished": False}
     t0, bank = time.monotonic(), 0.0
 
     def save() -> None:
         payload.update(elapsed_s=round(time.monotonic() - t0, 1), targets=[t for s in payload["stages"]
                                                                            for t in s["targets"]])
-        for path in filter(None, (out / "gpu.json", getattr(args, "json", None))):  # no machine_info(): no CUDA here
+        for path in filter(None, (out / "gpu.json", getattr(args, "json", None))):  # machine: in the payload
             write_text(path, json.dumps(payload, indent=1, default=str) + "\n")
         write_text(out / "gpu.md", markdown(payload) + "\n")
 
@@ -422,7 +412,7 @@ def _run_stage(stage: Stage, s: _Stage) -> None:
     t0, record = time.monotonic(), s.record
     try:
         if s.args._inject.get(stage.name):  # the test hook's one command (see `run`) instead of the stage's
-            s.run(["-"], "injected", f"injected {s.args._inject[stage.name]} (test hook)", read=_lines)
+            s.run(["-"], "injected", f"injected {s.args._inject[stage.name]} (test hook)", read=json_lines)
         else:
             stage.commands(s)
         killed = [c["outcome"] for c in record["commands"] if c["outcome"].startswith("killed")]
@@ -437,31 +427,6 @@ def _run_stage(stage: Stage, s: _Stage) -> None:
     finally:
         record["seconds"] = round(time.monotonic() - t0, 1)
         record["targets"] = _judge(record, s.args)
-
-
-def _smi(query: str) -> list[str]:
-    """nvidia-smi's answer, one line per card (no CUDA context in this process: it would hold device memory)."""
-    try:
-        got = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
-        return [line.strip() for line in got.stdout.splitlines() if line.strip()]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return [f"nvidia-smi failed: {exc}"]
-
-
-def _machine(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            "host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    for name in ("torch", "triton", "diffusers", "transformers"):
-        try:
-            info[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            info[name] = None
-    if device == "cuda":
-        import torch
-
-        info.update(cuda=torch.version.cuda, gpus=_smi("name,memory.total,driver_version"))
-    return info
 
 
 # ---- the report -----------------------------------------------------------------------------------------------

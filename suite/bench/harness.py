@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import json
 import os
 import platform
 import re
-import signal
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,12 +30,12 @@ from typing import Any
 
 from .memory import hwm_bytes, reset_peak_rss, run_command
 
-__all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "count", "csv_metric",
-           "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card", "fast_optimizer", "int_list",
-           "kill_group", "log_step", "machine_info", "markdown_table", "median", "mib", "names", "optimizer_impl",
-           "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side", "safe_env", "step_seconds",
-           "step_times", "text_table", "time_fn", "timed", "tool_main", "torch_baseline", "torch_device",
-           "whole_rows", "write_json", "write_text"]
+__all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "child", "child_main",
+           "count", "csv_metric", "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card",
+           "fast_optimizer", "int_list", "json_lines", "log_step", "machine_info", "markdown_table", "median", "mib",
+           "names", "optimizer_impl", "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side",
+           "safe_env", "smi", "step_seconds", "step_times", "text_table", "time_fn", "timed", "tool_main",
+           "torch_baseline", "torch_device", "train_side", "train_step", "whole_rows", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -184,6 +185,36 @@ def torch_baseline(strategy: str, model: Any, lr: float = 1e-4) -> tuple[Any, An
     return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=lr)[0]
 
 
+def train_side(strategy: str, model: Any, *, bucket_mb: float = 25.0, gemini: dict | None = None) -> tuple[Any, Any]:
+    """(model, optimizer) as `strategy` trains them, Adam (lr 1e-4) at its best: torch's `ddp` / `fsdp2`
+    (`torch_baseline`), ZeRO `zero1` / `zero2` (buckets of `bucket_mb`), `gemini` (GeminiConfig fields `gemini`;
+    `gemini_collective`: no peer reads, every gather a collective)."""
+    import torch
+
+    from ... import core_parallel
+
+    if strategy in ("ddp", "fsdp2"):
+        return torch_baseline(strategy, model)
+    opt, _ = fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)
+    if strategy.startswith("zero"):
+        config = core_parallel.ZeroConfig(stage=int(strategy[-1]), bucket_mb=bucket_mb)
+    else:
+        config = core_parallel.GeminiConfig(**(gemini or {}), peer_reads=strategy == "gemini")
+    return core_parallel.setup(model, opt, config)
+
+
+def train_step(model: Any, opt: Any, x: Any) -> Callable[[], None]:
+    """One training step on `x` (loss: the output's mean square; backward through the optimizer that owns it)."""
+    backward = getattr(opt, "backward", lambda loss: loss.backward())
+
+    def step() -> None:
+        backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def torch_device(name: str = "auto", rank: int | None = None):
     """The torch device `name` names ("auto": CUDA where there is one); on CUDA `rank`'s card (modulo the cards),
     made current, or without a rank the current card."""
@@ -297,13 +328,36 @@ def tool_main(tools: dict[str, Callable[..., Any]], argv: Sequence[str] | None =
 
 
 def emit(row: dict) -> None:
-    """A side's result: one JSON line on stdout, flushed (`SideRun.json_lines` and `SideRun.result` read them)."""
+    """A side's result: one JSON line on stdout, flushed (`json_lines` and `SideRun.result` read them)."""
     print(json.dumps(row, default=str), flush=True)
+
+
+def json_lines(text: str) -> list[dict]:
+    """Every line of `text` that is a JSON object, in order (a side's `emit`ted rows)."""
+    rows = []
+    for line in text.splitlines():
+        if line.strip().startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
 
 
 def safe_env(**extra: str) -> dict[str, str]:
     """A child's environment: the installed package, never a checkout's folders first on sys.path (3.11+)."""
     return {**os.environ, "PYTHONSAFEPATH": "1", **extra}
+
+
+def child(name: str, module: str, spec: dict, **side: Any) -> Side:
+    """A side running `python -m module JSON` (its settings `spec`) in the installed package (`safe_env`); the
+    module ends with `child_main`."""
+    return Side(name, [sys.executable, "-m", module, json.dumps(spec)], env=safe_env(), **side)
+
+
+def child_main(fn: Callable[[dict], dict]) -> None:
+    """A `child`'s entry point: `fn(spec)`'s row `emit`ted."""
+    emit(fn(json.loads(sys.argv[1])))
 
 
 @dataclass
@@ -343,20 +397,9 @@ class SideRun:
     def timed_out(self) -> bool:
         return self.returncode is None
 
-    def json_lines(self) -> list[dict]:
-        """Every stdout line that is a JSON object, in order."""
-        rows = []
-        for line in self.stdout.splitlines():
-            if line.strip().startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return rows
-
     def result(self) -> dict:
         """The side's last JSON line; RuntimeError naming the side, with the end of its stderr, when it failed."""
-        lines = self.json_lines()
+        lines = json_lines(self.stdout)
         if self.returncode != 0 or not lines:
             raise RuntimeError(f"{self.side.name} failed (exit {self.returncode}): {' '.join(self.side.argv)}\n"
                                f"{(self.stderr or self.stdout)[-2000:]}")
@@ -366,21 +409,21 @@ class SideRun:
         """Per-step seconds: the `suite diffusion` CSV log in `csv_folder`, else the side's `log_step` lines."""
         if csv_folder:
             return csv_step_seconds(csv_folder, batch)
-        if self.side.log:
-            with open(self.side.log, errors="replace") as f:
-                return step_seconds(f.read())
         return step_seconds(self.stdout)
 
-    def outcome(self) -> str:
+    def outcome(self, text: str | None = None) -> str:
+        """ok, killed (at its time limit, for memory), OOM, or the exit code and the last line of `text` (its
+        stderr by default)."""
+        text = self.stderr if text is None else text
         if self.timed_out:
-            return f"killed at its time limit after {self.wall_s:.0f} s"
+            return f"killed at its time limit of {self.side.timeout:.0f} s"
         if self.oom_killed:
             return "killed for memory"
         if self.returncode == 0:
             return "ok"
-        if "OutOfMemoryError" in self.stderr or "out of memory" in self.stderr:
+        if "OutOfMemoryError" in text or "out of memory" in text:
             return "OOM"
-        last = self.stderr.strip().splitlines()[-1:] or [""]
+        last = text.strip().splitlines()[-1:] or [""]
         return f"exit code {self.returncode}: {last[0][:160]}".rstrip(": ")
 
     def row(self, times: Sequence[float] = ()) -> dict:
@@ -399,20 +442,6 @@ def mib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """End a child started in its own session and everything it started (ranks, per-case processes)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_side(side: Side) -> SideRun:
     """Run `side` to its exit or its time limit (then its process group is ended, what it printed kept); measured
     in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
@@ -422,31 +451,22 @@ def run_side(side: Side) -> SideRun:
     err = log or (tempfile.TemporaryFile("w+") if captured else None)
     t0 = time.perf_counter()
     try:
-        if side.measure:
-            try:
-                got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup, cap_bytes=side.cap_bytes,
-                                  offload_paths=side.offload_paths, env=side.env, cwd=side.cwd, stdout=out,
-                                  stderr=subprocess.STDOUT if log else err, start_new_session=True)
-            except subprocess.TimeoutExpired:
-                got = {"returncode": None, "wall_s": time.perf_counter() - t0, "peak_bytes": None, "method": None}
-            run = SideRun(side, got["returncode"], got["wall_s"], got["peak_bytes"], got["method"],
-                          bool(got.get("oom_kills")))
-        else:
-            proc = subprocess.Popen(side.argv, stdout=out, stderr=subprocess.STDOUT if log else err, cwd=side.cwd,
-                                    env=side.env, start_new_session=True)
-            try:
-                code: int | None = proc.wait(timeout=side.timeout)
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
-                code = None
-            except BaseException:  # interrupted: the side's own session would outlive us
-                kill_group(proc)
-                raise
-            run = SideRun(side, code, time.perf_counter() - t0)
+        try:
+            got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup, cap_bytes=side.cap_bytes,
+                              offload_paths=side.offload_paths, env=side.env, cwd=side.cwd, stdout=out,
+                              stderr=subprocess.STDOUT if log else err, start_new_session=True, measure=side.measure)
+        except subprocess.TimeoutExpired:
+            got = {"returncode": None, "wall_s": time.perf_counter() - t0, "peak_bytes": None, "method": None}
+        run = SideRun(side, got["returncode"], got["wall_s"], got["peak_bytes"], got["method"],
+                      bool(got.get("oom_kills")))
         if captured:
             out.seek(0)
             err.seek(0)
             run.stdout, run.stderr = out.read(), err.read()
+        elif log:
+            log.flush()
+            with open(side.log, errors="replace") as f:
+                run.stdout = f.read()  # its log: stdout and stderr
         return run
     finally:
         for f in {id(out): out, id(err): err}.values():
@@ -466,11 +486,8 @@ def whole_rows(sides: Sequence[Side], labels: Sequence[dict] | None = None, *, d
             drop_cached(folder)
         got = run_side(side)
         if strict and got.returncode != 0 and not got.oom_killed:
-            text = got.stderr
-            if side.log:
-                with open(side.log, errors="replace") as f:
-                    text = f.read()
-            raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n{text[-3000:]}")
+            raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n"
+                               f"{(got.stderr or got.stdout)[-3000:]}")
         out = side.argv[side.argv.index("--output_dir") + 1] if "--output_dir" in side.argv else None
         rows.append({**(labels[i] if labels else {"side": side.name}), **got.row(got.step_times(out, batch))})
     if compare and rows:
@@ -545,15 +562,30 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
     return lines + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
 
 
-def machine_info() -> dict[str, Any]:
-    """Date, host and devices, recorded with every JSON result."""
-    import torch
+def smi(query: str) -> list[str]:
+    """nvidia-smi's answer, one line per card (no CUDA context in this process: it would hold device memory)."""
+    try:
+        got = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return [line.strip() for line in got.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"nvidia-smi failed: {exc}"]
 
+
+def machine_info() -> dict[str, Any]:
+    """Date, host, versions and GPUs (through nvidia-smi), recorded with every JSON result."""
     info: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            "python": platform.python_version(), "torch": torch.__version__,
-                            "cpu_count": os.cpu_count(), "machine": platform.machine()}
-    if torch.cuda.is_available():
-        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                            "host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+                            "machine": platform.machine()}
+    for name in ("torch", "triton", "diffusers", "transformers"):
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = None
+    if shutil.which("nvidia-smi"):
+        import torch
+
+        info.update(cuda=torch.version.cuda, gpus=smi("name,memory.total,driver_version"))
     return info
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import statistics
 import sys
 import time
 
 from ..errors import UsageError
-from .harness import Side, emit, int_list, names, peak_over, publish, run_side, safe_env
+from .harness import child, child_main, int_list, names, peak_over, publish, run_side
 from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -38,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case before giving up")
     parser.add_argument("--floor", action="store_true",
                         help="attention: also SDPA without bias or mask (the floor: what the bias and mask cost)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
 def _cases(args: argparse.Namespace) -> list[dict]:
@@ -168,11 +166,9 @@ def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> di
         spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,
                 "measure": measure}
         with fixed_mmap_threshold() if measure == "memory" else contextlib.nullcontext():
-            got = run_side(Side(f"{case['op']} {impl}", [sys.executable, "-m", __name__, json.dumps(spec)],
-                                timeout=args.timeout, env=safe_env(), measure=False))
+            got = run_side(child(f"{case['op']} {impl}", __name__, spec, timeout=args.timeout, measure=False))
         if got.returncode != 0:
-            return {"error": got.outcome() if got.timed_out else (got.stderr.strip().splitlines()[-1:]
-                                                                  or ["(no output)"])[0]}
+            return {"error": got.outcome()}
         result.update(got.result())
     return result
 
@@ -203,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case['op']} {case['size']} {case['mode']}", file=sys.stderr, flush=True)
         ours = _run_case(case, "ours", args, dtype)
-        floor = ("sdpa-nobias",) if getattr(args, "floor", False) and case["op"] == "attention" else ()
+        floor = ("sdpa-nobias",) if args.floor and case["op"] == "attention" else ()
         for baseline in BASELINES[case["op"]] + floor:
             rows.append(_row(case, baseline, ours, _run_case(case, baseline, args, dtype)))
     columns = ["op", "size", "mode", "baseline", "ours ms", "base ms", "time ratio", "cpu-time ratio", "ours MiB",
@@ -217,4 +213,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    emit(_worker(json.loads(sys.argv[1])))
+    child_main(_worker)

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["MMAP_THRESHOLD", "Cgroup", "SideMeter", "cgroup_method", "file_resident_bytes", "files_resident_bytes",
-           "fix_malloc", "fixed_mmap_threshold", "hwm_bytes", "malloc_trim", "peak_rss_bytes", "reset_peak_rss",
-           "rss_bytes", "run_command", "tree_rss_bytes"]
+           "fix_malloc", "fixed_mmap_threshold", "hwm_bytes", "kill_group", "malloc_trim", "peak_rss_bytes",
+           "reset_peak_rss", "rss_bytes", "run_command", "tree_rss_bytes"]
 
 _counter = itertools.count()
 _FALLBACK = "rss+mincore"
@@ -413,15 +413,29 @@ def _inherited_peak_bytes() -> int:
     return max(peak_rss_bytes(), hwm_bytes())
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a child started in its own session and everything it started (ranks, per-case processes)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval: float = 0.02,
                 env: dict[str, str] | None = None, timeout: float | None = None, use_cgroup: bool = True,
-                cap_bytes: int | None = None, **popen: Any) -> dict[str, Any]:
+                cap_bytes: int | None = None, measure: bool = True, **popen: Any) -> dict[str, Any]:
     """Run `argv` to its exit: {"returncode", "peak_bytes", "method", "wall_s", ...}, the whole process tree's
     memory from its first instruction (a cgroup; else sampled tree RSS, the child's ru_maxrss where above what it
-    inherits, plus `offload_paths`' resident pages). `cap_bytes`: the cgroup's limit (page cache included), with
-    `cap_enforced` and `oom_kills`. Past `timeout` the command (and its process group with `start_new_session`) is
-    killed and `subprocess.TimeoutExpired` raised."""
-    group = Cgroup.create("cmd") if use_cgroup or cap_bytes else None
+    inherits, plus `offload_paths`' resident pages; `measure` False: no memory figure). `cap_bytes`: the cgroup's
+    limit (page cache included), with `cap_enforced` and `oom_kills`. Past `timeout` the command (and its process
+    group with `start_new_session`) is killed and `subprocess.TimeoutExpired` raised."""
+    group = Cgroup.create("cmd") if measure and (use_cgroup or cap_bytes) else None
     capped: dict[str, Any] = {}
     if cap_bytes:
         capped = {"cap_bytes": cap_bytes, "cap_enforced": group is not None}
@@ -434,7 +448,7 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
     proc = subprocess.Popen(list(argv), env=env, **popen)
     sampled, files_max, maxrss = 0, 0, 0
     try:
-        if group:
+        if group or not measure:
             proc.wait(timeout=timeout)
         else:
             deadline = None if timeout is None else t0 + timeout
@@ -452,6 +466,8 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
                     raise subprocess.TimeoutExpired(list(argv), timeout)
                 time.sleep(interval)
         wall = time.perf_counter() - t0
+        if not measure:
+            return {"returncode": proc.returncode, "peak_bytes": None, "method": None, "wall_s": wall}
         if group:
             return {"returncode": proc.returncode, "peak_bytes": group.peak(), "method": group.method,
                     "wall_s": wall, **capped, **({"oom_kills": group.oom_kills()} if cap_bytes else {})}
@@ -469,8 +485,7 @@ def run_command(argv: Sequence[str], offload_paths: Sequence[str] = (), interval
     finally:
         if proc.poll() is None:
             if popen.get("start_new_session"):  # what the command started goes too (ranks, per-case processes)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_group(proc)
             proc.kill()
             proc.wait()
         if group:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from .harness import add_ratios, count, fast_optimizer, names, publish, ran, step_times, torch_baseline, torch_device
+from .harness import add_ratios, count, names, publish, ran, step_times, torch_device, train_side, train_step
 from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -33,36 +33,20 @@ def _build(width: int, layers: int, device):
     return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh()))).to(device)
 
 
-def _wrap(variant: str, model, bucket_mb: float):
-    import torch
-
-    from ... import core_parallel
-
-    if variant in ("ddp", "fsdp2"):
-        return torch_baseline(variant, model)
-    opt, _ = fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)
-    return core_parallel.setup(model, opt, core_parallel.ZeroConfig(stage=1 if variant == "zero1" else 2,
-                                                                   bucket_mb=bucket_mb))
-
-
 def _steps(variant: str, model, width: int, n: int, bucket_mb: float, batch: int, cuda: bool) -> list[float]:
     """Seconds of `n` steps, each between two barriers (the slowest rank's step)."""
     import torch
     import torch.distributed as dist
 
-    model, opt = _wrap(variant, model, bucket_mb)
-    x = torch.randn(batch, width, device=next(model.parameters()).device)
-    backward = getattr(opt, "backward", lambda loss: loss.backward())
+    model, opt = train_side(variant, model, bucket_mb=bucket_mb)
+    step = train_step(model, opt, torch.randn(batch, width, device=next(model.parameters()).device))
 
-    def step() -> None:
-        backward(model(x).pow(2).mean())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
 
-    return step_times(step, n, before=dist.barrier)
+    return step_times(step, n, sync=sync, before=dist.barrier)
 
 
 def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: int, steps: int,

@@ -96,7 +96,7 @@ def test_a_crash_a_hang_and_sigterm_are_recorded_while_the_next_stage_runs(tmp_p
     assert {k: s["status"] for k, s in stages.items()} == {"checks": "crashed", "kernels": "timed out", "sd": "ok",
                                                            "gemini": "stopped"}
     assert stages["checks"]["reason"].startswith("exit code 3")
-    assert stages["kernels"]["commands"][0]["outcome"].startswith("killed at its limit")
+    assert stages["kernels"]["commands"][0]["outcome"].startswith("killed at its time limit")
     assert stages["sd"]["tables"]["injected"]["rows"] == [{"injected": True}] and stages["checks"]["tables"] == {}
     assert "| checks | crashed |" in md and "| kernels | timed out |" in md and "| gemini | stopped |" in md
     assert not payload["finished"] and payload["stopped"].startswith("SIGTERM")

@@ -64,7 +64,7 @@ def test_json_lines_step_times_and_a_failed_result(tmp_path):
             "print('noise')\nlog_step(0, 2, 1.5, 0.25)\nlog_step(1, 2, 0.5, 0.125)\n"
             "print(json.dumps({'a': 1}))\nprint(json.dumps({'a': 2}))\n")
     got = harness.run_side(harness.Side("ok", _py(code), measure=False))
-    assert got.json_lines() == [{"a": 1}, {"a": 2}] and got.result() == {"a": 2}
+    assert harness.json_lines(got.stdout) == [{"a": 1}, {"a": 2}] and got.result() == {"a": 2}
     assert got.step_times() == [1.5, 0.5]
     logged = harness.run_side(harness.Side("ok", _py(code), log=str(tmp_path / "side.log")))
     assert logged.step_times() == [1.5, 0.5] and logged.peak_bytes > 0
