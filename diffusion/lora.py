@@ -42,13 +42,14 @@ def lora_file_key(key: str) -> str:
     return key
 
 
-def add_lora(model: Any, rank: int, *, text_encoder: bool = False) -> list[torch.nn.Parameter]:
-    """Add a rank-`rank` adapter to `model` (a UNet, or a CLIP text encoder) and return its fp32 parameters."""
+def add_lora(model: Any, rank: int, *, text_encoder: bool = False, dropout: float = 0.0) -> list[torch.nn.Parameter]:
+    """Add a rank-`rank` adapter to `model` (a UNet, or a CLIP text encoder) and return its fp32 parameters;
+    `dropout`: peft's `lora_dropout` on the adapter's input (the SDXL DreamBooth script's --lora_dropout)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=dropout, init_lora_weights="gaussian",
                         target_modules=TEXT_TARGETS if text_encoder else UNET_TARGETS)
     model.requires_grad_(False)
     if text_encoder:

@@ -50,6 +50,9 @@ class SDXLSettings:
     """AdamW weight decay of the text encoders' LoRA (DreamBooth LoRA; default: adam_weight_decay)."""
     repeats: int = 1
     """How many times the instance images are repeated per epoch (DreamBooth LoRA)."""
+    lora_dropout: float = 0.0
+    """Dropout probability of the LoRA layers' input (DreamBooth LoRA: peft's `LoraConfig(lora_dropout=...)` of the
+    UNet's and, with --train_text_encoder, both text encoders' adapters)."""
     do_edm_style_training: bool = False
     """EDM-style training (Karras et al. 2022 preconditioning, `training.edm_loss`) with the folder's own noise
     schedule (DreamBooth LoRA); a folder whose scheduler is EDM (Playground v2.5, CosXL) trains so without it."""
@@ -68,6 +71,8 @@ class SDXLSettings:
             raise ValueError(f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.text_encoder_lr is not None and self.text_encoder_lr <= 0:
             raise ValueError(f"text_encoder_lr must be > 0, got {self.text_encoder_lr}")
         from .precompute import check_precompute
@@ -163,7 +168,7 @@ SDXL_SCRIPTS: dict[str, str] = {
 _FIXED: dict[str, Any] = {"num_inference_steps": 25}
 
 _SDXL_FIELD = ("pretrained_vae_model_name_or_path", "proportion_empty_prompts", "repeats",
-               "adam_weight_decay_text_encoder", "do_edm_style_training")
+               "adam_weight_decay_text_encoder", "do_edm_style_training", "lora_dropout")
 
 
 def _text_encoder_lr(v: float | None) -> dict[str, Any]:
@@ -192,7 +197,6 @@ SDXL_HANDLING: dict[str, Accept | Refuse] = {
     "timestep_bias_multiplier": Refuse("used only with --timestep_bias_strategy, which is refused here"),
     "timestep_bias_portion": Refuse("used only with --timestep_bias_strategy, which is refused here"),
     "use_dora": Refuse(f"DoRA adapters are {_NOT_HERE}; LoRA (--rank) is"),
-    "lora_dropout": Refuse(f"LoRA dropout is {_NOT_HERE}; the adapters train without dropout"),
     "output_kohya_format": Refuse(f"the Kohya file format is {_NOT_HERE}; the diffusers LoRA file is written"),
 }
 """What becomes of the SDXL scripts' flags beyond the SD 1.x scripts' table (`diffusion.scripts.HANDLING`)."""

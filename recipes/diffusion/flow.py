@@ -33,7 +33,7 @@ from ...diffusion.flow_models import ENCODERS, t5_name, trained_text_encoders
 from ...diffusion.training import step_generator
 from .flow_data import FlowData, flow_settings, frozen_component, id_keys, precompute, release_stores
 from .launch import fit_finetune
-from .module import StableDiffusionFineTune, stream_unet
+from .module import StableDiffusionFineTune, step_rng, stream_unet
 
 __all__ = ["FluxFineTune", "SD3FineTune", "fit_flow"]
 
@@ -227,12 +227,7 @@ class _FlowFineTune(StableDiffusionFineTune):
         """The loss of one micro-batch (`diffusion.flow`), as the SD3 / Flux scripts compute it. Dropout in the
         forward (--lora_dropout; a text encoder trained in train mode, SD3's T5 with its dropout_rate) draws from
         torch's generator seeded by (seed, step, micro-batch, rank) only, so a resumed run draws the same masks."""
-        g = step_generator(self.config.seed, self.global_step, batch_idx % self.trainer.accumulate_grad_batches,
-                           -1 - self.global_rank)  # a stream apart from `_draws`' (rank 0's)
-        seed = int(torch.randint(2**62, (1,), generator=g))
-        devices = [self.device] if self.device.type == "cuda" else []  # the CPU's state is always forked
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+        with step_rng(self, batch_idx):
             return self._loss(batch, batch_idx)
 
     def _loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

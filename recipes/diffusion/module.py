@@ -8,8 +8,10 @@ the current weights (validation, class images). The rest of the recipe lives bes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ from ...diffusion.config import FineTuneConfig
 from ...diffusion.training import EMA, diffusion_loss, draw_step_noise, encode_latents, latent_shape, step_generator
 from ..strategies import GeminiStrategy
 
-__all__ = ["EVAL_MODE_WARNING", "StableDiffusionFineTune", "restart_at_epoch", "stream_unet", "warn_trained_in_eval"]
+__all__ = ["EVAL_MODE_WARNING", "StableDiffusionFineTune", "restart_at_epoch", "step_rng", "stream_unet",
+           "warn_trained_in_eval"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,13 @@ class StableDiffusionFineTune(pl.LightningModule):
         self.set_modes()
         if not isinstance(self.trainer.strategy, GeminiStrategy):
             self.fill_hollow()
+        else:  # chunks packed in the order the UNet's modules run (its mid block is registered last)
+            from ...core_parallel.gemini import set_module_order
+            from ...diffusion.memory import unet_module_order
+
+            order = unet_module_order(self.unet)
+            if order is not None:
+                set_module_order(self.unet, order)
 
     def fill_hollow(self) -> None:
         """Give a streamed UNet's parameters their values in ordinary memory (no Gemini setup follows)."""
@@ -114,10 +124,10 @@ class StableDiffusionFineTune(pl.LightningModule):
             from ...core_parallel.gemini.lazy import cast_parameters
 
             cast_parameters(self.unet, self.weight_dtype)  # a streamed UNet's frozen base too, read nothing yet
-            add_lora(self.unet, cfg.rank)
+            add_lora(self.unet, cfg.rank, dropout=self.lora_dropout())
             if cfg.train_text_encoder:
                 self.text_encoder.to(self.weight_dtype)
-                add_lora(self.text_encoder, cfg.rank, text_encoder=True)
+                add_lora(self.text_encoder, cfg.rank, text_encoder=True, dropout=self.lora_dropout())
         if cfg.gradient_checkpointing:
             from ...diffusion.memory import enable_checkpointing
 
@@ -128,6 +138,10 @@ class StableDiffusionFineTune(pl.LightningModule):
                 te = self.text_encoder
                 # transformers 5 renamed it (the old name warns)
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
+
+    def lora_dropout(self) -> float:
+        """peft's `lora_dropout` of the adapters (the SD 1.x scripts have no --lora_dropout: 0)."""
+        return 0.0
 
     def set_modes(self) -> None:
         """Trained models in train mode, frozen ones in eval mode, as diffusers' scripts set them (`unet.train()`,
@@ -330,6 +344,19 @@ def warn_trained_in_eval(module: pl.LightningModule) -> list[str]:
         logger.warning("%d module(s) with trained parameters are in eval mode at the start of training: %s", len(bad),
                        ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
     return bad
+
+
+@contextlib.contextmanager
+def step_rng(module: pl.LightningModule, batch_idx: int) -> Iterator[None]:
+    """Within it torch's generators (the CPU's, and the module's CUDA device's) are seeded from (seed, step,
+    micro-batch, rank) only, and restored after: the dropout masks of a step's forward (LoRA dropout, a text
+    encoder trained in train mode) are then the same in a resumed run."""
+    g = step_generator(module.config.seed, module.global_step, batch_idx % module.trainer.accumulate_grad_batches,
+                       -1 - module.global_rank)  # a stream apart from the step's noise draws (rank 0's)
+    seed = int(torch.randint(2**62, (1,), generator=g))
+    with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def stream_unet(cfg: FineTuneConfig) -> bool:

@@ -22,7 +22,7 @@ from ...diffusion.config import FineTuneConfig
 from ...diffusion.sdxl import encode_prompt_sdxl, time_ids
 from ...diffusion.training import diffusion_loss, encode_latents
 from .launch import fit_finetune
-from .module import StableDiffusionFineTune, stream_unet
+from .module import StableDiffusionFineTune, step_rng, stream_unet
 from .sdxl_data import SDXLCaptionedImages, SDXLData, sdxl_settings
 from .sdxl_precompute import frozen_component, precompute, release_stores
 
@@ -85,7 +85,7 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
         cfg, te = self.config, self.text_encoder_2
         te.requires_grad_(False).to(self.weight_dtype)
         if cfg.lora and cfg.train_text_encoder:
-            add_lora(te, cfg.rank, text_encoder=True)
+            add_lora(te, cfg.rank, text_encoder=True, dropout=self.lora_dropout())
             if cfg.gradient_checkpointing:
                 (getattr(te, "activation_checkpointing_enable", None) or te.gradient_checkpointing_enable)()
 
@@ -103,9 +103,19 @@ class StableDiffusionXLFineTune(StableDiffusionFineTune):
             return torch.cat([batch[key], batch[f"class_{key}"]])
         return batch[key]
 
+    def lora_dropout(self) -> float:
+        """train_dreambooth_lora_sdxl.py's --lora_dropout (peft's, on the UNet's and the text encoders' adapters)."""
+        return sdxl_settings(self.config).lora_dropout
+
     def compute_loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The loss of one micro-batch: the SD recipe's, the UNet conditioned as SDXL is (`encode_prompt_sdxl`,
-        `time_ids`)."""
+        `time_ids`); with LoRA dropout its masks drawn from the step alone (`module.step_rng`: exact resume)."""
+        if not self.lora_dropout():
+            return self._loss(batch, batch_idx)
+        with step_rng(self, batch_idx):
+            return self._loss(batch, batch_idx)
+
+    def _loss(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = [self._both(batch, "input_ids"), self._both(batch, "input_ids_2")]
         if "latents" in batch:  # pre-computed
             latents = self._both(batch, "latents").float()

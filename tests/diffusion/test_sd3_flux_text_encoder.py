@@ -6,8 +6,8 @@ What diffusers v0.40.0 does, and what is checked here:
   --train_text_encoder, of the CLIP encoders (train_dreambooth_lora_sd3.py:1268-1286, _flux.py:1273-1290).
 - train_dreambooth_sd3.py --train_text_encoder sets CLIP-L, CLIP-G and T5 `requires_grad_(True)` (:1144-1147),
   gives each a parameter group with --text_encoder_lr and --adam_weight_decay_text_encoder (:1254-1276) and saves
-  them in the output pipeline (:1756-1768); train_dreambooth_flux.py trains its CLIP encoder only, T5 frozen
-  (:1179-1181, :1282-1290, :1809-1816).
+  them in the output pipeline (:1756-1771); train_dreambooth_flux.py trains its CLIP encoder only, T5 frozen
+  (:1179-1181, :1282-1289, :1809-1820).
 """
 
 from __future__ import annotations
@@ -109,21 +109,19 @@ def test_lora_layers_are_peft_dropout_layers(folders, tmp_path, family):
     assert t5 not in module.trained_encoders()
 
 
-def test_lora_dropout_changes_training_and_is_reproducible(capsys, tmp_path, folders):
+def test_lora_dropout_changes_training(capsys, tmp_path, folders):
     """p > 0 against p = 0 from the same seed: the first step's loss is the same (peft's LoRA starts with B = 0,
-    so its branch adds nothing whatever the mask), the second's and the weights differ; the same p twice gives the
-    same losses and weights (the masks are functions of the seed and the step)."""
+    so its branch adds nothing whatever the mask), the second's and the weights differ. (A dropout run's exact
+    resume: test_sd3_flux.py's test_resumes_exactly, Flux LoRA with --lora_dropout 0.3.)"""
     args = ("--max_train_steps", "2", "--rank", "2", "--train_text_encoder", "--text_encoder_lr", "1e-3")
     script = "train_dreambooth_lora_sd3"
     plain = _run(capsys, script, folders, tmp_path / "p0", *args)
     drop = _run(capsys, script, folders, tmp_path / "a", *args, "--lora_dropout", "0.5")
-    again = _run(capsys, script, folders, tmp_path / "b", *args, "--lora_dropout", "0.5")
     assert drop[0] == pytest.approx(plain[0], rel=1e-6) and drop[1] != plain[1]
-    assert again == drop
     from safetensors.torch import load_file
 
-    w0, wa, wb = (load_file(tmp_path / d / "pytorch_lora_weights.safetensors") for d in ("p0", "a", "b"))
-    assert _same(wa, wb) and w0.keys() == wa.keys()
+    w0, wa = (load_file(tmp_path / d / "pytorch_lora_weights.safetensors") for d in ("p0", "a"))
+    assert w0.keys() == wa.keys()
     assert max((w0[k] - wa[k]).abs().max().item() for k in w0) > 1e-5  # Adam moves weights by ~1e-3 a step here
 
 

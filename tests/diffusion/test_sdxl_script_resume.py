@@ -25,7 +25,8 @@ def _run(capsys, argv: list[str]) -> None:
 
 _DATA = {"train_text_to_image_lora_sdxl": lambda images: ["--train_data_dir", str(images)],
          "train_dreambooth_lora_sdxl": lambda images: ["--instance_data_dir", str(images), "--instance_prompt",
-                                                       "a photo of sks dog", "--text_encoder_lr", "1e-2"]}
+                                                       "a photo of sks dog", "--text_encoder_lr", "1e-2",
+                                                       "--lora_dropout", "0.3"]}
 
 
 @pytest.mark.parametrize("script", sorted(_DATA))
