@@ -182,8 +182,6 @@ _FULL_TE = {
     "flux": Accept(None, "the CLIP encoder trained whole with the transformer (T5 stays frozen), the prompts encoded "
                          "every step"),
 }
-FULL_TE_STRATEGIES = ("auto", "ddp", "zero1", "zero2", "zero2_offload")
-"""The `--strategy` values the full scripts' --train_text_encoder runs under (the Gemini ones are refused)."""
 
 FLOW_HANDLING: dict[str, Accept | Refuse] = {
     **{name: Accept(lambda v, name=name: {name: v}) for name in _FLOW_FIELD},
