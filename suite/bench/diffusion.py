@@ -30,7 +30,7 @@ from .harness import (
     torch_device,
     whole_rows,
 )
-from .memory import Cgroup, SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
+from .memory import SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss",
            "plain_loop", "plain_step", "run", "setup_variant", "unet_model", "whole_commands", "write_pipeline"]
@@ -313,18 +313,14 @@ def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
 def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float | None]:
     """One side's ranks in one memory cgroup from start to exit (this process joins it while it spawns and
     waits): (per-rank results, the cgroup's peak in MiB or None without one)."""
-    group = Cgroup.create(f"side-{variant}")
-    if group is None:
+    meter = SideMeter()
+    if meter.group is None:
         return _ranks(variant, opts, mode), None
     try:
-        group.add()
-        try:
-            per = _ranks(variant, opts, mode)
-        finally:
-            group.leave()
-        return per, group.peak() / 2**20
+        meter.start()
+        return _ranks(variant, opts, mode), meter.peak() / 2**20  # the ranks first, then the group's peak
     finally:
-        group.remove()
+        meter.close()
 
 
 def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
