@@ -161,7 +161,7 @@ def test_full_sd3_trains_its_three_encoders_and_resumes_exactly(capsys, tmp_path
     first step's loss is the pre-computed run's; the pipeline loads with `from_pretrained` holding the trained
     encoders; 2 steps + resume from our checkpoint-2, and from accelerate's checkpoint-2 in the layout of the
     script's save hook (transformer/, text_encoder{,_2,_3}/, optimizer.bin with the four groups), give the
-    3-step run's losses and weights exactly."""
+    3-step run's losses and weights exactly; --strategy zero2 trains the same."""
     from diffusers import StableDiffusion3Pipeline
 
     script, parts = "train_dreambooth_sd3", ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -172,7 +172,7 @@ def test_full_sd3_trains_its_three_encoders_and_resumes_exactly(capsys, tmp_path
     (base / "text_encoder_3" / "config.json").write_text(json.dumps({**config, "dropout_rate": 0.0}))
     folders = {**folders, "sd3": base}
     args = ("--checkpointing_steps", "2", "--max_train_steps", "3", "--train_text_encoder", "--text_encoder_lr",
-            "2e-3")
+            "2e-3", "--adam_epsilon", "1e-4")  # epsilon: see test_full_flux_trains_its_clip_encoder
     frozen = _run(capsys, script, folders, tmp_path / "frozen", "--max_train_steps", "1")
     whole = _run(capsys, script, folders, tmp_path / "whole", *args)
     assert whole[0] == pytest.approx(frozen[0], rel=1e-6)
@@ -192,6 +192,9 @@ def test_full_sd3_trains_its_three_encoders_and_resumes_exactly(capsys, tmp_path
         shutil.copytree(tmp_path / "whole" / "checkpoint-2" / part, ckpt / part)
     from_acc = _run(capsys, script, folders, tmp_path / "acc", *args, "--resume_from_checkpoint", "latest")
     assert from_acc == whole[2:]
+    zero2 = _run(capsys, script, folders, tmp_path / "zero2", *args, "--strategy", "zero2")
+    assert zero2 == pytest.approx(whole, rel=1e-5, abs=1e-6)
     for part in parts:
         ours = _weights(tmp_path / "whole", part)
         assert _same(ours, _weights(tmp_path / "own", part)) and _same(ours, _weights(tmp_path / "acc", part)), part
+        assert _same(ours, _weights(tmp_path / "zero2", part), rtol=1e-5, atol=1e-6), part
