@@ -12,6 +12,9 @@
   reduces a chunk's gradients once it and every later chunk are complete; with `mid_block` last, the
   gradient buffers of every up-block chunk wait for the mid block's backward. Moving `mid_block` before
   `up_blocks` (same modules, same parameter names) lets each chunk be reduced as soon as its gradients are in.
+- `unet_module_order`: the order in which a UNet's parameter-owning modules first run (the mid block between
+  the down and up blocks, each block's resnets and attentions interleaved), from a forward pass on the meta
+  device; declared with `core_parallel.gemini.set_module_order`, Gemini packs its chunks in that order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["CHECKPOINT_POLICIES", "LevelCheckpoint", "attention_keeping_checkpoint", "enable_checkpointing",
-           "order_modules_by_use"]
+           "order_modules_by_use", "unet_module_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +145,37 @@ def order_modules_by_use(unet: torch.nn.Module) -> None:
             modules["mid_block"] = mid
         modules[name] = module
     logger.debug("mid_block registered before up_blocks")
+
+
+def unet_module_order(unet: torch.nn.Module) -> list[str] | None:
+    """The qualified names of `unet`'s modules that own parameters, in the order they first run in a forward pass
+    (a `UNet2DConditionModel` of `unet.config` built on the meta device and run on meta inputs: no memory, no
+    weights read, well under a second). None, logged, where the UNet cannot run so (a config this does not know
+    how to feed): the caller then keeps `named_parameters()` order, which is slower under Gemini, not wrong."""
+    from diffusers import UNet2DConditionModel
+
+    cfg = unet.config
+    try:
+        with torch.device("meta"):
+            model = UNet2DConditionModel.from_config(cfg)
+            size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
+            width = cfg.cross_attention_dim
+            hidden = torch.empty(1, 8, width if isinstance(width, int) else width[0])
+            kwargs: dict[str, Any] = {}
+            if cfg.addition_embed_type == "text_time":  # SDXL: pooled text and the six size/crop numbers
+                text = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+                kwargs["added_cond_kwargs"] = {"text_embeds": torch.empty(1, text), "time_ids": torch.empty(1, 6)}
+            order: list[str] = []
+            owners = {m: name for name, m in model.named_modules() if next(m.parameters(recurse=False), None)
+                      is not None}
+            hooks = [m.register_forward_pre_hook(lambda m, _: order.append(owners.pop(m)) if m in owners else None)
+                     for m in owners]
+            with torch.no_grad():
+                model(torch.empty(1, cfg.in_channels, size, size), torch.ones(1), hidden, **kwargs)
+            for h in hooks:
+                h.remove()
+    except Exception as exc:  # noqa: BLE001 - an optimisation: any failure keeps the registration order
+        logger.info("UNet module order not traced (%s: %s); Gemini packs its chunks in registration order",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return order + list(owners.values())  # modules that never ran, last

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .config import OFFLOAD_TIERS, GeminiConfig, parse_bytes
 from .engine import collective_reads, setup_gemini
-from .layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems
+from .layout import ChunkSpec, ParamInfo, plan_chunks, search_chunk_elems, set_module_order
 from .optimizer import GeminiOptimizer
 from .storage import NvmeTierError
 
@@ -25,5 +25,6 @@ __all__ = [
     "parse_bytes",
     "plan_chunks",
     "search_chunk_elems",
+    "set_module_order",
     "setup_gemini",
 ]

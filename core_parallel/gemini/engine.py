@@ -14,7 +14,7 @@ from ..groups import world_rank
 from .budget import ProcessMemory, outside_model
 from .config import GeminiConfig
 from .hooks import register_hooks
-from .layout import ParamInfo, chunk_elems_from_mb, plan_chunks
+from .layout import MODULE_ORDER_ATTRIBUTE, ParamInfo, chunk_elems_from_mb, order_of_use, plan_chunks
 from .manager import ChunkManager
 from .optimizer import GeminiOptimizer, state_kinds
 
@@ -57,7 +57,12 @@ def _param_infos(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
                 raise ValueError(f"optimizers {in_optim[id(p)]} and {k} share a parameter: each optimizer must hold "
                                  "its own parameters")
     params, infos = [], []
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    declared = {prefix: order for prefix, m in model.named_modules()
+                if (order := getattr(m, MODULE_ORDER_ATTRIBUTE, None)) is not None}
+    if declared:
+        named = [named[i] for i in order_of_use([n for n, _ in named], declared)]
+    for name, p in named:
         if not p.is_floating_point():
             raise ValueError(f"parameter {name} has dtype {p.dtype}; Gemini chunks floating-point parameters")
         if p.requires_grad and id(p) not in in_optim:
@@ -94,7 +99,8 @@ def setup_gemini(
 
     The model object is kept (same class, same parameter objects, same state_dict keys); its parameters
     hold data only while a module computes with them. `model.memory_report()` is added. Parameters are
-    packed in `named_parameters()` order, which is their order of use for most models. A model set up before
+    packed in `named_parameters()` order, which is their order of use for most models, or in the order a module
+    declared with `set_module_order` (where registration and use differ, as in a diffusers UNet). A model set up before
     (a second `Trainer.fit`) keeps its chunks and current weights; the new optimizer starts with fresh state.
 
     `optimizer` may be a list of optimizers over disjoint parameters (a GAN's generator and discriminator, of one

@@ -19,7 +19,55 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkSpec", "ParamInfo", "Slot", "plan_chunks", "search_chunk_elems", "padding_waste"]
+__all__ = ["MODULE_ORDER_ATTRIBUTE", "ChunkSpec", "ParamInfo", "Slot", "order_of_use", "plan_chunks",
+           "search_chunk_elems", "padding_waste", "set_module_order"]
+
+MODULE_ORDER_ATTRIBUTE = "gemini_module_order"
+"""The attribute `set_module_order` sets on a module: its parameter-owning submodules in the order they first run."""
+
+
+def set_module_order(module: object, names: Sequence[str]) -> None:
+    """Declare the order in which `module`'s submodules that own parameters first run in a step (qualified names
+    relative to `module`, "" for itself). Gemini then packs their parameters into chunks in that order instead of
+    `named_parameters()` order (`order_of_use`): where the two differ (a diffusers UNet registers its mid block
+    after the up blocks, and each block's attentions before its resnets) a chunk holding parameters used far apart
+    is gathered (read from its tier) once per use instead of once per pass."""
+    setattr(module, MODULE_ORDER_ATTRIBUTE, tuple(names))
+
+
+def order_of_use(names: Sequence[str], declared: dict[str, Sequence[str]]) -> list[int]:
+    """The positions of `names` (parameters' qualified names in `named_parameters()` order) in packing order.
+    Under a module with a declared order (`declared[prefix]`, see `set_module_order`), its parameters are sorted
+    by the first run of their owning module or of its nearest declared ancestor (peft's `base_layer` and LoRA
+    factors under the layer they wrap); one whose module never ran follows the parameter before it; ties and
+    parameters outside every declared module keep their `named_parameters()` order."""
+    rank: dict[str, tuple[str, int]] = {}
+    for prefix, modules in declared.items():
+        for r, m in enumerate(modules):
+            rank.setdefault(".".join(x for x in (prefix, m) if x), (prefix, r))
+    prefixes = sorted(declared, key=len, reverse=True)  # the innermost declared module decides
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        owner = next((p for p in prefixes if p == "" or name.startswith(p + ".")), None)
+        if owner is not None:
+            groups.setdefault(owner, []).append(i)
+    out = list(range(len(names)))
+    for prefix, positions in groups.items():
+        keys, prev = [], -1
+        for i in positions:
+            module, r = names[i].rpartition(".")[0], None
+            while r is None:
+                got = rank.get(module)
+                if got is not None and got[0] == prefix:
+                    r = got[1]
+                elif module in (prefix, ""):
+                    break
+                module = module.rpartition(".")[0]
+            prev = prev if r is None else r
+            keys.append((prev, i))
+        for slot, (_, i) in zip(positions, sorted(keys)):
+            out[slot] = i
+    return out
 
 
 @dataclass(frozen=True)
@@ -27,7 +75,7 @@ class ParamInfo:
     """One parameter as the layout sees it."""
 
     index: int
-    """Position of the parameter in the model's `named_parameters()` order."""
+    """Position of the parameter in packing order (`named_parameters()` order, or `order_of_use`'s)."""
     name: str
     """Its first qualified name."""
     numel: int

@@ -437,6 +437,82 @@ def test_a_small_chunk_between_uses_does_not_push_a_large_one_out_of_the_keep_wi
     model.gemini_manager.close()
 
 
+def test_order_of_use_sorts_declared_modules_and_keeps_the_rest():
+    from lowmem.core_parallel.gemini.layout import order_of_use
+
+    names = ["emb.weight", "net.up.w", "net.up.lora_A.default.weight", "net.mid.w", "net.down.base_layer.w",
+             "net.unused.w", "net.down2.w", "head.w"]
+    # `net` declared: down (peft wraps it: base_layer is under it), mid, up, down2; `unused` never ran
+    got = order_of_use(names, {"net": ["down", "mid", "up", "down2"]})
+    assert [names[i] for i in got] == ["emb.weight", "net.down.base_layer.w", "net.unused.w", "net.mid.w",
+                                       "net.up.w", "net.up.lora_A.default.weight", "net.down2.w", "head.w"]
+    assert order_of_use(names, {}) == list(range(len(names)))
+    whole = order_of_use(["b.w", "a.w", "w"], {"": ["a", "", "b"]})  # the root declared, owning a parameter
+    assert whole == [1, 2, 0]
+
+
+class _Registered(torch.nn.Module):
+    """Six frozen layers registered a1 b1 c1 a2 b2 c2 (chunks of two: {a1, b1}, {c1, a2}, {b2, c2}) and run a1 a2 b1
+    b2 c1 c2, after a trainable input layer (so the backward runs through all of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in ("a1", "b1", "c1", "a2", "b2", "c2"):
+            setattr(self, name, torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        for name in ("a1", "a2", "b1", "b2", "c1", "c2"):
+            x = torch.tanh(getattr(self, name)(x))
+        return x
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_chunks_packed_in_the_declared_order_of_use_are_gathered_once_per_pass(tmp_path, monkeypatch, declared):
+    """`set_module_order`: chunks follow the order the modules run, so with a chunk kept gathered only while it is
+    the next one used (`keep_gathered=1`) each is read from its tier once in the forward and once in the backward;
+    packed in registration order, a chunk whose layers run apart is read once per run. Values equal plain torch."""
+    from lowmem.core_parallel.gemini import chunk as chunk_mod
+    from lowmem.core_parallel.gemini import set_module_order
+
+    torch.manual_seed(0)
+    model = _Registered()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head"))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.head.parameters(), lr=1e-2)
+    if declared:
+        set_module_order(model, ["head", "a1", "a2", "b1", "b2", "c1", "c2"])
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=2 * 16 * 17 * 4 / 2**20, keep_gathered=1, prefetch=0)
+    model, opt = setup_gemini(model, torch.optim.Adam(model.head.parameters(), lr=1e-2), cfg)
+    manager = model.gemini_manager
+    frozen = [c for c in manager.chunks if not c.spec.trainable]
+    packed = [[manager.names[s.param] for s in c.spec.slots] for c in frozen]
+    assert packed == ([["a1.weight", "a1.bias", "a2.weight", "a2.bias"], ["b1.weight", "b1.bias", "b2.weight",
+                       "b2.bias"], ["c1.weight", "c1.bias", "c2.weight", "c2.bias"]] if declared else
+                      [["a1.weight", "a1.bias", "b1.weight", "b1.bias"], ["c1.weight", "c1.bias", "a2.weight",
+                       "a2.bias"], ["b2.weight", "b2.bias", "c2.weight", "c2.bias"]])
+    gathers: list[int] = []
+    real = chunk_mod.Chunk.start_gather
+    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
+        self, *a, **k))
+    for _step in range(2):
+        gathers.clear()
+        x = torch.randn(4, 16)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(x).pow(2).mean()
+            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
+            o.step()
+            o.zero_grad()
+    per_chunk = [gathers.count(c.index) for c in frozen]
+    assert per_chunk == ([2, 2, 2] if declared else [4, 4, 4]), gathers
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    manager.close()
+
+
 def test_lr_scheduler_on_the_users_optimizer_follows_gemini_steps_without_a_false_order_warning():
     """A torch LR scheduler built on the user's optimizer (as Lightning and the scripts build it) drives Gemini's
     steps (shared param_groups) and sees the step as done, so it does not warn that it ran before the step."""

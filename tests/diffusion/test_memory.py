@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmem.diffusion.attention import set_kernels_attention
-from lowmem.diffusion.memory import _attention_ops, enable_checkpointing, order_modules_by_use
+from lowmem.diffusion.memory import _attention_ops, enable_checkpointing, order_modules_by_use, unet_module_order
 
 
 class _CountAttention(TorchDispatchMode):
@@ -78,6 +78,47 @@ def test_order_modules_by_use_keeps_names_and_outputs(tiny):
         torch.testing.assert_close(unet(x, t, hidden).sample, before, rtol=0, atol=0)
     order_modules_by_use(unet)  # already in order: unchanged
     assert list(unet._modules) == names
+
+
+def _first_use(unet, *inputs, **kwargs) -> list[str]:
+    """The parameter-owning modules of `unet` in the order they first run on real inputs."""
+    owners = {m: n for n, m in unet.named_modules() if next(m.parameters(recurse=False), None) is not None}
+    order: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _: order.append(owners[m]) if owners[m] not in order else None)
+             for m in owners]
+    with torch.no_grad():
+        unet(*inputs, **kwargs)
+    for h in hooks:
+        h.remove()
+    return order
+
+
+def test_unet_module_order_is_the_order_modules_first_run(tiny):
+    """The meta-device trace gives the order a real forward runs the modules in (the mid block between the down
+    and up blocks, resnets and attentions interleaved), every parameter-owning module once; also for an SDXL-style
+    UNet (`text_time` conditioning)."""
+    from diffusers import UNet2DConditionModel
+
+    unet = tiny["unet"]
+    x, t, hidden = _inputs(unet)
+    order = unet_module_order(unet)
+    assert order == _first_use(unet, x, t, hidden)
+    named = [n for n, m in unet.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    assert sorted(order) == sorted(named) and order != named  # registration order differs from use
+    top = [n.split(".")[0] for n in order]
+    assert max(i for i, n in enumerate(top) if n == "down_blocks") < top.index("mid_block") < top.index("up_blocks")
+
+    torch.manual_seed(0)
+    sdxl = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1,
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+                                addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8)
+    cond = {"text_embeds": torch.randn(1, 32), "time_ids": torch.randn(1, 6)}
+    got = unet_module_order(sdxl)
+    assert got == _first_use(sdxl, torch.randn(1, 4, 8, 8), torch.ones(1), torch.randn(1, 5, 32),
+                             added_cond_kwargs=cond)
+    assert any(n.startswith("add_embedding") for n in got)
 
 
 def test_level_checkpointing_recomputes_only_the_top_levels_with_the_same_gradients(tiny):

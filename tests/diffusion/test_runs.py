@@ -189,18 +189,19 @@ def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path
     weights = {}
     for name, extra in (("gemini", ["--strategy", "gemini"]),
                         ("budget", ["--strategy", "gemini_auto", "--memory_budget", str(budget),
-                                    "--offload_dir", str(tmp_path / "nvme")])):
+                                    "--offload_dir", str(tmp_path / "nvme")]),
+                        ("nvme", ["--strategy", "gemini_nvme", "--offload_dir", str(tmp_path / "nvme2")])):
         rc = main([*base, f"--output_dir={tmp_path / name}", *extra])
         assert rc == 0, capsys.readouterr().err[-2000:]
         weights[name] = load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
     assert weights["gemini"].keys() == weights["budget"].keys()
     for k, v in weights["gemini"].items():
         assert torch.equal(v, weights["budget"][k]), k
-    # what each step moved (`TierTraffic`, read by `suite bench diffusion --frontier`): the streamed run read its
-    # evicted chunks from the NVMe tier in every step; all resident, nothing came from there
+    # what each step moved (`TierTraffic`, read by `suite bench diffusion --frontier`): the NVMe tier's run read its
+    # chunks from there in every step; all resident, nothing came from there
     from lowmem.suite.bench.harness import csv_metric
 
-    streamed = csv_metric(str(tmp_path / "budget"), "tier_mib/nvme->device")
+    streamed = csv_metric(str(tmp_path / "nvme"), "tier_mib/nvme->device")
     assert len(streamed) == 3 and all(v > 0 for v in streamed[1:]), streamed
     assert not csv_metric(str(tmp_path / "gemini"), "tier_mib/nvme->device")
     assert len(csv_metric(str(tmp_path / "gemini"), "disk_read_mib")) == 3
