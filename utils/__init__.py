@@ -5,6 +5,8 @@
 - `fileio`: atomic writes and folder swaps, fsync, page-cache control.
 - `libc`: C library functions Python's `os` lacks, looked up through ctypes.
 - `lazy`: lazy attribute tables for package `__init__` modules.
+- `memory_meter`: peak and current memory of processes, sides and whole commands (memory cgroups, else RSS
+  plus the resident page-cache pages of files), each figure with the method that took it.
 
 Nothing here imports torch or any other part of the project.
 """

@@ -1,8 +1,8 @@
 """`suite bench NAME`: benchmarks that print a table and write JSON, side by side with the baseline.
 
 Each benchmark is a module here with `add_arguments(parser)` and `run(args) -> int`: its rows and its sides; the
-running, measuring and publishing are `harness`'s (and `memory`'s). Modules keep their top-level imports light
-(the standard library only); heavy imports happen inside `run`.
+running, measuring and publishing are `harness`'s (and `utils.memory_meter`'s). Modules keep their top-level imports
+light (the standard library only); heavy imports happen inside `run`.
 """
 
 from __future__ import annotations

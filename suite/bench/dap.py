@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ...utils.memory_meter import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 from ..errors import UsageError
 from .harness import int_list, peak_over, pin_to_core, publish, time_fn, torch_device
-from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "dap_group", "fit_longest", "group_peak_mb", "run", "search_longest"]
 

@@ -15,6 +15,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ...utils.memory_meter import SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 from ..errors import UsageError
 from .frontier import add_frontier_arguments, run_frontier
 from .harness import (
@@ -30,7 +31,6 @@ from .harness import (
     torch_device,
     whole_rows,
 )
-from .memory import SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss",
            "plain_loop", "plain_step", "run", "setup_variant", "unet_model", "whole_commands", "write_pipeline"]

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 
+from ...utils.memory_meter import cgroup_method
 from ..errors import UsageError
 from .harness import WHOLE_RATIOS, Side, add_ratios, csv_metric, emit, publish, run_side, tool_main, whole_rows
-from .memory import cgroup_method
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
 

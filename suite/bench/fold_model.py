@@ -10,9 +10,17 @@ import gc
 import os
 import sys
 
+from ...utils.memory_meter import (
+    fix_malloc,
+    fixed_mmap_threshold,
+    hwm_bytes,
+    malloc_trim,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 from ..errors import UsageError
 from .harness import SUITE, Side, emit, int_list, pin_to_core, publish, run_side, safe_env, step_times, torch_device
-from .memory import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 

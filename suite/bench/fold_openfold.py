@@ -13,9 +13,9 @@ import tempfile
 import time
 import types
 
+from ...utils.memory_meter import cgroup_method, hwm_bytes
 from ..errors import UsageError
 from .harness import child, child_main, publish, run_side, torch_device, write_json, write_text
-from .memory import cgroup_method, hwm_bytes
 
 __all__ = ["PLDDT_TOLERANCE", "PlddtMismatch", "check_args", "compare", "run", "run_one", "standin_softmax_",
            "write_inputs"]

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 
+from ...utils.memory_meter import SideMeter, fix_malloc, rss_bytes
 from ..errors import UsageError
 from .harness import (
     count,
@@ -24,7 +25,6 @@ from .harness import (
     train_side,
     train_step,
 )
-from .memory import SideMeter, fix_malloc, rss_bytes
 
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 

@@ -3,9 +3,9 @@
 Sides run as processes of their own (`Side`, `run_side`: a memory cgroup under an optional cap, a time limit, the
 peak and wall time, what they printed, `emit`ted JSON lines and `log_step` per-step times read back); whole
 commands side by side: `whole_rows`. Sides that run as ranks time steps with `step_times` and take peaks with
-`peak_over` / `memory.SideMeter`. Baselines at their best: `fast_optimizer`, `ddp_options`, `torch_baseline` (`ran`
-names what ran). `publish` prints the tables and writes `--json`, `--markdown` and `--plot`; `add_ratios` compares
-rows with their baseline.
+`peak_over` / `utils.memory_meter.SideMeter`. Baselines at their best: `fast_optimizer`, `ddp_options`,
+`torch_baseline` (`ran` names what ran). `publish` prints the tables and writes `--json`, `--markdown` and `--plot`;
+`add_ratios` compares rows with their baseline.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .memory import hwm_bytes, reset_peak_rss, run_command
+from ...utils.memory_meter import hwm_bytes, reset_peak_rss, run_command
 
 __all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "child", "child_main",
            "count", "csv_metric", "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card",
@@ -444,7 +444,7 @@ def mib(nbytes: float | None) -> float | None:
 
 def run_side(side: Side) -> SideRun:
     """Run `side` to its exit or its time limit (then its process group is ended, what it printed kept); measured
-    in its own memory cgroup from its first instruction (`memory.run_command`), under its cap."""
+    in its own memory cgroup from its first instruction (`utils.memory_meter.run_command`), under its cap."""
     log = open(side.log, "w") if side.log else None  # noqa: SIM115 - closed below
     captured = log is None and side.capture
     out = log or (tempfile.TemporaryFile("w+") if captured else None)

@@ -9,9 +9,9 @@ import statistics
 import sys
 import time
 
+from ...utils.memory_meter import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 from ..errors import UsageError
 from .harness import child, child_main, int_list, names, peak_over, publish, run_side
-from .memory import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 

@@ -6,9 +6,9 @@ import argparse
 import logging
 import time
 
+from ...utils.memory_meter import SideMeter, hwm_bytes
 from ..errors import UsageError
 from .harness import add_ratios, ddp_options, fast_optimizer, publish, ran
-from .memory import SideMeter, hwm_bytes
 
 __all__ = ["add_arguments", "run"]
 

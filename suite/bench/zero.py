@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ...utils.memory_meter import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 from ..errors import UsageError
 from .harness import add_ratios, count, names, publish, ran, step_times, torch_device, train_side, train_step
-from .memory import SideMeter, fix_malloc, hwm_bytes, rss_bytes
 
 __all__ = ["add_arguments", "run"]
 

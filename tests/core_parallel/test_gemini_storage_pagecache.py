@@ -12,7 +12,7 @@ import torch
 
 from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
 from lowmem.core_parallel.gemini.storage import NvmeFile, TieredBuffer, write_back_and_drop
-from lowmem.suite.bench.memory import file_resident_bytes
+from lowmem.utils.memory_meter import file_resident_bytes
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -14,8 +14,8 @@ import torch
 
 from lowmem import core_parallel
 from lowmem.core_parallel.gemini.lazy import SafetensorsSource
-from lowmem.suite.bench.memory import file_resident_bytes
 from lowmem.utils.fileio import drop_page_cache, fsync_file
+from lowmem.utils.memory_meter import file_resident_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20

@@ -306,7 +306,7 @@ def test_child_peak_is_its_own_not_the_parents():
         pytest.skip("needs Linux /proc")
     ballast = bytearray(400 << 20)  # the parent's resident set grows by 400 MiB
     ballast[:: 4096] = b"x" * len(range(0, len(ballast), 4096))
-    code = ("import json, resource; from lowmem.suite.bench.memory import hwm_bytes; "
+    code = ("import json, resource; from lowmem.utils.memory_meter import hwm_bytes; "
             "print(json.dumps([hwm_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     own, inherited = json.loads(done.stdout.strip().splitlines()[-1])

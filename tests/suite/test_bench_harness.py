@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lowmem.suite.bench import harness
-from lowmem.suite.bench.memory import cgroup_method
+from lowmem.utils.memory_meter import cgroup_method
 
 MIB = 2**20
 _HOLD = "b = bytearray({mib} << 20)\nb[::4096] = b'\\x01' * len(b[::4096])\nprint('held', flush=True)\n"

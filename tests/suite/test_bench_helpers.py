@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from lowmem.suite.bench import memory
 from lowmem.suite.bench.dap import fit_longest, search_longest
 from lowmem.suite.bench.harness import fast_optimizer
+from lowmem.utils import memory_meter as memory
 
 MIB = 2**20
 _WRITE = (  # a child process writes 64 MiB through the page cache (no fsync, no O_DIRECT) and exits
@@ -159,7 +159,7 @@ def test_whole_command_fallback_does_not_count_the_parents_peak():
         pytest.skip("needs Linux /proc")
     code = (
         "import json, sys\n"
-        "from lowmem.suite.bench import memory\n"
+        "from lowmem.utils import memory_meter as memory\n"
         "ballast = bytearray(400 << 20)\n"
         "ballast[::4096] = b'x' * len(ballast[::4096])\n"
         "out = memory.run_command([sys.executable, '-c', 'import time; time.sleep(0.3)'], use_cgroup=False,"
