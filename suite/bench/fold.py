@@ -33,7 +33,7 @@ def _database(path, targets, size: int, seed: int) -> None:
     """Ten mutated copies of each target (5% to 50% of residues changed) among random decoys (FASTA)."""
     import numpy as np
 
-    from .fold_dbs import families, random_sequences, write_fasta
+    from ...fastfold.data.testing import families, random_sequences, write_fasta
 
     rng = np.random.default_rng(seed + 1)
     homologs = families([(t.name, t.sequence) for t in targets], 10, rng)
@@ -59,9 +59,9 @@ def _stage_rows(target, cfg):
 
 
 def run(args: argparse.Namespace) -> int:
+    from ...fastfold.data.testing import random_sequences
     from ...fastfold.relax import RelaxConfig
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
-    from .fold_dbs import random_sequences
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")

@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from ...fastfold.data.testing import random_sequences
     from ...fastfold.run import read_targets
-    from .fold_dbs import random_sequences
 
     first = read_targets(ASSETS / "query.fasta")[0]
     return [(first.name, first.sequence), *random_sequences(args.targets - 1, len(first.sequence), args.seed, "t", 1)]
@@ -46,7 +46,7 @@ def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
     """The cached databases for these queries and sizes (built on the first run)."""
-    from .fold_dbs import build_databases, hhsuite_missing, repository_hits
+    from ...fastfold.data.testing import build_databases, hhsuite_missing, repository_hits
 
     hits = sorted((ASSETS / "alignments" / "query").glob("*_hits.*"))
     hits = [p for p in hits if p.suffix in (".sto", ".a3m")]
@@ -119,9 +119,9 @@ def _fold_rows(args, tmp: Path) -> list[dict]:
     import torch
     from ray.cluster_utils import Cluster
 
+    from ...fastfold.data.testing import random_sequences
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
     from ...utils.ray_cluster import join_ray
-    from .fold_dbs import random_sequences
 
     targets = [Target(n, s) for n, s in random_sequences(args.fold_targets, args.fold_n_res, args.seed + 7, "f")]
 

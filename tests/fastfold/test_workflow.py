@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lowmem.fastfold.data import testing as fold_dbs
 from lowmem.fastfold.data.searches import search_jobs, tool_cpus
 from lowmem.fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, feature_stream
 from lowmem.fastfold.run.stages import FEATURE_INFO
-from lowmem.suite.bench import fold_dbs
 
 
 def test_cpu_shares_and_the_search_plan(tmp_path):

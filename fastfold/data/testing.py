@@ -1,5 +1,5 @@
 """Small sequence databases in the real formats of AlphaFold's searches (FASTA, HH-suite ffindex), for the
-feature-workflow benchmark and its tests.
+feature-workflow benchmark (`suite bench fold-workflow`, `suite bench fold`) and its tests (no data, no downloads).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def random_sequences(count: int, length: int, rng: np.random.Generator | int, pr
 
 def repository_hits(paths: Iterable[str | Path], limit: int | None = None) -> list[tuple[str, str]]:
     """The ungapped rows of alignment files (.sto, .a3m), after the first (the query), as database sequences."""
-    from ...fastfold.data.parsers import parse_a3m, parse_stockholm
+    from .parsers import parse_a3m, parse_stockholm
 
     out = []
     for path in paths:
