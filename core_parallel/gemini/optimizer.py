@@ -182,10 +182,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
             g.clamp_(-clip_value, clip_value)
 
     def _grad_norm(self) -> torch.Tensor:
+        # each shard's norm in fp32 (as torch.nn.utils.clip_grad_norm_ takes each gradient's), their squares summed
+        # in fp64: a float64 copy of every gradient shard took a third of a CPU step of a 220M UNet
         sq = torch.zeros((), dtype=torch.float64)
         for c in self.manager.trainable_chunks:
             if c.grad.allocated:
-                sq += c.grad.view().double().pow(2).sum().cpu()
+                sq += torch.linalg.vector_norm(c.grad.view()).cpu().double() ** 2
                 c.grad.done()
         if self.manager.world > 1:
             sq = sq.to(self.manager.device)

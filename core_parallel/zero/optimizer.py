@@ -302,7 +302,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sq = torch.zeros((), dtype=torch.float64, device=self._comm_device)
         for s in self._slots:
             if s.master.grad is not None:
-                sq += s.master.grad.double().pow(2).sum().to(self._comm_device)
+                # fp32 norm per shard (as torch's clip_grad_norm_), squares summed in fp64: no fp64 copy of the grads
+                sq += torch.linalg.vector_norm(s.master.grad).to(self._comm_device, torch.float64) ** 2
         if self.world > 1:
             dist.all_reduce(sq, group=self.process_group)
         sq = sq.cpu()
