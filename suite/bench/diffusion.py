@@ -409,11 +409,15 @@ def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
 
 
 def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
-    """One step of a plain loop: `loss_of()`, backward, the optimizer's step, and the `harness.log_step` line its
-    per-step time is read back from (the time covers all of it)."""
+    """One step of a plain loop: `loss_of()`, backward, the gradients clipped to norm 1.0 (the scripts'
+    `--max_grad_norm` default, `accelerator.clip_grad_norm_`), the optimizer's step, and the `harness.log_step` line
+    its per-step time is read back from (the time covers all of it)."""
+    import torch
+
     t0 = time.perf_counter()
     loss = loss_of()
     loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     log_step(step, steps, time.perf_counter() - t0, float(loss.detach()))
