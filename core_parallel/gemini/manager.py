@@ -57,6 +57,8 @@ class ChunkManager:
         self.device, self.budget = device, budget
         self.memory = memory  # `memory_budget`: the process measured, the model-data budget adjusted at each step
         self.last_process_peak: int | None = None  # `memory_budget`: the process's peak in the last step
+        self._budget_steps = 0  # `memory_budget`: steps measured; from the third on, one over the budget is warned of
+        self._budget_warned = False
         self.params = params
         self.names: list[str] = list(names or [])  # parameter names (as in named_parameters), for messages
         self.handles: list = []  # the hooks driving this manager (`hooks.register_hooks`)
@@ -563,6 +565,16 @@ class ChunkManager:
             if victim is None:  # only the working set is left
                 break
             self._move_master(self.chunks[victim], self.off_tier)
+        self._budget_steps += 1
+        if peak > limit and self._budget_steps > 2 and not self._budget_warned:
+            # the first steps may go over while the budget learns the activations and the step's scratch; a later
+            # one did with every evictable byte already gone: the budget cannot hold this run, say so once
+            self._budget_warned = True
+            logger.warning(
+                "memory_budget %.0f MiB: step %d peaked at %.0f MiB (%.0f MiB beside the model data, %.0f MiB of "
+                "model data: the gathered chunks, gradients and step buffers it cannot do without); the budget cannot "
+                "be held with these settings: raise it, or lower the batch, resolution or chunk size (chunk_mb)",
+                limit / 2**20, self._budget_steps, peak / 2**20, outside / 2**20, self.ledger.peak_device / 2**20)
         self.memory.reset_peak()
 
     def memory_report(self) -> dict:

@@ -123,8 +123,9 @@ class _Measured:
         return self.outside + self.activations + mgr.ledger.peak_device + (self.scratch if streams else 0)
 
 
-@pytest.mark.parametrize("room_mb", [70, 90, 140, 400])  # below 66: the working set and scratch alone
-def test_memory_budget_placement_holds_a_measured_process_from_the_third_step(room_mb, tmp_path, monkeypatch):
+def _measured_run(room_mb: int, tmp_path, monkeypatch) -> tuple[list[int], int, object]:
+    """Five steps of a stack under a budget leaving `room_mb` MiB beside what `_Measured` charges outside the
+    model data: (each step's process peak, the budget, the manager)."""
     from lowmem.core_parallel.gemini import engine
 
     monkeypatch.setattr(engine, "ProcessMemory", _Measured)
@@ -146,6 +147,25 @@ def test_memory_budget_placement_holds_a_measured_process_from_the_third_step(ro
         peaks.append(mgr.memory_report()["process_peak_bytes_last_step"])
         gopt.zero_grad()
     mgr.close()
+    return peaks, limit, mgr
+
+
+@pytest.mark.parametrize("room_mb", [70, 90, 140, 400])  # below 66: the working set and scratch alone
+def test_memory_budget_placement_holds_a_measured_process_from_the_third_step(room_mb, tmp_path, monkeypatch,
+                                                                              caplog):
+    with caplog.at_level("WARNING"):
+        peaks, limit, mgr = _measured_run(room_mb, tmp_path, monkeypatch)
     assert all(p <= limit for p in peaks[2:]), ([p >> 20 for p in peaks], limit >> 20)
+    assert "cannot be held" not in caplog.text
     if room_mb >= 140:  # room for everything: nothing streams, nothing is lost
         assert all(c.master.tier == "device" and (c.grad is None or c.grad.tier == "device") for c in mgr.chunks)
+
+
+def test_a_budget_below_the_working_set_is_warned_of_once_not_held_silently(tmp_path, monkeypatch, caplog):
+    """Below what the step cannot do without (its gathered chunks, gradients and streaming scratch), the steps
+    after the two the budget learns from go over it: one warning says so, with the numbers, at the third."""
+    with caplog.at_level("WARNING"):
+        peaks, limit, _ = _measured_run(30, tmp_path, monkeypatch)
+    assert all(p > limit for p in peaks[2:]), ([p >> 20 for p in peaks], limit >> 20)
+    warned = [r.getMessage() for r in caplog.records if "cannot be held" in r.getMessage()]
+    assert len(warned) == 1 and "step 3 peaked" in warned[0], warned
