@@ -13,15 +13,15 @@ import mmap
 import os
 import shutil
 import sys
+import tempfile
 import time
 from fractions import Fraction
 
-from .harness import WHOLE_RATIOS, Side, add_ratios, csv_metric, median, publish, whole_rows
+from .harness import SUITE, WHOLE_RATIOS, Side, add_ratios, csv_metric, median, publish, save_figure, whole_rows
 
 __all__ = ["add_frontier_arguments", "disk_speed", "run_frontier"]
 
-_SUITE = (__spec__.name if __spec__ is not None else __name__).rsplit(".bench.", 1)[0]
-_BENCH = _SUITE + ".bench."
+_BENCH = SUITE + ".bench."
 
 
 def add_frontier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +78,8 @@ def _traffic(out: str) -> dict:
         return {}
     with open(path, newline="") as f:
         columns = next(csv.reader(f), [])
-    return {c.replace("tier_mib/", ""): median(csv_metric(out, c)[1:] or csv_metric(out, c))
-            for c in columns if c.startswith(("tier_mib/", "disk_"))}
+    values = {c.replace("tier_mib/", ""): csv_metric(out, c) for c in columns if c.startswith(("tier_mib/", "disk_"))}
+    return {c: median(v[1:] or v) for c, v in values.items()}
 
 
 def _commands(row: str, opts: dict, work: str) -> tuple[list[str], list[str]]:
@@ -125,7 +125,7 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
         fractions = [Fraction(f) for f in opts["budgets"].split(",")]
     except (ValueError, ZeroDivisionError) as exc:
         raise UsageError(f"--budgets {opts['budgets']!r}: fractions such as 1/6,1/2,1 ({exc})") from exc
-    work = opts["work"] or __import__("tempfile").mkdtemp(prefix="bench-frontier-")
+    work = opts["work"] or tempfile.mkdtemp(prefix="bench-frontier-")
     os.makedirs(work, exist_ok=True)
     rows: list[dict] = []
     try:
@@ -147,7 +147,7 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
                 out, nvme = os.path.join(folder, f"out-{f}".replace("/", "_")), os.path.join(folder, "nvme")
                 shutil.rmtree(nvme, ignore_errors=True)
                 os.makedirs(nvme)
-                sides.append(Side(f"{row} {f}", [sys.executable, "-m", _SUITE, *ours, "--strategy", "gemini_auto",
+                sides.append(Side(f"{row} {f}", [sys.executable, "-m", SUITE, *ours, "--strategy", "gemini_auto",
                                                  "--memory_budget", str(budget), "--offload_dir", nvme,
                                                  "--output_dir", out], cap_bytes=budget, offload_paths=[nvme],
                                   log=out + ".log", **held))
@@ -202,7 +202,4 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("step time / plain loop's")
     ax.set_title(title[:90], fontsize=7)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -34,8 +34,9 @@ __all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "
            "count", "csv_metric", "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card",
            "fast_optimizer", "int_list", "json_lines", "log_step", "machine_info", "markdown_table", "median", "mib",
            "names", "optimizer_impl", "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side",
-           "safe_env", "smi", "step_seconds", "step_times", "text_table", "time_fn", "timed", "tool_main",
-           "torch_baseline", "torch_device", "train_side", "train_step", "whole_rows", "write_json", "write_text"]
+           "safe_env", "save_figure", "smi", "step_seconds", "step_times", "text_table", "time_fn", "timed",
+           "tool_main", "torch_baseline", "torch_device", "train_side", "train_step", "whole_rows", "write_json",
+           "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -631,6 +632,13 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
         ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_title(title[:120], fontsize=9)
     ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Lay `fig` out, write it to `path` (its folder made; PNG, SVG, PDF by the suffix) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)

@@ -343,12 +343,31 @@ def test_lr_scheduler_closure_and_no_grad_forward_match_torch():
     assert all(c.sm.data.value == "released" for c in model.gemini_manager.chunks)
 
 
+def _count_gathers(monkeypatch) -> list[int]:
+    """The indices of the chunks gathered from now on, in order (`Chunk.start_gather` recorded, then run)."""
+    from lowmem.core_parallel.gemini import chunk as chunk_mod
+
+    gathers: list[int] = []
+    real = chunk_mod.Chunk.start_gather
+    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
+        self, *a, **k))
+    return gathers
+
+
+def _step_both(pairs, x: torch.Tensor) -> None:
+    """One step of each (model, optimizer): Gemini's (its `backward`) and plain torch's, on the loss |m(x)|^2."""
+    for m, o in pairs:
+        loss = m(x).pow(2).mean()
+        (o.backward(loss) if hasattr(o, "backward") else loss.backward())
+        o.step()
+        o.zero_grad()
+
+
 @pytest.mark.parametrize("keep", [None, 0])
 def test_first_step_gathers_a_shared_chunk_once_per_run_of_modules(tmp_path, monkeypatch, keep):
     """While the first step records the order, modules that share a chunk and run one after another gather it
     once, not once per module (each gather reads the whole chunk from its tier: from disk on NVMe);
     `keep_gathered=0` keeps nothing gathered. The numbers match plain torch either way."""
-    from lowmem.core_parallel.gemini import chunk as chunk_mod
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16) for _ in range(4)]
@@ -360,18 +379,11 @@ def test_first_step_gathers_a_shared_chunk_once_per_run_of_modules(tmp_path, mon
                        offload_optim_frac=1.0, chunk_mb=4 * 16 * 17 * 4 / 2**20, keep_gathered=keep)
     model, opt = setup_gemini(model, opt, cfg)
     assert len(model.gemini_manager.chunks) == 1  # the four layers share one chunk
-    gathers = []
-    real = chunk_mod.Chunk.start_gather
-    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
-        self, *a, **k))
+    gathers = _count_gathers(monkeypatch)
     x = torch.randn(8, 16)
     for step in range(2):
         gathers.clear()
-        for m, o in ((model, opt), (ref, ref_opt)):
-            loss = m(x).pow(2).mean()
-            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
-            o.step()
-            o.zero_grad()
+        _step_both(((model, opt), (ref, ref_opt)), x)
         if step == 0:
             # forward: once (kept between the layers) or once per layer; backward: once (a chunk stays
             # gathered until all its parameters have their gradients)
@@ -403,7 +415,6 @@ def test_a_small_chunk_between_uses_does_not_push_a_large_one_out_of_the_keep_wi
     """`keep_gathered` counts chunks by size: the adapter's small chunk between two uses of chunk X leaves X
     gathered (with a count of chunks, the adapter's and Y's filled the window of 2 and X was read from disk again
     at each use); the values match plain torch."""
-    from lowmem.core_parallel.gemini import chunk as chunk_mod
 
     torch.manual_seed(0)
     model = _Interleaved()
@@ -417,18 +428,11 @@ def test_a_small_chunk_between_uses_does_not_push_a_large_one_out_of_the_keep_wi
     model, opt = setup_gemini(model, torch.optim.Adam(trainable, lr=1e-2), cfg)
     chunks = model.gemini_manager.chunks
     assert len(chunks) == 3 and sorted(c.full_nbytes for c in chunks)[0] < chunks[0].full_nbytes / 10
-    gathers: list[int] = []
-    real = chunk_mod.Chunk.start_gather
-    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
-        self, *a, **k))
+    gathers = _count_gathers(monkeypatch)
     for _step in range(3):
         gathers.clear()
         x = torch.randn(8, 16)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            loss = m(x).pow(2).mean()
-            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
-            o.step()
-            o.zero_grad()
+        _step_both(((model, opt), (ref, ref_opt)), x)
     # the last step follows the recorded order: the large chunks once in the forward and once in the backward
     large = [c.index for c in chunks if c.full_nbytes == max(c.full_nbytes for c in chunks)]
     assert [gathers.count(i) for i in large] == [2, 2], gathers
@@ -473,7 +477,6 @@ def test_chunks_packed_in_the_declared_order_of_use_are_gathered_once_per_pass(t
     """`set_module_order`: chunks follow the order the modules run, so with a chunk kept gathered only while it is
     the next one used (`keep_gathered=1`) each is read from its tier once in the forward and once in the backward;
     packed in registration order, a chunk whose layers run apart is read once per run. Values equal plain torch."""
-    from lowmem.core_parallel.gemini import chunk as chunk_mod
     from lowmem.core_parallel.gemini import set_module_order
 
     torch.manual_seed(0)
@@ -494,18 +497,11 @@ def test_chunks_packed_in_the_declared_order_of_use_are_gathered_once_per_pass(t
                        "b2.bias"], ["c1.weight", "c1.bias", "c2.weight", "c2.bias"]] if declared else
                       [["a1.weight", "a1.bias", "b1.weight", "b1.bias"], ["c1.weight", "c1.bias", "a2.weight",
                        "a2.bias"], ["b2.weight", "b2.bias", "c2.weight", "c2.bias"]])
-    gathers: list[int] = []
-    real = chunk_mod.Chunk.start_gather
-    monkeypatch.setattr(chunk_mod.Chunk, "start_gather", lambda self, *a, **k: gathers.append(self.index) or real(
-        self, *a, **k))
+    gathers = _count_gathers(monkeypatch)
     for _step in range(2):
         gathers.clear()
         x = torch.randn(4, 16)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            loss = m(x).pow(2).mean()
-            (o.backward(loss) if hasattr(o, "backward") else loss.backward())
-            o.step()
-            o.zero_grad()
+        _step_both(((model, opt), (ref, ref_opt)), x)
     per_chunk = [gathers.count(c.index) for c in frozen]
     assert per_chunk == ([2, 2, 2] if declared else [4, 4, 4]), gathers
     for k, v in ref.state_dict().items():

@@ -69,6 +69,19 @@ def images(tmp_path_factory) -> Path:
     return write_image_folder(tmp_path_factory.mktemp("data"), 4, sizes=[(40 + 4 * i, 36) for i in range(4)])
 
 
+# -- the tiny SD3 and Flux pipelines and instance images of the SD3/Flux tests (one per test module) -------------
+@pytest.fixture(scope="module")
+def flow_folders(tmp_path_factory) -> dict[str, Path]:
+    """{"sd3": tiny SD3 pipeline, "flux": tiny Flux pipeline, "inst": three instance images of different sizes}."""
+    from lowmem.diffusion.flow_tiny import save_tiny_flux_pipeline, save_tiny_sd3_pipeline
+
+    root = tmp_path_factory.mktemp("flow")
+    for i in range(3):
+        write_image(root / "inst" / f"{i}.png", size=(40 + 4 * i, 36), seed=i)
+    return {"sd3": save_tiny_sd3_pipeline(root / "sd3"), "flux": save_tiny_flux_pipeline(root / "flux"),
+            "inst": root / "inst"}
+
+
 # -- accelerate's checkpoint-N of diffusers' scripts, from ours -----------------------------------------------
 def as_accelerate(ours: Path, folder: Path) -> None:
     """accelerate's checkpoint-N as diffusers' scripts write it (the same files and formats), from our checkpoint

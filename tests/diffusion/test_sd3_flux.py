@@ -32,7 +32,6 @@ from lowmem.diffusion.flow_scripts import FLOW_SCRIPT_FLAGS, FlowSettings, flow_
 from lowmem.diffusion.scripts import DIFFUSERS_VERSION, Accept, Refuse
 from lowmem.diffusion.sdxl_scripts import SDXLSettings
 from lowmem.suite.cli import build_parser, main
-from tests.diffusion.conftest import write_image
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "diffusers_flags"
 SCRIPTS = tuple(FLOW_SCRIPT_FLAGS)
@@ -252,14 +251,8 @@ def test_flux_forward_packs_as_the_pipeline_does():
 
 # -- runs on the tiny pipelines ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    from lowmem.diffusion.flow_tiny import save_tiny_flux_pipeline, save_tiny_sd3_pipeline
-
-    root = tmp_path_factory.mktemp("flow")
-    for i in range(3):
-        write_image(root / "inst" / f"{i}.png", size=(40 + 4 * i, 36), seed=i)
-    return {"sd3": save_tiny_sd3_pipeline(root / "sd3"), "flux": save_tiny_flux_pipeline(root / "flux"),
-            "inst": root / "inst"}
+def folders(flow_folders) -> dict[str, Path]:
+    return flow_folders  # conftest's tiny SD3/Flux pipelines and instance images
 
 
 def _run(capsys, script: str, folders: dict[str, Path], out: Path, *extra: str) -> list[float]:

@@ -23,18 +23,12 @@ import torch
 from lowmem.diffusion.errors import InputError
 from lowmem.suite.cli import build_parser, main
 from lowmem.suite.commands.diffusion_flow import build_flow_config
-from tests.diffusion.conftest import as_accelerate, write_image
+from tests.diffusion.conftest import as_accelerate
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    from lowmem.diffusion.flow_tiny import save_tiny_flux_pipeline, save_tiny_sd3_pipeline
-
-    root = tmp_path_factory.mktemp("flow_te")
-    for i in range(3):
-        write_image(root / "inst" / f"{i}.png", size=(40 + 4 * i, 36), seed=i)
-    return {"sd3": save_tiny_sd3_pipeline(root / "sd3"), "flux": save_tiny_flux_pipeline(root / "flux"),
-            "inst": root / "inst"}
+def folders(flow_folders) -> dict[str, Path]:
+    return flow_folders  # conftest's tiny SD3/Flux pipelines and instance images
 
 
 def _args(script: str, folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
