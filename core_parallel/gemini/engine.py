@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ...utils.errors import InputError
+from ...utils.memory_meter import malloc_trim
 from ..groups import world_rank
 from .budget import ProcessMemory, outside_model
 from .config import GeminiConfig
@@ -40,6 +42,9 @@ def _model_budget(config: GeminiConfig, device: torch.device, params: list) -> t
     if device.type == "cpu" and config.offload_tier != "nvme":
         raise InputError("memory_budget on a CPU device needs offload_tier='nvme' (an offload_dir): the CPU tier is "
                          "the same memory, so nothing could leave it")
+    if device.type == "cpu":  # what earlier work freed (dropped encoders, loading buffers) is not the process's
+        gc.collect()
+        malloc_trim()
     memory = ProcessMemory(device)
     outside = outside_model(memory, params)
     budget = config.memory_budget_bytes - outside

@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 from ..host_comm import HostCollectives, host_collectives_supported
 from ..trace import CollectiveTrace
-from .budget import ProcessMemory
+from .budget import MemoryBudget, ProcessMemory
 from .chunk import Chunk, ChunkEnv, Reduction, stored_dtype
 from .config import GeminiConfig
 from .host_memory import HostHeap, PageRecycler
 from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .peer_reads import PeerReads
-from .placement import AccessTrace, MemoryLedger, pick_victim, static_plan
+from .placement import AccessTrace, MemoryLedger, budget_plan, pick_victim, static_plan
 from .state import ChunkState
 from .state_dict_io import StateDictIO
 from .storage import NvmeFile, TieredBuffer
@@ -55,10 +55,8 @@ class ChunkManager:
     ) -> None:
         self.config, self.group, self.rank, self.world = config, group, rank, world
         self.device, self.budget = device, budget
-        self.memory = memory  # `memory_budget`: the process measured, the model-data budget adjusted at each step
-        self.last_process_peak: int | None = None  # `memory_budget`: the process's peak in the last step
-        self._budget_steps = 0  # `memory_budget`: steps measured; from the third on, one over the budget is warned of
-        self._budget_warned = False
+        # `memory_budget`: the process measured, the model-data budget refitted after each step (`budget.py`)
+        self.memory = MemoryBudget(config.memory_budget_bytes, memory) if memory is not None else None
         self.params = params
         self.names: list[str] = list(names or [])  # parameter names (as in named_parameters), for messages
         self.handles: list = []  # the hooks driving this manager (`hooks.register_hooks`)
@@ -119,7 +117,7 @@ class ChunkManager:
         self._reduced: set[int] = set()  # chunks reduced in this backward pass
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
         self._clock = 0
-        self._last_used: dict[int, int] = {}
+        self.last_used: dict[int, int] = {}  # chunk -> the clock at its last use (eviction before the trace exists)
         self._idle_kept: int | None = None  # first step: the idle chunk kept gathered (`_defer_release`)
         self._weights: dict[int, float] | None = None  # `_window_weights`, computed once the chunks exist
         self.param_dtypes = [p.dtype for p in params]
@@ -131,27 +129,17 @@ class ChunkManager:
         n = len(specs)
         if self.config.placement == "static":
             return static_plan(n, self.config.offload_param_frac, self.config.offload_optim_frac, self.off_tier)
-
-        def master(s: ChunkSpec) -> int:
-            return s.size // self.world * (4 if s.trainable else stored_dtype(s, env.dtype).itemsize)
-
-        def optim(s: ChunkSpec) -> int:
-            return s.size // self.world * 4 * (1 + n_states) if s.trainable else 0
-
+        if self.memory is not None:
+            # `memory_budget`: what lies beside the model data at a step's peak (activations, the step's scratch)
+            # is unknown until a step has run, so the first step runs with every buffer off the device and
+            # `MemoryBudget.refit` brings back what fits the measured room (held from the start, the masters
+            # would leave no room for the rest of setup and the first step's activations)
+            return [(self.off_tier, self.off_tier)] * n
+        masters = [s.size // self.world * (4 if s.trainable else stored_dtype(s, env.dtype).itemsize) for s in specs]
+        optims = [s.size // self.world * 4 * (1 + n_states) if s.trainable else 0 for s in specs]
         biggest = max((s.size * env.dtype.itemsize + s.size * 4 for s in specs), default=0)  # gathered + grads
         left = None if self.budget is None else self.budget - 2 * (1 + self.config.prefetch) * biggest
-        if left is None or sum(master(s) + optim(s) for s in specs) <= left:
-            return [("device", "device")] * n
-        # The most-read bytes stay: every master is read at each gather (forward and backward), a chunk's gradient
-        # and optimizer states once a step; so masters first (in the order of use), then the optimizer's buffers.
-        # What does not fit starts on the offload tier (masters come back to the device as the budget allows).
-        plan = [[self.off_tier, self.off_tier] for _ in specs]
-        for kind, size in ((0, master), (1, optim)):
-            for i, s in enumerate(specs):
-                if size(s) and size(s) <= left:
-                    plan[i][kind] = "device"
-                    left -= size(s)
-        return [(p, o) for p, o in plan]
+        return budget_plan(masters, optims, left, self.off_tier)
 
     def _buffer(self, numel: int, tier: str, movable: bool, dtype: torch.dtype = torch.float32) -> TieredBuffer:
         reserved = self.nvme is not None and (movable or tier == "nvme")
@@ -284,7 +272,7 @@ class ChunkManager:
             c = self.chunks[i]
             self.trace.record(i)
             self._clock += 1
-            self._last_used[i] = self._clock
+            self.last_used[i] = self._clock
             if c.sm.data is ChunkState.RELEASED:
                 self._gather(c, async_op=False)
             c.wait()
@@ -352,34 +340,43 @@ class ChunkManager:
             c = self.chunks[i]
             if self.reader is not None and not c.reads_async:
                 continue  # a copy between CPU tiers: compute itself, gathered when used
-            if c.sm.data is ChunkState.RELEASED and self._fits(c.full_nbytes):
+            if c.sm.data is ChunkState.RELEASED and self.fits(c.full_nbytes):
                 self._gather(c, async_op=True)
 
     # ---- placement under a budget ------------------------------------------------------------------
-    def _fits(self, nbytes: int) -> bool:
+    def fits(self, nbytes: int) -> bool:
         return self.budget is None or self.ledger.tier_total("device") + nbytes <= self.budget
 
     def _make_room(self, nbytes: int, exclude: set[int]) -> None:
         """Evict parameter shards (furthest next use first) until `nbytes` more fit in the budget."""
         if self.config.placement != "auto":
             return
-        while not self._fits(nbytes):
-            movable = [c.index for c in self.chunks if c.master.tier == "device" and c.index not in exclude]
-            victim = pick_victim(movable, self.trace, self._last_used)
+        while not self.fits(nbytes):
+            victim = self.furthest_master(exclude)
             if victim is None:
                 raise RuntimeError(
                     f"device_memory_budget={self.budget} bytes cannot hold the chunks in use "
                     f"({self.ledger.tier_total('device')} bytes used, {nbytes} more needed); raise the budget "
                     "or lower chunk_mb"
                 )
-            self._move_master(self.chunks[victim], self.off_tier)
+            self.move_master(self.chunks[victim], self.off_tier)
+
+    def furthest_master(self, exclude: Iterable[int] = ()) -> int | None:
+        """The chunk whose master is on the device and used furthest ahead (None: no such chunk)."""
+        exclude = set(exclude)
+        movable = [c.index for c in self.chunks if c.master.tier == "device" and c.index not in exclude]
+        return pick_victim(movable, self.trace, self.last_used)
 
     def _maybe_promote(self, c: Chunk) -> None:
-        if self.config.placement == "auto" and c.master.tier != "device" and self._fits(c.master.nbytes):
+        # under a memory_budget the chunks come back between steps only, leaving room for the step's working set
+        # (`_fit_memory_budget`): filled up to the budget here, the next gathers would push masters out again
+        if (self.config.placement == "auto" and self.memory is None and c.master.tier != "device"
+                and self.fits(c.master.nbytes)):
             c.wait()  # a read of the master in flight on the reader thread ends before the master moves
-            self._move_master(c, "device")
+            self.move_master(c, "device")
 
-    def _move_master(self, c: Chunk, tier: str) -> None:
+    def move_master(self, c: Chunk, tier: str) -> None:
+        """Move chunk `c`'s master shard to `tier` (accounted; peers told where it is)."""
         src = c.master.tier
         if self.peers is not None:
             self.peers.begin_move()
@@ -531,59 +528,17 @@ class ChunkManager:
         self.trace.freeze()
         self.trace.new_step()
         if self.memory is not None:
-            self._fit_memory_budget()
+            self.memory.refit(self)
         self.ledger.new_step()
         self.collectives.end_step()
-
-    def _fit_memory_budget(self) -> None:
-        """`memory_budget`: the model-data budget for the next step is the memory budget less what the process held
-        beside the model at this step's peak; a step over the memory budget lowers it by the excess too. Masters
-        are evicted (furthest next use first) until the model data fits."""
-        limit = self.config.memory_budget_bytes
-        peak = self.last_process_peak = self.memory.peak()
-        outside = max(peak - self.ledger.peak_device, 0)
-        budget = limit - outside
-        if peak > limit:
-            budget = min(budget, self.budget - (peak - limit))
-        # the working set: gathered chunks (prefetched too) and their gradients, as `_plan` reserves
-        floor = 2 * (1 + self.config.prefetch) * max((c.full_nbytes + c.spec.size * 4 for c in self.chunks), default=0)
-        self.budget = max(budget, floor)
-        logger.debug("memory_budget: step peak %d, model data at its peak %d, model-data budget now %d", peak,
-                     self.ledger.peak_device, self.budget)
-        # the least-read bytes leave first: optimizer buffers (once a step), last chunk first; then masters
-        for c in reversed(self.trainable_chunks):
-            if self._fits(0):
-                break
-            for kind, b in (("grads", c.grad), *(("optim", v) for v in c.states.values())):
-                if b.tier == "device":
-                    if b.allocated:
-                        self.ledger.move("device", self.off_tier, kind, b.nbytes)
-                    b.move(self.off_tier)
-        while not self._fits(0):
-            victim = pick_victim([c.index for c in self.chunks if c.master.tier == "device"], self.trace,
-                                 self._last_used)
-            if victim is None:  # only the working set is left
-                break
-            self._move_master(self.chunks[victim], self.off_tier)
-        self._budget_steps += 1
-        if peak > limit and self._budget_steps > 2 and not self._budget_warned:
-            # the first steps may go over while the budget learns the activations and the step's scratch; a later
-            # one did with every evictable byte already gone: the budget cannot hold this run, say so once
-            self._budget_warned = True
-            logger.warning(
-                "memory_budget %.0f MiB: step %d peaked at %.0f MiB (%.0f MiB beside the model data, %.0f MiB of "
-                "model data: the gathered chunks, gradients and step buffers it cannot do without); the budget cannot "
-                "be held with these settings: raise it, or lower the batch, resolution or chunk size (chunk_mb)",
-                limit / 2**20, self._budget_steps, peak / 2**20, outside / 2**20, self.ledger.peak_device / 2**20)
-        self.memory.reset_peak()
 
     def memory_report(self) -> dict:
         """Bytes per tier and kind on this rank, the device peak and the traffic since the last step."""
         report = self.ledger.report()
         report["budget_bytes"] = self.budget
         if self.memory is not None:
-            report["memory_budget_bytes"] = self.config.memory_budget_bytes
-            report["process_peak_bytes_last_step"] = self.last_process_peak
+            report["memory_budget_bytes"] = self.memory.limit
+            report["process_peak_bytes_last_step"] = self.memory.last_process_peak
         report["chunks"] = len(self.chunks)
         report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report

@@ -2,6 +2,7 @@
 
 Pure bookkeeping, no communication:
 - `static_plan`: fixed fractions of chunks off the device, decided once.
+- `budget_plan`: what fits a device budget stays, the most-read bytes first.
 - `AccessTrace`: the chunk access order recorded in the first step; `next_use` gives the distance to a
   chunk's next access from the current position (the information Belady's optimal eviction needs).
 - `pick_victim`: among evictable chunks, the one whose next use is furthest away.
@@ -17,7 +18,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["KINDS", "AccessTrace", "MemoryLedger", "pick_victim", "static_plan"]
+__all__ = ["KINDS", "AccessTrace", "MemoryLedger", "budget_plan", "pick_victim", "static_plan"]
 
 KINDS = ("params", "grads", "optim")
 
@@ -28,6 +29,23 @@ def static_plan(n_chunks: int, param_frac: float, optim_frac: float, off_tier: s
     return [
         (off_tier if i < n_param else "device", off_tier if i < n_optim else "device") for i in range(n_chunks)
     ]
+
+
+def budget_plan(masters: Sequence[int], optims: Sequence[int], left: int | None,
+                off_tier: str) -> list[tuple[str, str]]:
+    """(param tier, optim tier) per chunk, given each chunk's master and optimizer bytes and the device bytes `left`
+    (None: no budget). The most-read bytes stay: every master is read at each gather (forward and backward), a
+    chunk's gradient and optimizer states once a step; so masters first (in the order of use), then the optimizer's
+    buffers. What does not fit starts on `off_tier`."""
+    if left is None or sum(masters) + sum(optims) <= left:
+        return [("device", "device")] * len(masters)
+    plan = [[off_tier, off_tier] for _ in masters]
+    for kind, sizes in ((0, masters), (1, optims)):
+        for i, size in enumerate(sizes):
+            if size and size <= left:
+                plan[i][kind] = "device"
+                left -= size
+    return [(p, o) for p, o in plan]
 
 
 class AccessTrace:

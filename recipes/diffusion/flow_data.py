@@ -26,6 +26,7 @@ from ...diffusion.errors import InputError
 from ...diffusion.flow_scripts import FlowSettings
 from ...diffusion.precompute import FeatureStore, TextEmbeddings, remove_store
 from ...diffusion.training import step_generator
+from ...utils.memory_meter import malloc_trim
 from .datamodule import ImageCaptionData
 
 __all__ = ["FlowCachedLatents", "FlowCaptionedImages", "FlowData", "flow_settings", "frozen_component", "id_keys",
@@ -143,6 +144,7 @@ def precompute(module: Any, data: Any) -> None:
         logger.info("pre-computed the latents of %d image(s); VAE dropped", len(ds.records) + len(ds.class_records))
         module.vae = None
     gc.collect()
+    malloc_trim()  # the dropped models' freed heap back to the OS, out of the budget's way
 
 
 def _text(module: Any, ds: FlowCaptionedImages) -> None:

@@ -22,6 +22,7 @@ import torch
 from ...diffusion.precompute import FeatureStore, TextEmbeddings, remove_store
 from ...diffusion.sdxl import encode_prompt_sdxl
 from ...diffusion.training import encode_latents, latent_shape, step_generator
+from ...utils.memory_meter import malloc_trim
 from .sdxl_data import SDXLCaptionedImages, sdxl_settings
 
 __all__ = ["frozen_component", "precompute", "release_stores"]
@@ -64,6 +65,7 @@ def precompute(module: Any, data: Any) -> None:
                     len(ds.records) + len(ds.class_records))
         module.vae = None
     gc.collect()
+    malloc_trim()  # the dropped models' freed heap back to the OS, out of the budget's way
 
 
 @torch.no_grad()
