@@ -118,7 +118,7 @@ class ChunkManager:
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
         self._clock = 0
         self.last_used: dict[int, int] = {}  # chunk -> the clock at its last use (eviction before the trace exists)
-        self._idle_kept: int | None = None  # first step: the idle chunk kept gathered (`_defer_release`)
+        self._idle_kept: list[int] = []  # first step: the idle chunks kept gathered, last idle last (`_defer_release`)
         self._weights: dict[int, float] | None = None  # `_window_weights`, computed once the chunks exist
         self.param_dtypes = [p.dtype for p in params]
         self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
@@ -303,18 +303,25 @@ class ChunkManager:
         return self._weights
 
     def _defer_release(self, i: int) -> None:
-        """While the first step records the order, the chunk that went idle last stays gathered (the one kept
-        before is released): modules sharing a chunk usually run one after another, and without the order each
-        of them would gather the whole chunk again from its tier (from disk on the NVMe tier). One idle chunk is
-        what the recorded order keeps too (`keep_gathered`, by default the next two; 0 turns both off).
-        Every rank runs the same modules in the same order, so all make the same choice (gathers are
-        collective)."""
-        prev, self._idle_kept = self._idle_kept, i
-        if prev is None or prev == i:
-            return
-        c = self.chunks[prev]
-        if c.sm.users == 0 and c.sm.data is not ChunkState.RELEASED:
-            self._release(c)
+        """While the first step records the order, the chunks that went idle last stay gathered: modules sharing a
+        chunk usually run one after another, and without the order each of them would gather the whole chunk again
+        from its tier (from disk on the NVMe tier). The last idle chunk is kept, and the ones before it while their
+        sizes over the largest chunk's sum to at most `keep_gathered - 1` (as the recorded order's window counts
+        them): a LoRA's small adapter chunk used between the layers of a frozen chunk does not push it out. Every
+        rank runs the same modules in the same order, so all make the same choice (gathers are collective)."""
+        keep = self.config.prefetch + 1 if self.config.keep_gathered is None else self.config.keep_gathered
+        self._idle_kept = [k for k in self._idle_kept if k != i] + [i]
+        weights, room, kept = self._window_weights(), keep - 1, [i]
+        for k in reversed(self._idle_kept[:-1]):
+            c = self.chunks[k]
+            if c.sm.users or c.sm.data is ChunkState.RELEASED:
+                continue  # in use again, or released since
+            if weights[k] <= room + 1e-9:
+                room -= weights[k]
+                kept.append(k)
+            else:
+                self._release(c)
+        self._idle_kept = kept[::-1]
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
         self._make_room(c.full_nbytes, exclude={c.index})
