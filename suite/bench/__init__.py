@@ -1,8 +1,7 @@
 """`suite bench NAME`: benchmarks that print a table and write JSON, side by side with the baseline.
 
-Each benchmark is a module here with `add_arguments(parser)` and `run(args) -> int`: its rows and its sides; the
-running, measuring and publishing are `harness`'s (and `utils.memory_meter`'s). Modules keep their top-level imports
-light (the standard library only); heavy imports happen inside `run`.
+Each is a module with `add_arguments(parser)` and `run(args) -> int`: its rows and its sides; running, measuring and
+publishing are `harness`'s. Modules import only light things at the top; heavy imports happen inside `run`.
 """
 
 from __future__ import annotations

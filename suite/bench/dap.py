@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 from ...utils.memory_meter import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 from ..errors import UsageError
-from .harness import int_list, peak_over, pin_to_core, publish, time_fn, torch_device
+from .harness import int_list, peak_over, publish, time_fn, torch_device
 
-__all__ = ["add_arguments", "dap_group", "fit_longest", "group_peak_mb", "run", "search_longest"]
+__all__ = ["add_arguments", "dap_group", "fit_longest", "group_peak_mb", "pin_to_core", "run", "search_longest"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget_mb", type=float, default=None, help="also find the longest N_res that fits")
     parser.add_argument("--budget_tol", type=int, default=8, help="residues: resolution of the budget search")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per rank count")
+
+
+def pin_to_core(rank: int, world: int) -> int | None:
+    """Pin this rank to its own core (the rank-th allowed one) when every rank can have one; which core (also
+    `suite bench fold-model --multimer`'s DAP rows)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        print(f"affinity: {world} ranks but {len(cores)} cores allowed; not pinning", file=sys.stderr)
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
 
 
 def dap_group(rank: int, world: int, model, device):
@@ -68,11 +81,8 @@ def fit_longest(small: tuple[int, float], large: tuple[int, float], budget_mb: f
 
 
 def search_longest(peak_mb, budget_mb: float, guess: int, tol: int, known: dict[int, float]) -> int:
-    """The largest N (to within `tol`) with peak_mb(N) <= budget_mb, assuming the peak grows with N.
-
-    `known` holds sizes already measured (N -> peak MB); every new measurement is added to it. Walks from
-    `guess` with a doubling step until the crossing is bracketed, then bisects. Returns 0 if N=8 does not fit.
-    """
+    """The largest N (within `tol`) with peak_mb(N) <= budget_mb (the peak growing with N), 0 if N=8 does not fit:
+    from `guess` in doubling steps until bracketed, then bisection; `known` (N -> peak MB) gains every probe."""
 
     def fits(n: int) -> bool:
         if n not in known:
@@ -101,8 +111,8 @@ def search_longest(peak_mb, budget_mb: float, guess: int, tol: int, known: dict[
 
 
 def _bench_rank(rank: int, world: int, opts: dict) -> dict:
-    """One rank: build the stack and inputs (same seed everywhere), measure the peak of one pass, time passes,
-    then (with a budget) search the longest N_res that fits. Every rank takes the same decisions."""
+    """One rank (every rank seeded and deciding alike): one pass's peak, the passes' time, with a budget the longest
+    N_res that fits."""
     import torch
     from torch import nn
 
@@ -181,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--device cuda needs {max(args.ranks)} GPUs")
     if args.repeat < 0 or args.budget_tol < 1:
         raise UsageError("--repeat must be >= 0 and --budget_tol >= 1")
-    keys = ("n_res", "n_seq", "blocks", "chunk_size", "residual", "repeat", "dtype", "device", "affinity", "budget_mb")
-    opts = {k: getattr(args, k) for k in keys} | {"budget_tol": args.budget_tol}
+    opts = {k: getattr(args, k) for k in ("n_res", "n_seq", "blocks", "chunk_size", "residual", "repeat", "dtype",
+                                          "device", "affinity", "budget_mb", "budget_tol")}
     rows = [_measure(w, opts, args.timeout) for w in args.ranks]
     base = rows[0]
     for row in rows:

@@ -1,39 +1,42 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution
-(method: docs/diffusion.md, "Benchmark"), in-process ranks or (`--whole_command`) whole commands as users run them:
-`python -m lowmem.suite.bench.diffusion write_pipeline DIR` and `... plain_loop BASE OUT` against `suite diffusion
-finetune`."""
+(docs/diffusion.md, "Benchmark"), as in-process ranks or (`--whole_command`) whole commands: this module's
+`write_pipeline` and `plain_loop` tools (`main`) against `suite diffusion finetune`."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ...utils.memory_meter import SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 from ..errors import UsageError
 from .frontier import add_frontier_arguments, run_frontier
 from .harness import (
+    DDP_OPTIONS,
+    SUITE,
     Side,
     add_ratios,
-    ddp_options,
     fast_optimizer,
     log_step,
     optimizer_impl,
     publish,
     time_fn,
-    tool_main,
     torch_device,
     whole_rows,
 )
 
 __all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss",
-           "plain_loop", "plain_step", "run", "setup_variant", "unet_model", "whole_commands", "write_pipeline"]
+           "plain_loop", "plain_step", "run", "setup_variant", "tool_main", "unet_model", "whole_commands",
+           "write_pipeline"]
 
 _MODULE = __spec__.name if __spec__ is not None else __name__
 
@@ -64,7 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--whole_command", action="store_true",
                         help="compare whole commands instead, start to exit, on a pipeline folder of these shapes: "
                              "the plain diffusers loop against `suite diffusion finetune` (docs/benchmarks.md)")
-    add_whole_arguments(parser)
+    parser.add_argument("--tiers", default="nvme",
+                        help="--whole_command: ours' runs, one per Gemini tier of the master weights and optimizer "
+                             "state (nvme, cpu; comma-separated), chunks of --chunk_mb")
+    parser.add_argument("--cap_mib", type=float, default=None,
+                        help="--whole_command: run ours on the nvme tier under this memory cgroup limit (page cache "
+                             "included; the kernel reclaims, then kills): the published cap")
     add_frontier_arguments(parser)
 
 
@@ -77,16 +85,6 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoders", choices=["small", "sd", "none"], default="small",
                         help="frozen VAE and text encoder: small (scaled down), sd (SD 1.5 shapes) or none")
     parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (latents: /8)")
-
-
-def add_whole_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `--whole_command` only."""
-    parser.add_argument("--tiers", default="nvme",
-                        help="--whole_command: ours' runs, one per Gemini tier of the master weights and optimizer "
-                             "state (nvme, cpu; comma-separated), chunks of --chunk_mb")
-    parser.add_argument("--cap_mib", type=float, default=None,
-                        help="--whole_command: run ours on the nvme tier under this memory cgroup limit (page cache "
-                             "included; the kernel reclaims, then kills): the published cap")
 
 
 # ---- models and in-process sides ------------------------------------------------------------------------
@@ -107,8 +105,7 @@ def unet_model(opts: dict):
 
 
 def encoder_models(opts: dict):
-    """(vae, text_encoder) with random weights, or (None, None). `sd`: SD 1.5's shapes; `small`: 8x VAE with
-    (32, 64, 128, 128) channels and a 2-layer CLIP of the cross-attention width with a 4096-token vocabulary."""
+    """(vae, text_encoder) of random weights in SD 1.5's shapes (`sd`) or scaled down (`small`), or (None, None)."""
     if opts["encoders"] == "none":
         return None, None
     from diffusers import AutoencoderKL
@@ -146,7 +143,7 @@ def setup_variant(variant: str, opts: dict, rank: int, world: int, device):
         optimizer, _ = fast_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
         if world > 1:
             ids = [device.index] if device.type == "cuda" else None
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, **ddp_options())
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, **DDP_OPTIONS)
         return model, optimizer, None, vae, text, None
     from ...diffusion.attention import set_kernels_attention
     from ...diffusion.memory import enable_checkpointing, order_modules_by_use
@@ -157,11 +154,6 @@ def setup_variant(variant: str, opts: dict, rank: int, world: int, device):
     optimizer, _ = fast_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-5)
     if opts["no_gemini"]:
         return model, optimizer, None, vae, text, None
-    model, optimizer, folder = _gemini(model, optimizer, opts)
-    return model, optimizer, optimizer, vae, text, folder
-
-
-def _gemini(model, optimizer, opts: dict):
     from ... import core_parallel
 
     offload = opts["gemini_offload"]
@@ -173,7 +165,7 @@ def _gemini(model, optimizer, opts: dict):
                                         precision="bf16" if opts.get("mixed_precision") == "bf16" else "fp32",
                                         keep_gathered=opts.get("keep_gathered"))
     model, optimizer = core_parallel.setup(model, optimizer, config)
-    return model, optimizer, folder
+    return model, optimizer, optimizer, vae, text, folder
 
 
 def make_step(parts, opts: dict, rank: int, device):
@@ -311,8 +303,7 @@ def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
 
 
 def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float | None]:
-    """One side's ranks in one memory cgroup from start to exit (this process joins it while it spawns and
-    waits): (per-rank results, the cgroup's peak in MiB or None without one)."""
+    """(per-rank results, their memory cgroup's peak MiB or None): this process in it while the ranks run."""
     meter = SideMeter()
     if meter.group is None:
         return _ranks(variant, opts, mode), None
@@ -409,9 +400,8 @@ def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
 
 
 def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
-    """One step of a plain loop: `loss_of()`, backward, the gradients clipped to norm 1.0 (the scripts'
-    `--max_grad_norm` default, `accelerator.clip_grad_norm_`), the optimizer's step, and the `harness.log_step` line
-    its per-step time is read back from (the time covers all of it)."""
+    """One timed step of a plain loop: `loss_of()`, backward, gradients clipped to norm 1.0 (the scripts'
+    `--max_grad_norm` default), the optimizer's step, then its `harness.log_step` line."""
     import torch
 
     t0 = time.perf_counter()
@@ -441,7 +431,7 @@ def whole_commands(opts: dict, work: str) -> list[dict]:
         config = _ours_config(os.path.join(work, f"gemini-{tier}.yaml"), tier, os.path.join(work, "nvme"),
                               opts["chunk_mb"])
         sides.append(Side(f"ours (gemini, {tier} tier)", [
-            py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion", "finetune", "--config", config,
+            py, "-m", SUITE, "diffusion", "finetune", "--config", config,
             "--pretrained_model_name_or_path", base, "--train_data_dir", data, "--resolution", res,
             "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
             "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")],
@@ -526,9 +516,29 @@ def plain_loop(base: str, out: str, *, steps: int = 3, batch: int = 2, resolutio
     pipe.save_pretrained(out)
 
 
+def tool_main(tools: dict[str, Callable[..., Any]], argv: Sequence[str] | None = None) -> int:
+    """The SD benches' whole-process tools (`main` here and in `diffusion_sdxl`): `python -m MODULE NAME ARG...
+    [--key value ...]` is `tools[NAME](*ARGS, key=value, ...)`, each value of its default's type."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in tools:
+        raise SystemExit(f"usage: python -m MODULE {{{','.join(tools)}}} ARG... [--key value ...]")
+    fn, positional, keywords = tools[args.pop(0)], [], {}
+    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            positional.append(arg)
+            continue
+        key, value = arg[2:], args.pop(0)
+        default = defaults[key]
+        keywords[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else value if default in (
+            None, inspect.Parameter.empty) else type(default)(value)
+    fn(*positional, **keywords)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels ...] | plain_loop BASE OUT [--steps 3
-    --batch 2 --resolution 256]`."""
+    """`python -m lowmem.suite.bench.diffusion write_pipeline DIR [--channels ...] | plain_loop BASE OUT [...]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["write_pipeline"]:
         return tool_main({"plain_loop": plain_loop}, argv)

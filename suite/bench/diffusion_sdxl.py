@@ -15,7 +15,8 @@ import tempfile
 
 from ...utils.memory_meter import cgroup_method
 from ..errors import UsageError
-from .harness import WHOLE_RATIOS, Side, add_ratios, csv_metric, emit, publish, run_side, tool_main, whole_rows
+from .diffusion import noise_loss, plain_step, tool_main
+from .harness import SUITE, WHOLE_RATIOS, Side, add_ratios, csv_metric, emit, publish, run_side, whole_rows
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
 
@@ -121,8 +122,6 @@ def _prompt(parts: dict, batch: int, resolution: int) -> tuple:
 def _train(unet, latents_of, hidden, cond, optimizer, scheduler, steps: int, checkpointing: bool) -> None:
     """The scripts' steps (`diffusion.plain_step` of `noise_loss`: bf16 autocast, SDPA, MSE on the noise)
     with SDXL's added conditioning."""
-    from .diffusion import noise_loss, plain_step
-
     if checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -198,7 +197,7 @@ def _sides(opts: dict, base: str, data: str) -> list[dict]:
               "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
               "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
               "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
-    suite = [py, "-m", _MODULE.rsplit(".bench.", 1)[0], "diffusion"]
+    suite = [py, "-m", SUITE, "diffusion"]
     rows = []
     if "lora" in opts["rows"]:
         rows += [
@@ -223,20 +222,17 @@ def _sides(opts: dict, base: str, data: str) -> list[dict]:
     return rows
 
 
-def _unet_params() -> int:
-    from diffusers import UNet2DConditionModel
-
-    with __import__("torch").device("meta"):
-        return sum(p.numel() for p in UNet2DConditionModel(**SDXL_UNET).parameters())
-
-
 def _machine_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _plain_full_note() -> dict:
     """The plain full fine-tune where it is not started (no memory cgroup to hold it in): what it needs."""
-    n = _unet_params()
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in UNet2DConditionModel(**SDXL_UNET).parameters())
     need, total = n * 16, _machine_bytes()  # fp32 weight + gradient + two AdamW moments
     fits = "" if need > total else " (it would fit: not measured by this benchmark)"
     return {"row": "full", "side": "plain", "returncode": None, "params_M": round(n / 1e6), "peak_mib": None,

@@ -94,15 +94,11 @@ def run(args: argparse.Namespace) -> int:
         runs = [{"mode": "one after another", **fold("run0", 0)}]
         # The local Ray is started here, timed on its own, then reused by fold_targets (as it reuses a running
         # cluster): the second row is what `suite fold` costs end to end, the third what a running cluster costs.
-        import ray
-
         from ...utils.ray_cluster import init_local_ray
 
-        _, ray_start = timed(init_local_ray, args.num_workers, configure_logging=False)
-        try:
+        ray_context, ray_start = timed(init_local_ray, args.num_workers, configure_logging=False)
+        with ray_context:
             on_ray = fold("run_ray", args.num_workers)
-        finally:
-            ray.shutdown()
         runs.append({"mode": f"Ray, {args.num_workers} workers, with start-up", **on_ray,
                      "seconds": on_ray["seconds"] + ray_start})
         runs.append({"mode": f"Ray, {args.num_workers} workers, running cluster", **on_ray})

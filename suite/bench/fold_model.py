@@ -13,14 +13,13 @@ import sys
 from ...utils.memory_meter import (
     fix_malloc,
     fixed_mmap_threshold,
-    hwm_bytes,
     malloc_trim,
     peak_rss_bytes,
     reset_peak_rss,
     rss_bytes,
 )
 from ..errors import UsageError
-from .harness import SUITE, Side, emit, int_list, pin_to_core, publish, run_side, safe_env, step_times, torch_device
+from .harness import SUITE, Side, emit, int_list, peak_over, publish, run_side, safe_env, step_times, torch_device
 
 __all__ = ["add_arguments", "run"]
 
@@ -68,8 +67,7 @@ def _options(variant: str, args: argparse.Namespace):
 
 
 def _multimer_model(args: argparse.Namespace, device, dtype):
-    """AlphaFold-Multimer at model_1_multimer_v3 widths (blocks from the flags, random weights, seed 0, no early
-    stop) and a function chain lengths -> one-pass batch (seed 0) on `device`."""
+    """AlphaFold-Multimer at model_1_multimer_v3 widths (random weights, no early stop) and chains -> its batch."""
     import torch
 
     from ...fastfold.model.multimer import AlphaFoldMultimer, multimer_preset
@@ -120,9 +118,7 @@ def _child(args: argparse.Namespace) -> int:
         model(batch_of(warm), options)  # warm-up: library initialisation, not counted
     batch = batch_of(args.chains if args.multimer else int(n_res))
     if device.type == "cuda":
-        sync()
         base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
     else:  # freed heap pages handed back first; without a resettable peak, growth over the peak so far
         gc.collect()
         malloc_trim()
@@ -132,11 +128,9 @@ def _child(args: argparse.Namespace) -> int:
         with torch.no_grad():
             model(batch, options)
 
-    times = step_times(one_pass, args.repeat, warmup=args.warmup, sync=sync)
-    seconds = sorted(times)[len(times) // 2]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
-    emit({"n_res": int(n_res), "variant": variant, "seconds": seconds, "peak_bytes": peak - base,
-          "device": device.type})
+    times, peak = peak_over(lambda: step_times(one_pass, args.repeat, warmup=args.warmup, sync=sync), device)
+    emit({"n_res": int(n_res), "variant": variant, "seconds": sorted(times)[len(times) // 2],
+          "peak_bytes": peak - base, "device": device.type})
     return 0
 
 
@@ -188,12 +182,11 @@ def _args(args: argparse.Namespace) -> dict:
 
 
 def _dap_rank(rank: int, world: int, opts: dict) -> dict:
-    """One DAP rank of the multimer comparison: the model and batch built alike on every rank (seed 0), split
-    across the group when there is more than one rank; peak of one pass (also the first timed), then the time."""
+    """One DAP rank of the multimer comparison: the model split across the group; one pass's peak, then the time."""
     import torch
 
     from ...fastfold.model import InferenceOptions
-    from .dap import dap_group, group_peak_mb
+    from .dap import dap_group, group_peak_mb, pin_to_core
 
     device = torch.device("cpu")
     core = pin_to_core(rank, world)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.machinery
 import json
@@ -30,9 +31,8 @@ class PlddtMismatch(ValueError):
 
 
 def standin_softmax_(a, rows: int, cols: int) -> None:
-    """Softmax over the last dimension of `a` in place, as OpenFold's CUDA `attn_core_inplace_cuda.forward_(a,
-    rows, cols)` computes it (`a` as `rows` x `cols` values; subtract the row's maximum, exponentiate, divide by
-    the sum: an all -inf row is NaN, as in `torch.softmax`). No full-size temporary."""
+    """Softmax over the last dimension of `a` (`rows` x `cols` values) in place, no full-size temporary, as
+    OpenFold's CUDA `attn_core_inplace_cuda.forward_(a, rows, cols)` (an all -inf row is NaN, as in torch)."""
     if rows * cols != a.numel():
         raise ValueError(f"attn_core_inplace_cuda stand-in: {rows} x {cols} != {a.numel()} elements")
     x = a.view(rows, cols)  # the same storage (raises where `a` is not laid out as rows x cols)
@@ -95,8 +95,7 @@ def write_inputs(folder: str, *, preset: str, n_res: int, n_seq: int, n_extra: i
 
 
 def _forward(side: str, model, batch, device, *call_args, **extra) -> dict:
-    """Time one pass (the model and batch already on `device`): the side's row; its peak is VmHWM, its own
-    (ru_maxrss would carry the bench's peak across fork and exec)."""
+    """The side's row: one pass timed (model and batch on `device`); its own peak, VmHWM (not ru_maxrss)."""
     import torch
 
     t_ready = time.perf_counter()
@@ -274,12 +273,11 @@ def run(args: argparse.Namespace) -> int:
     chunk = int(args.chunk_size)
     paths = [os.path.abspath(args.openfold), *(os.path.abspath(p) for p in _pythonpath(args))]
     probe = _probe(args, paths)
-    tmp = None if args.inputs_dir else tempfile.TemporaryDirectory(prefix="lowmem-fold-openfold-")
     runs: list[dict] = []
-    try:
+    with contextlib.nullcontext(args.inputs_dir) if args.inputs_dir else tempfile.TemporaryDirectory(
+            prefix="lowmem-fold-openfold-") as folder:
         for n_res in args.n_res:
-            inputs = write_inputs(args.inputs_dir or tmp.name, preset=args.preset, n_res=n_res, n_seq=args.n_seq,
-                                  n_extra=args.n_extra)
+            inputs = write_inputs(folder, preset=args.preset, n_res=n_res, n_seq=args.n_seq, n_extra=args.n_extra)
             for path in inputs.values():  # read once, so both sides find it in the page cache
                 with open(path, "rb") as f:
                     while f.read(1 << 24):
@@ -292,9 +290,6 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  n_res {n_res} run {i + 1} {side}: wall {got['wall_s']:.1f} s, forward "
                           f"{got['forward_s']:.1f} s, peak {got['peak_bytes'] / 2**20:.0f} MiB, "
                           f"pLDDT {got['plddt']:.4f}", file=sys.stderr, flush=True)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     softmax = next((r["softmax"] for r in runs if "softmax" in r), probe["softmax"])
     method = runs[0]["method"] if runs else cgroup_method()
     payload = {"benchmark": "fold-model --openfold", "args": {k: v for k, v in vars(args).items()

@@ -77,8 +77,6 @@ def _features(targets, cfg) -> float:
 
 
 def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
-    import ray
-
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec
     from ...utils.ray_cluster import init_local_ray
 
@@ -92,24 +90,18 @@ def _feature_rows(args, targets, dbs, tmp: Path) -> list[dict]:
     one = targets[:1]
     serial_one = _features(one, dataclasses.replace(base, output_dir=str(tmp / "s1")))
     row(f"1 target, serial ({args.cpus} threads per tool)", 1, serial_one)
-    init_local_ray(args.cpus, configure_logging=False)
-    try:  # the first run starts Ray's worker processes; the second finds them running
+    with init_local_ray(args.cpus, configure_logging=False):  # the first run starts Ray's workers, the second not
         for k, when in enumerate(("first run, workers starting", "workers running")):
             cfg = dataclasses.replace(base, output_dir=str(tmp / f"w1_{k}"), enable_workflow=True)
             row(f"1 target, workflow (Ray, {args.cpus} CPUs; {when})", 1, _features(one, cfg), serial_one)
-    finally:
-        ray.shutdown()
     serial_all = _features(targets, dataclasses.replace(base, output_dir=str(tmp / "sN")))
     row("targets one after another", len(targets), serial_all)
-    init_local_ray(args.num_workers, configure_logging=False)
-    try:
+    with init_local_ray(args.num_workers, configure_logging=False):
         per_target = dataclasses.replace(base, output_dir=str(tmp / "rN"), num_workers=args.num_workers)
         row(f"per-target Ray tasks, {args.num_workers} workers", len(targets), _features(targets, per_target),
             serial_all)
         workflow = dataclasses.replace(per_target, output_dir=str(tmp / "wN"), enable_workflow=True)
         row(f"workflow, {args.num_workers} workers", len(targets), _features(targets, workflow), serial_all)
-    finally:
-        ray.shutdown()
     return rows
 
 

@@ -1,9 +1,7 @@
-"""`suite bench diffusion --frontier` (issue 47): what `--memory_budget` buys and costs. The plain loop runs first
-and its whole-command peak P is measured; then ours (`--strategy gemini_auto --memory_budget B`) runs at each
-budget B = f x P of `--budgets`, each inside a memory cgroup capped at B (page cache included, so the kernel holds
-the command to its budget). Rows: peak and per-step time against the plain loop, and what each step moved (the
-disk's reads and writes from `/proc/self/io`, Gemini's tier traffic) from ours' CSV log; the disk's own speed is
-measured first, in the offload folder, with direct I/O."""
+"""`suite bench diffusion --frontier` (issue 47): what `--memory_budget` buys and costs. The plain loop's
+whole-command peak P first; then ours (`--strategy gemini_auto --memory_budget B`) at each B = f x P of `--budgets`
+in a memory cgroup capped at B. Rows: peak and step time against the plain loop, and each step's traffic (disk,
+Gemini's tiers) from ours' CSV log; the disk's own speed is measured first, in the offload folder."""
 
 from __future__ import annotations
 

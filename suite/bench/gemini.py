@@ -53,19 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: record rank 0's allocations over setup and steps to FILE (gzipped over 15 MiB)")
 
 
-def _mlp(params: int, width: int):
-    import torch.nn as nn
+def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
+    """An MLP of `params` parameters of `width` as `strategy` trains it (`extra`: GeminiConfig fields), one step
+    taken: (model, step function, RSS after setup)."""
+    import torch
+    from torch import nn
 
     layers = max(1, round(params / (width * width + width)))
-    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
-
-
-def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
-    """The bench's model and step: an MLP of `params` parameters of `width`, wrapped
-    by `strategy` (`extra`: GeminiConfig fields), one step taken; returns (model, step function, setup_rss)."""
-    import torch
-
-    model, opt = train_side(strategy, _mlp(params, width).to(device), gemini=extra)
+    mlp = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
+    model, opt = train_side(strategy, mlp.to(device), gemini=extra)
     setup_rss = rss_bytes()
     if hasattr(model, "memory_report") and device.type == "cpu":
         setup_rss -= sum(model.memory_report()["bytes"]["device"].values())
@@ -135,17 +131,10 @@ def _spawn(strategy: str, ranks: int, params: int, args: argparse.Namespace, ext
     return {**outs[0], **{k: max(o[k] for o in outs) for k in ("peak", "peak_since_setup", "step_s", "charged")}}
 
 
-def _size(text: str) -> int:
-    try:
-        return count(text)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"--params/--sizes: {exc}") from None
-
-
 def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
     import torch
 
-    params = _size(args.params)
+    params = count(args.params)
     tier = {"offload_tier": "cpu", "offload_param_frac": 1.0, "offload_optim_frac": 1.0}
     results = {}
     for s in args.strategies:
@@ -188,7 +177,7 @@ def _ram_budget(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
         raise UsageError(str(exc)) from None
     rows, best = [], None
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
-        for size in (_size(s) for s in args.sizes.split(",")):
+        for size in (count(s) for s in args.sizes.split(",")):
             extra = {"placement": "auto", "offload_tier": "nvme", "offload_dir": folder,
                      "device_memory_budget": budget // 2}
             try:
@@ -212,6 +201,9 @@ def _ram_budget(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
 def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
-    payload, tables, notes = _ram_budget(args) if args.ram_budget else _compare(args)
+    try:
+        payload, tables, notes = _ram_budget(args) if args.ram_budget else _compare(args)
+    except argparse.ArgumentTypeError as exc:  # `count` of --params or --sizes
+        raise UsageError(f"--params/--sizes: {exc}") from None
     publish(args, {"benchmark": "gemini", **payload}, tables, notes)
     return 0

@@ -1,8 +1,6 @@
-"""`suite bench gpu --out DIR [--budget-s 420] [--device cuda|cpu] [--smoke] [--rows checks,kernels,...]`: the GPU
-proof in one command (issue 35), sized for a 15-minute lend of one H100 or H200. Each stage runs existing commands
-(`pytest -m gpu`, `suite bench kernels|diffusion|gemini|fold-model ... --json FILE`), each a child in its own process
-group with a limit inside the stage's time slice; their rows are the stage's tables, the targets are judged from them,
-and gpu.json, gpu.md and gpu.log are rewritten after every command. docs/benchmarks.md, "GPU proof".
+"""`suite bench gpu`: the GPU proof in one command (issue 35; docs/benchmarks.md, "GPU proof"). Each stage runs
+existing commands (`pytest -m gpu`, `suite bench ... --json FILE`) as sides within its time slice; their rows are its
+tables, the targets are judged from them, and gpu.json, gpu.md and gpu.log are rewritten after every command.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ _INJECT = {"crash": "raise SystemExit(3)", "hang": "import time; time.sleep(3600
 
 
 def _inject(text: str) -> dict[str, str]:
-    """Test hook: `stage=crash|hang|ok,...` replaces those stages' commands by one that exits 3, sleeps (in a 3 s
-    slice) or prints a row."""
+    """Test hook: `stage=crash|hang|ok,...`: those stages run one command that exits 3, sleeps (3 s slice) or prints."""
     pairs = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
     if not pairs or any(k not in {s.name for s in STAGES} or v not in _INJECT for k, v in pairs.items()):
         raise argparse.ArgumentTypeError(f"expected stage=crash|hang|ok,..., got {text!r}")
@@ -90,10 +87,9 @@ class _Stage:
 
     def run(self, argv: list[str], key: str, title: str, *, share: float = 1.0, probe: bool = False, per: int = 0,
             cwd: Path | None = None, read: Callable[[str], list[dict]] | None = None, **extra: Any) -> list | None:
-        """Run `argv` (`bench ...`: a `suite` command, given `--json FILE` and, with `per` runs inside it, a
-        `--timeout` each) within `share` of the stage's time left; its rows (`read(output)`, else the JSON's) go
-        to table `key` with the `extra` columns. Its rows, None when it failed; a failure crashes the stage
-        unless `probe` (a search step, whose failure is a result)."""
+        """Run `argv` (`bench ...`: `suite bench` with `--json FILE` and, for `per` runs in it, `--timeout`) in
+        `share` of the stage's time left; its rows (`read(output)`, else the JSON's, None if it failed) go to table
+        `key` with the `extra` columns. A failure crashes the stage unless `probe` (a search step)."""
         left = self.deadline - time.monotonic()
         limit, path = min(share * left, left - 0.5), self.work / f"{self.record['name']}-{len(self.record['commands'])}"
         if limit < 2:

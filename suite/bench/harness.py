@@ -1,16 +1,14 @@
 """The one bench harness: a bench is its rows and its sides; this module runs the sides and publishes the rows.
 
-Sides run as processes of their own (`Side`, `run_side`: a memory cgroup under an optional cap, a time limit, the
-peak and wall time, what they printed, `emit`ted JSON lines and `log_step` per-step times read back); whole
-commands side by side: `whole_rows`. Sides that run as ranks time steps with `step_times` and take peaks with
-`peak_over` / `utils.memory_meter.SideMeter`. Baselines at their best: `fast_optimizer`, `ddp_options`,
-`torch_baseline` (`ran` names what ran). `publish` prints the tables and writes `--json`, `--markdown` and `--plot`;
-`add_ratios` compares rows with their baseline.
+Sides as processes (`Side`, `run_side`, `whole_rows`: a memory cgroup under an optional cap, a time limit, peak,
+wall time, `emit`ted rows and `log_step` times read back); sides as ranks (`step_times`, `peak_over`); baselines at
+their best (`train_side`, `fast_optimizer`, `ran`); `publish`: tables, `--json`, `--markdown`, `--plot`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.metadata
 import json
@@ -28,15 +26,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from ...utils.fileio import atomic_write, drop_page_cache
 from ...utils.memory_meter import hwm_bytes, reset_peak_rss, run_command
 
-__all__ = ["SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "child", "child_main",
-           "count", "csv_metric", "csv_step_seconds", "ddp_options", "drop_cached", "emit", "emulate_card",
+__all__ = ["DDP_OPTIONS", "SUITE", "WHOLE_RATIOS", "Side", "SideRun", "add_output_arguments", "add_ratios", "child",
+           "child_main", "count", "csv_metric", "csv_step_seconds", "drop_cached", "emit", "emulate_card",
            "fast_optimizer", "int_list", "json_lines", "log_step", "machine_info", "markdown_table", "median", "mib",
-           "names", "optimizer_impl", "peak_over", "pin_to_core", "plot", "publish", "ran", "ratio", "run_side",
-           "safe_env", "save_figure", "smi", "step_seconds", "step_times", "text_table", "time_fn", "timed",
-           "tool_main", "torch_baseline", "torch_device", "train_side", "train_step", "whole_rows", "write_json",
-           "write_text"]
+           "names", "optimizer_impl", "peak_over", "plot", "publish", "ran", "ratio", "run_side", "safe_env",
+           "save_figure", "smi", "step_seconds", "step_times", "text_table", "time_fn", "timed", "torch_device",
+           "train_side", "train_step", "whole_rows", "write_json", "write_text"]
 
 SUITE = __package__.rpartition(".")[0]
 """The suite's import name (`lowmem.suite`), for `python -m`."""
@@ -71,8 +69,7 @@ def names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
+        if not values or set(values) - set(allowed):
             raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text!r}")
         return values
 
@@ -91,8 +88,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def step_times(step: Callable[[], Any], steps: int, *, warmup: int = 0, sync: Callable[[], None] | None = None,
                before: Callable[[], Any] | None = None) -> list[float]:
-    """Seconds of each of `steps` calls of `step()` after `warmup` untimed ones (`sync` after each, timed;
-    `before` each, untimed: a barrier between ranks)."""
+    """Seconds of `steps` calls of `step()` after `warmup` untimed ones (`sync` after each, timed; `before`: not)."""
     times = []
     for i in range(warmup + steps):
         if before:
@@ -134,8 +130,8 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3,
 
 
 def fast_optimizer(cls: type, params: Any, **kwargs: Any) -> tuple[Any, str]:
-    """`cls(params, **kwargs)` fused where this build and device can, else foreach, else the per-tensor loop (a
-    baseline at its best): (optimizer, "fused" | "foreach" | "for-loop")."""
+    """(optimizer, which): `cls(params, **kwargs)` "fused" where this build and device can, else "foreach", else the
+    per-tensor "for-loop" (a baseline at its best)."""
     params = list(params)
     for flag in ("fused", "foreach"):
         try:
@@ -145,58 +141,46 @@ def fast_optimizer(cls: type, params: Any, **kwargs: Any) -> tuple[Any, str]:
     return cls(params, **kwargs), "for-loop"
 
 
-def optimizer_impl(cls: type | None = None) -> str:
-    """Which implementation `fast_optimizer` picks here for `cls` (default torch's Adam)."""
+def optimizer_impl(cls: type) -> str:
+    """Which implementation `fast_optimizer` picks here for `cls`."""
     import torch
 
-    return fast_optimizer(cls or torch.optim.Adam, [torch.nn.Parameter(torch.zeros(1))])[1]
+    return fast_optimizer(cls, [torch.nn.Parameter(torch.zeros(1))])[1]
 
 
 def ran(strategy: str, optimizer: str = "Adam") -> str:
-    """What a side ran, for its row: Gemini's fused Adam, else torch's `optimizer` as `fast_optimizer` picks it
-    (and DDP's options)."""
+    """What a side ran: Gemini's fused Adam, else torch's `optimizer` as `fast_optimizer` picks it (and DDP's)."""
     if strategy.startswith("gemini"):
         return "gemini fused Adam"
     import torch
 
-    label = f"torch {optimizer} {optimizer_impl(getattr(torch.optim, optimizer))}"
-    return label + (", DDP(" + ", ".join(f"{k}={v}" for k, v in ddp_options().items()) + ")" if strategy == "ddp"
-                    else "")
+    ddp = ", DDP(" + ", ".join(f"{k}={v}" for k, v in DDP_OPTIONS.items()) + ")" if strategy == "ddp" else ""
+    return f"torch {optimizer} {optimizer_impl(getattr(torch.optim, optimizer))}{ddp}"
 
 
-def ddp_options() -> dict[str, Any]:
-    """Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
-    return {"gradient_as_bucket_view": True}
-
-
-def torch_baseline(strategy: str, model: Any, lr: float = 1e-4) -> tuple[Any, Any]:
-    """(model, Adam at its best) under torch DDP (`ddp_options`) or FSDP2 (`fully_shard` on each layer with
-    parameters, then on the whole), as their users run them."""
-    import torch
-
-    if strategy == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, **ddp_options())
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        fully_shard(model)
-    return model, fast_optimizer(torch.optim.Adam, model.parameters(), lr=lr)[0]
+DDP_OPTIONS = {"gradient_as_bucket_view": True}
+"""Keyword arguments of every DDP baseline: gradients live in the all-reduce buckets (no second copy)."""
 
 
 def train_side(strategy: str, model: Any, *, bucket_mb: float = 25.0, gemini: dict | None = None) -> tuple[Any, Any]:
-    """(model, optimizer) as `strategy` trains them, Adam (lr 1e-4) at its best: torch's `ddp` / `fsdp2`
-    (`torch_baseline`), ZeRO `zero1` / `zero2` (buckets of `bucket_mb`), `gemini` (GeminiConfig fields `gemini`;
-    `gemini_collective`: no peer reads, every gather a collective)."""
+    """(model, Adam at its best) as `strategy` trains them: torch's `ddp` (`DDP_OPTIONS`) and `fsdp2` (`fully_shard`
+    each layer with parameters, then the whole) as their users run them, ZeRO `zero1` / `zero2` (buckets of
+    `bucket_mb`), `gemini` (GeminiConfig fields `gemini`; `gemini_collective`: no peer reads)."""
     import torch
 
     from ... import core_parallel
 
-    if strategy in ("ddp", "fsdp2"):
-        return torch_baseline(strategy, model)
+    if strategy == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, **DDP_OPTIONS)
+    elif strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (m for m in model if any(True for _ in m.parameters())):
+            fully_shard(layer)
+        fully_shard(model)
     opt, _ = fast_optimizer(torch.optim.Adam, model.parameters(), lr=1e-4)
+    if strategy in ("ddp", "fsdp2"):
+        return model, opt
     if strategy.startswith("zero"):
         config = core_parallel.ZeroConfig(stage=int(strategy[-1]), bucket_mb=bucket_mb)
     else:
@@ -217,8 +201,8 @@ def train_step(model: Any, opt: Any, x: Any) -> Callable[[], None]:
 
 
 def torch_device(name: str = "auto", rank: int | None = None):
-    """The torch device `name` names ("auto": CUDA where there is one); on CUDA `rank`'s card (modulo the cards),
-    made current, or without a rank the current card."""
+    """The device `name` names ("auto": CUDA where there is one); on CUDA `rank`'s card (modulo the cards; else the
+    current one), made current."""
     import torch
 
     if name == "auto":
@@ -252,17 +236,7 @@ def emulate_card(gib: float | None, device) -> str:
     return f"emulated {gib:g} GiB card (allocator fraction {cap / total:.3f} of {total / 2**30:.1f} GiB)"
 
 
-def pin_to_core(rank: int, world: int) -> int | None:
-    """Pin this process to its own core (the rank-th allowed one) when every rank can have one; which core."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < world:
-        print(f"affinity: {world} ranks but {len(cores)} cores allowed; not pinning", file=sys.stderr)
-        return None
-    os.sched_setaffinity(0, {cores[rank]})
-    return cores[rank]
-
-
-# ---- per-step times written by a side -------------------------------------------------------------------------
+# ---- sides as processes ---------------------------------------------------------------------------------------
 
 _STEP = re.compile(r"^plain step \d+/\d+ s ([0-9.]+)", re.M)
 
@@ -278,8 +252,7 @@ def step_seconds(text: str) -> list[float]:
 
 
 def csv_metric(folder: str, column: str) -> list[float]:
-    """The values of `column` in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`), in order, rows
-    without it skipped; [] without the file."""
+    """`column`'s values in `suite diffusion`'s CSV log in `folder` (`logs/csv/metrics.csv`); [] without one."""
     path = os.path.join(folder, "logs", "csv", "metrics.csv")
     if not os.path.exists(path):
         return []
@@ -288,44 +261,15 @@ def csv_metric(folder: str, column: str) -> list[float]:
 
 
 def csv_step_seconds(folder: str, batch: int) -> list[float]:
-    """Seconds of each optimizer step from `suite diffusion`'s CSV log in `folder`: the `images_per_s` logged at
-    step k is the batch over step k-1's duration; [] without the file."""
+    """Seconds of each step from `suite diffusion`'s CSV log in `folder` (its `images_per_s`: batch / seconds)."""
     return [batch / r for r in csv_metric(folder, "images_per_s") if r > 0]
 
 
 def drop_cached(folder: str) -> None:
     """Drop `folder`'s files from the page cache, so the next side reads (and is charged for) them itself."""
-    from ...utils.fileio import drop_page_cache
-
     for top, _, files in os.walk(folder):
         for name in files:
             drop_page_cache(os.path.join(top, name), write_back=True)
-
-
-def tool_main(tools: dict[str, Callable[..., Any]], argv: Sequence[str] | None = None) -> int:
-    """`python -m MODULE NAME ARG... [--key value ...]`: `tools[NAME](*ARGS, key=value, ...)`, each value of its
-    default's type (a bench's whole-process sides)."""
-    import inspect
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in tools:
-        raise SystemExit(f"usage: python -m MODULE {{{','.join(tools)}}} ARG... [--key value ...]")
-    fn, positional, keywords = tools[args.pop(0)], [], {}
-    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
-    while args:
-        arg = args.pop(0)
-        if not arg.startswith("--"):
-            positional.append(arg)
-            continue
-        key, value = arg[2:], args.pop(0)
-        default = defaults[key]
-        keywords[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else value if default in (
-            None, inspect.Parameter.empty) else type(default)(value)
-    fn(*positional, **keywords)
-    return 0
-
-
-# ---- sides as processes ---------------------------------------------------------------------------------------
 
 
 def emit(row: dict) -> None:
@@ -336,12 +280,9 @@ def emit(row: dict) -> None:
 def json_lines(text: str) -> list[dict]:
     """Every line of `text` that is a JSON object, in order (a side's `emit`ted rows)."""
     rows = []
-    for line in text.splitlines():
-        if line.strip().startswith("{"):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in (t for t in text.splitlines() if t.strip().startswith("{")):
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
     return rows
 
 
@@ -351,8 +292,7 @@ def safe_env(**extra: str) -> dict[str, str]:
 
 
 def child(name: str, module: str, spec: dict, **side: Any) -> Side:
-    """A side running `python -m module JSON` (its settings `spec`) in the installed package (`safe_env`); the
-    module ends with `child_main`."""
+    """A side running `python -m module JSON` (`spec`; the module ends with `child_main`) with `safe_env`."""
     return Side(name, [sys.executable, "-m", module, json.dumps(spec)], env=safe_env(), **side)
 
 
@@ -408,13 +348,10 @@ class SideRun:
 
     def step_times(self, csv_folder: str | None = None, batch: int = 1) -> list[float]:
         """Per-step seconds: the `suite diffusion` CSV log in `csv_folder`, else the side's `log_step` lines."""
-        if csv_folder:
-            return csv_step_seconds(csv_folder, batch)
-        return step_seconds(self.stdout)
+        return csv_step_seconds(csv_folder, batch) if csv_folder else step_seconds(self.stdout)
 
     def outcome(self, text: str | None = None) -> str:
-        """ok, killed (at its time limit, for memory), OOM, or the exit code and the last line of `text` (its
-        stderr by default)."""
+        """ok, killed (time limit, memory), OOM, or the exit code and the last line of `text` (default stderr)."""
         text = self.stderr if text is None else text
         if self.timed_out:
             return f"killed at its time limit of {self.side.timeout:.0f} s"
@@ -444,14 +381,13 @@ def mib(nbytes: float | None) -> float | None:
 
 
 def run_side(side: Side) -> SideRun:
-    """Run `side` to its exit or its time limit (then its process group is ended, what it printed kept); measured
-    in its own memory cgroup from its first instruction (`utils.memory_meter.run_command`), under its cap."""
-    log = open(side.log, "w") if side.log else None  # noqa: SIM115 - closed below
-    captured = log is None and side.capture
-    out = log or (tempfile.TemporaryFile("w+") if captured else None)
-    err = log or (tempfile.TemporaryFile("w+") if captured else None)
-    t0 = time.perf_counter()
-    try:
+    """Run `side` to its exit or its time limit (then its process group is ended), measured in its own memory
+    cgroup from its first instruction, under its cap (`utils.memory_meter.run_command`)."""
+    with contextlib.ExitStack() as files:
+        log = files.enter_context(open(side.log, "w")) if side.log else None
+        captured = log is None and side.capture
+        out, err = (files.enter_context(tempfile.TemporaryFile("w+")) if captured else log for _ in range(2))
+        t0 = time.perf_counter()
         try:
             got = run_command(side.argv, timeout=side.timeout, use_cgroup=side.use_cgroup, cap_bytes=side.cap_bytes,
                               offload_paths=side.offload_paths, env=side.env, cwd=side.cwd, stdout=out,
@@ -461,28 +397,23 @@ def run_side(side: Side) -> SideRun:
         run = SideRun(side, got["returncode"], got["wall_s"], got["peak_bytes"], got["method"],
                       bool(got.get("oom_kills")))
         if captured:
-            out.seek(0)
-            err.seek(0)
+            for f in (out, err):
+                f.seek(0)
             run.stdout, run.stderr = out.read(), err.read()
         elif log:
             log.flush()
             with open(side.log, errors="replace") as f:
                 run.stdout = f.read()  # its log: stdout and stderr
         return run
-    finally:
-        for f in {id(out): out, id(err): err}.values():
-            if f is not None:
-                f.close()
 
 
-def whole_rows(sides: Sequence[Side], labels: Sequence[dict] | None = None, *, drop: Sequence[str] = (),
-               batch: int = 1, strict: bool = False, compare: bool = True) -> list[dict]:
-    """Whole commands side by side: each side run (`run_side`) after `drop`'s files left the page cache (so it
-    reads, and is charged for, its inputs itself); its row (`labels`, default its name, then `SideRun.row` with
-    its per-step times: the `suite diffusion` CSV log of its `--output_dir`, else its `log_step` lines); with
-    `compare`, ratios against the first side. `strict`: a side that fails, not killed for memory, raises."""
+def whole_rows(sides: Sequence[Side], labels: Sequence[dict], *, drop: Sequence[str] = (), batch: int = 1,
+               strict: bool = False, compare: bool = True) -> list[dict]:
+    """Whole commands side by side, each after `drop`'s files left the page cache: its label, then `SideRun.row`
+    with its step times (its `--output_dir`'s CSV log, else its `log_step` lines); with `compare`, ratios against
+    the first side. `strict`: a side that fails, not killed for memory, raises."""
     rows = []
-    for i, side in enumerate(sides):
+    for side, label in zip(sides, labels):
         for folder in drop:
             drop_cached(folder)
         got = run_side(side)
@@ -490,7 +421,7 @@ def whole_rows(sides: Sequence[Side], labels: Sequence[dict] | None = None, *, d
             raise RuntimeError(f"{side.name}: {' '.join(side.argv)} exited with {got.returncode}:\n"
                                f"{(got.stderr or got.stdout)[-3000:]}")
         out = side.argv[side.argv.index("--output_dir") + 1] if "--output_dir" in side.argv else None
-        rows.append({**(labels[i] if labels else {"side": side.name}), **got.row(got.step_times(out, batch))})
+        rows.append({**label, **got.row(got.step_times(out, batch))})
     if compare and rows:
         add_ratios(rows[1:], rows[0], WHOLE_RATIOS)
     return rows
@@ -591,14 +522,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` atomically (a reader never sees half a file), world-readable."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
+    """Write `text` to `path` atomically (`utils.fileio.atomic_write`: a reader never sees half a file)."""
+    with atomic_write(path) as f:
         f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
@@ -615,10 +541,10 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    numeric = [c for c in _present(rows, None) if any(isinstance(r.get(c), (int, float)) and not isinstance(
-        r.get(c), bool) for r in rows)]
-    ys = [c for c in numeric if "ratio" in c or "_vs_" in c] or numeric
     keys = _present(rows, None)
+    numeric = [c for c in keys if any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
+                                      for r in rows)]
+    ys = [c for c in numeric if "ratio" in c or "_vs_" in c] or numeric
     labels = [str(r.get(keys[0], "")) for r in rows]
     if len(set(labels)) < len(labels) and len(keys) > 1:  # the first column does not tell the rows apart
         labels = [f"{a} {_cell(r.get(keys[1], ''))}" for a, r in zip(labels, rows)]
@@ -648,8 +574,8 @@ def save_figure(fig: Any, path: str) -> None:
 def publish(args: argparse.Namespace, payload: dict[str, Any],
             tables: Sequence[tuple[str | None, Sequence[dict], Sequence[str] | None]] = (),
             notes: Sequence[str] = ()) -> None:
-    """A bench's output: each (title, rows, columns) table printed, then the notes; `payload` to `--json`, the
-    tables to `--markdown` and the first table's ratios to `--plot`."""
+    """Print each (title, rows, columns) table and the notes; `payload` to `--json`, the tables to `--markdown`,
+    the first table's ratios to `--plot`."""
     for title, rows, columns in tables:
         print(text_table(rows, columns, title), end="", flush=True)
     for note in notes:

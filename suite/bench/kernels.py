@@ -159,8 +159,7 @@ def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float,
 
 
 def _run_case(case: dict, impl: str, args: argparse.Namespace, dtype: str) -> dict:
-    """Time and memory of one implementation, each in a fresh process (memory: freed blocks leave the resident
-    set, `fixed_mmap_threshold`; time: the allocator users get)."""
+    """Memory (freed blocks leave RSS: `fixed_mmap_threshold`) and time of one implementation, a process each."""
     result = {}
     for measure in ("memory", "time"):
         spec = {"case": case, "impl": impl, "device": args.device, "dtype": dtype, "repeat": args.repeat,

@@ -8,18 +8,16 @@ import time
 
 from ...utils.memory_meter import SideMeter, hwm_bytes
 from ..errors import UsageError
-from .harness import add_ratios, ddp_options, fast_optimizer, publish, ran
+from .harness import DDP_OPTIONS, add_ratios, fast_optimizer, publish, ran
 
 __all__ = ["add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STRATEGIES = "ddp,fsdp,zero2,gemini"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="processes per strategy")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated strategy names")
+    parser.add_argument("--strategies", default="ddp,fsdp,zero2,gemini", help="comma-separated strategy names")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width")
     parser.add_argument("--layers", type=int, default=8, help="MLP depth")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
@@ -75,21 +73,17 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
     """One rank of one strategy: fit for warmup + steps, return peak memory and step times."""
     import lightning.pytorch as pl
     import torch
+    from lightning.pytorch.strategies import DDPStrategy
 
     from ... import recipes  # noqa: F401  (registers zero2, gemini, ...)
 
     cuda = args["accelerator"] == "gpu"
     n_steps = args["warmup"] + args["steps"]
     meter = SideMeter().start()
-    strategy = name
-    if name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        strategy = DDPStrategy(**ddp_options())
     trainer = pl.Trainer(
-        strategy=strategy, accelerator=args["accelerator"], devices=world, max_steps=n_steps,
-        precision=args["precision"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False,
+        strategy=DDPStrategy(**DDP_OPTIONS) if name == "ddp" else name, accelerator=args["accelerator"],
+        devices=world, max_steps=n_steps, precision=args["precision"], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
     module = _module(args["hidden"], args["layers"], args["batch"], n_steps, cuda)
     if cuda:
@@ -107,9 +101,9 @@ def _bench_rank(rank: int, world: int, name: str, args: dict) -> dict:
 def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
     from ...core_parallel import RankError, run_on_ranks
 
-    env = {"OMP_NUM_THREADS": "1"}
     try:
-        per_rank = run_on_ranks(_bench_rank, args.ranks, name, shared, backend="none", timeout=args.timeout, env=env)
+        per_rank = run_on_ranks(_bench_rank, args.ranks, name, shared, backend="none", timeout=args.timeout,
+                                 env={"OMP_NUM_THREADS": "1"})
     except (RankError, TimeoutError) as exc:
         reason = str(exc).splitlines()[0][:160]
         short = reason.split(": ", 1)[-1][:60]
@@ -126,22 +120,19 @@ def _run_strategy(name: str, args: argparse.Namespace, shared: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    nan = float("nan")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.ranks < 1 or args.steps < 1 or args.hidden < 1 or args.layers < 1 or args.batch < 1:
         raise UsageError("--ranks, --steps, --hidden, --layers and --batch must be >= 1")
     if not names:
         raise UsageError("--strategies names no strategy")
-    accelerator = args.accelerator
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    shared = {k: getattr(args, k) for k in ("hidden", "layers", "batch", "steps", "warmup", "precision")}
-    shared["accelerator"] = accelerator
+    accelerator = ("gpu" if torch.cuda.is_available() else "cpu") if args.accelerator == "auto" else args.accelerator
+    shared = {**{k: getattr(args, k) for k in ("hidden", "layers", "batch", "steps", "warmup", "precision")},
+              "accelerator": accelerator}
     params = args.layers * (args.hidden * args.hidden + args.hidden) + args.hidden * (args.hidden + 1)
     rows = [_run_strategy(name, args, shared) for name in names]
     base = next((r for r in rows if r["strategy"] == "ddp" and r["status"] == "ok"), None)
-    add_ratios([r for r in rows if r["status"] == "ok"] if base else [], base,
-               {"mem_vs_ddp": "peak_mb_max", "time_vs_ddp": "step_ms", "charged_vs_ddp": "charged_mb_max"}, nan)
+    add_ratios([r for r in rows if r["status"] == "ok"] if base else [], base, {"mem_vs_ddp": "peak_mb_max",
+               "time_vs_ddp": "step_ms", "charged_vs_ddp": "charged_mb_max"}, float("nan"))
     columns = ["strategy", "status", "peak_mb_max", "peak_mb_per_rank", "charged_mb_max", "step_ms", "mem_vs_ddp",
                "charged_vs_ddp", "time_vs_ddp", "ran"]
     title = (f"Lightning strategies: {params / 1e6:.1f}M params, {args.ranks} ranks on {accelerator}, "

@@ -69,13 +69,6 @@ def _rank(rank: int, world: int, variant: str, width: int, layers: int, batch: i
             "charged_bytes": charged, "memory_method": meter.method, "ran": ran(variant)}
 
 
-def _shape(params: int, width: int | None) -> tuple[int, int]:
-    if width is None:
-        width = min(2048, max(64, int((params / 8) ** 0.5)))
-    layers = max(1, round(params / (width * width + width)))
-    return width, layers
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -83,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.batch < 1 or args.steps < 1:
         raise UsageError("--ranks, --batch and --steps must be >= 1")
-    width, layers = _shape(args.params, args.width)
+    width = args.width or min(2048, max(64, int((args.params / 8) ** 0.5)))
+    layers = max(1, round(args.params / (width * width + width)))
     n_params = layers * (width * width + width)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rows = []
