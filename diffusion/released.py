@@ -1,7 +1,8 @@
 """Pipeline folders at the released models' sizes with random weights, for measuring at real size offline (no
-weights can be downloaded here): Stable Diffusion 3.5 medium (a 2.5B MMDiT, CLIP-L, CLIP-G, T5-XXL) and Flux.1-dev
-(a 12B transformer, CLIP-L, T5-XXL), in diffusers' folder format, every weight file sharded safetensors with its
-index, as the released folders are (`from_pretrained` and our streaming loaders read them).
+weights can be downloaded here): SDXL base 1.0 (a 2.6B UNet, CLIP-L, CLIP-G), Stable Diffusion 3.5 medium (a 2.5B
+MMDiT, CLIP-L, CLIP-G, T5-XXL) and Flux.1-dev (a 12B transformer, CLIP-L, T5-XXL), in diffusers' folder format,
+weight files as sharded safetensors with their index, in the released folders' dtype (`from_pretrained` and our
+streaming loaders read them).
 
 A model is built with its parameters on the meta device (its buffers real) and written module by module: each
 module's parameters get memory, their initial values (the module's own `reset_parameters`, norms at one and zero, other
@@ -9,7 +10,7 @@ tensors N(0, 0.02)) and the folder's dtype, go into the current shard, and leave
 GB in bf16) is never whole in memory. Values depend on the seed only. The tokenizers are the offline ones of the tiny
 folders (`diffusion.tiny`, `diffusion.flow_tiny`): their ids index the released vocabularies' first rows.
 
-    python -m lowmem.diffusion.released flux.1-dev FOLDER      # or sd3.5-medium
+    python -m lowmem.diffusion.released flux.1-dev FOLDER      # or sd3.5-medium, sdxl-base-1.0
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ _VAE = dict(in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 51
             norm_num_groups=32, sample_size=1024, use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
 
 RELEASED: dict[str, dict[str, Any]] = {
+    "sdxl-base-1.0": {
+        "unet": dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                     block_out_channels=(320, 640, 1280),
+                     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                     up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                     attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048,
+                     use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                     projection_class_embeddings_input_dim=2816),
+        "vae": dict(_VAE, latent_channels=4, use_quant_conv=True, use_post_quant_conv=True, scaling_factor=0.13025),
+        "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G,
+        "scheduler": dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                          steps_offset=1, timestep_spacing="leading"),
+        "dtype": "float32",
+    },
     "sd3.5-medium": {
         "transformer": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
                             num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
@@ -46,6 +61,7 @@ RELEASED: dict[str, dict[str, Any]] = {
         "vae": dict(_VAE, scaling_factor=1.5305, shift_factor=0.0609),
         "text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G, "text_encoder_3": _T5_XXL,
         "scheduler": dict(num_train_timesteps=1000, shift=3.0),
+        "dtype": "bfloat16",
     },
     "flux.1-dev": {
         "transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -55,9 +71,11 @@ RELEASED: dict[str, dict[str, Any]] = {
         "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL,
         "scheduler": dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                           max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096),
+        "dtype": "bfloat16",
     },
 }
-"""The released configs (`transformer`, `vae`, text encoders, `scheduler`): what the folders' config files say."""
+"""The released configs (the denoiser, `vae`, text encoders, `scheduler`: what the folders' config files say) and the
+dtype of their weight files."""
 
 
 def _init_(name: str, t: torch.Tensor, module: torch.nn.Module) -> None:
@@ -154,6 +172,17 @@ def _models(name: str, configs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     ids = dict(bos_token_id=clip_tok.convert_tokens_to_ids(BOS), eos_token_id=clip_tok.convert_tokens_to_ids(EOS),
                pad_token_id=clip_tok.convert_tokens_to_ids(EOS))
     sd3 = name.startswith("sd3")
+    if name.startswith("sdxl"):
+        from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+
+        from .sdxl import make_sdxl_pipeline
+
+        with init_empty_weights(include_buffers=False):
+            parts = {"unet": UNet2DConditionModel(**configs["unet"]), "vae": AutoencoderKL(**configs["vae"]),
+                     "text_encoder": CLIPTextModel(CLIPTextConfig(**configs["text_encoder"], **ids)),
+                     "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder_2"], **ids))}
+        parts.update(scheduler=EulerDiscreteScheduler(**configs["scheduler"]), tokenizer=clip_tok, tokenizer_2=clip_tok)
+        return lambda **kw: make_sdxl_pipeline(kw), parts
     with init_empty_weights(include_buffers=False):
         parts = {"transformer": (SD3Transformer2DModel if sd3 else FluxTransformer2DModel)(**configs["transformer"]),
                  "vae": AutoencoderKL(**configs["vae"]),
@@ -171,11 +200,11 @@ def _models(name: str, configs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return FluxPipeline, parts
 
 
-def write_released_pipeline(folder: str | Path, name: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                            shard_bytes: int = 2 << 30, configs: dict[str, Any] | None = None) -> Path:
+def write_released_pipeline(folder: str | Path, name: str, *, seed: int = 0, shard_bytes: int = 2 << 30,
+                            configs: dict[str, Any] | None = None) -> Path:
     """Write the pipeline `name` (a key of `RELEASED`; `configs` replaces its configs, e.g. scaled down for a test)
-    with random weights of `seed` in `dtype` to `folder`; `folder/.complete` is written last and a folder that has
-    it is kept as it is (a half-written one is written again)."""
+    with random weights of `seed` in the released dtype to `folder`; `folder/.complete` is written last and a folder
+    that has it is kept as it is (a half-written one is written again)."""
     from .tiny import build_tokenizer
 
     if name not in RELEASED:
@@ -185,7 +214,9 @@ def write_released_pipeline(folder: str | Path, name: str, *, seed: int = 0, dty
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    cls, parts = _models(name, configs or RELEASED[name])
+    configs = configs or RELEASED[name]
+    dtype = getattr(torch, configs["dtype"])
+    cls, parts = _models(name, configs)
     pipe = cls(**parts)
     pipe.save_config(folder)  # model_index.json
     with torch.random.fork_rng(devices=[]):
@@ -199,7 +230,7 @@ def write_released_pipeline(folder: str | Path, name: str, *, seed: int = 0, dty
             diffusers_model = hasattr(part, "save_config")
             part.save_config(sub) if diffusers_model else part.config.save_pretrained(sub)
             _write_model(part, sub, "diffusion_pytorch_model" if diffusers_model else "model", dtype, shard_bytes)
-    for slot in ("tokenizer", "tokenizer_2") if name.startswith("sd3") else ("tokenizer",):
+    for slot in ("tokenizer",) if name.startswith("flux") else ("tokenizer", "tokenizer_2"):
         build_tokenizer(77, folder / slot)  # the CLIP tokenizers' two files, which transformers 4 reads too
     (folder / ".complete").touch()
     return folder

@@ -8,11 +8,11 @@ import argparse
 import gc
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
+from ...diffusion.released import RELEASED, write_released_pipeline
 from ...utils.memory_meter import cgroup_method
 from ..errors import UsageError
 from .diffusion import noise_loss, plain_step, tool_main
@@ -22,19 +22,7 @@ __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full",
 
 _MODULE = __spec__.name if __spec__ is not None else __name__
 
-SDXL_UNET = dict(  # stabilityai/stable-diffusion-xl-base-1.0, unet/config.json
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(5, 10, 20),
-    transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048, use_linear_projection=True,
-    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-)
-_TEXT = {  # CLIP ViT-L/14 (text_encoder) and OpenCLIP ViT-bigG/14 (text_encoder_2) text towers
-    "text_encoder": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                         projection_dim=768, hidden_act="quick_gelu"),
-    "text_encoder_2": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-                           projection_dim=1280, hidden_act="gelu"),
-}
+SDXL_UNET = RELEASED["sdxl-base-1.0"]["unet"]  # stabilityai/stable-diffusion-xl-base-1.0, unet/config.json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,37 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per command before it is killed")
 
 
-def write_pipeline(folder: str, seed: int = 0) -> str:
-    """The SDXL base 1.0 pipeline's shapes with random weights (seed), safetensors; `folder/.complete` last, so a
-    half-written folder is written again."""
-    import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from ...diffusion.sdxl import make_sdxl_pipeline
-    from ...diffusion.tiny import BOS, EOS, build_tokenizer
-
-    if os.path.exists(os.path.join(folder, ".complete")):
-        return folder
-    shutil.rmtree(folder, ignore_errors=True)
-    tok = build_tokenizer(77)
-    ids = dict(bos_token_id=tok.convert_tokens_to_ids(BOS), eos_token_id=tok.convert_tokens_to_ids(EOS),
-               pad_token_id=tok.convert_tokens_to_ids(EOS))
-    torch.manual_seed(seed)
-    text = {name: cls(CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, **cfg, **ids))
-            for (name, cfg), cls in zip(_TEXT.items(), (CLIPTextModel, CLIPTextModelWithProjection), strict=True)}
-    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        sample_size=1024, scaling_factor=0.13025, force_upcast=True)
-    scheduler = EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                                       beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading")
-    pipe = make_sdxl_pipeline({"unet": UNet2DConditionModel(**SDXL_UNET), "vae": vae, **text, "tokenizer": tok,
-                               "tokenizer_2": tok, "scheduler": scheduler})
-    pipe.save_pretrained(folder, safe_serialization=True, max_shard_size="2GB")
-    for sub in ("tokenizer", "tokenizer_2"):
-        build_tokenizer(77, os.path.join(folder, sub))
-    open(os.path.join(folder, ".complete"), "w").close()
-    return folder
+def write_pipeline(folder: str) -> str:
+    """The SDXL base 1.0 pipeline at its released size with random weights (`diffusion.released`)."""
+    return str(write_released_pipeline(folder, "sdxl-base-1.0"))
 
 
 def _load_sdxl(base: str, dtype) -> dict:

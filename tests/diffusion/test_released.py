@@ -17,7 +17,14 @@ _T5 = dict(RELEASED["flux.1-dev"]["text_encoder_2"], vocab_size=1000, d_model=32
            num_heads=4, relative_attention_num_buckets=8)
 _VAE = dict(RELEASED["flux.1-dev"]["vae"], block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
             up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32)
+_UNET = dict(RELEASED["sdxl-base-1.0"]["unet"], sample_size=16, block_out_channels=(32, 64),
+             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+             attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), cross_attention_dim=64,
+             addition_time_embed_dim=8, projection_class_embeddings_input_dim=80)
 SMALL = {
+    "sdxl-base-1.0": dict(RELEASED["sdxl-base-1.0"], text_encoder=_CLIP, text_encoder_2=_CLIP, unet=_UNET,
+                          vae=dict(_VAE, latent_channels=4, use_quant_conv=True, use_post_quant_conv=True)),
     "sd3.5-medium": dict(RELEASED["sd3.5-medium"], text_encoder=_CLIP, text_encoder_2=_CLIP, text_encoder_3=_T5,
                          vae=_VAE, transformer=dict(RELEASED["sd3.5-medium"]["transformer"], sample_size=16,
                                                     num_layers=2, attention_head_dim=8, num_attention_heads=4,
@@ -32,28 +39,31 @@ SMALL = {
 
 
 def _pipeline_class(name):
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
-    return StableDiffusion3Pipeline if name.startswith("sd3") else FluxPipeline
+    return {"sd3": StableDiffusion3Pipeline, "flu": FluxPipeline, "sdx": StableDiffusionXLPipeline}[name[:3]]
 
 
 @pytest.mark.parametrize("name", list(RELEASED))
 def test_written_folder_loads_strictly_and_generates(name, tmp_path):
     folder = write_released_pipeline(tmp_path / "a", name, configs=SMALL[name], shard_bytes=20_000)
-    index = json.loads((folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    slot = "unet" if name.startswith("sdxl") else "transformer"
+    index = json.loads((folder / slot / "diffusion_pytorch_model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
-    assert len(shards) > 1 and all((folder / "transformer" / f).is_file() for f in shards)
+    assert len(shards) > 1 and all((folder / slot / f).is_file() for f in shards)
     pipe = _pipeline_class(name).from_pretrained(folder, torch_dtype=torch.float32)
     # every tensor the model has came from the files: its parameters equal what the files hold, none left at init
     from safetensors.torch import load_file
 
-    files = {k: v for f in shards for k, v in load_file(folder / "transformer" / f).items()}
-    state = pipe.transformer.state_dict()
+    files = {k: v for f in shards for k, v in load_file(folder / slot / f).items()}
+    state = getattr(pipe, slot).state_dict()
     assert set(files) == set(state), set(files) ^ set(state)
     assert all(torch.equal(state[k].to(v.dtype), v) for k, v in files.items())
-    assert all(v.dtype == torch.bfloat16 for v in files.values() if v.is_floating_point())
-    image = pipe("a photo", num_inference_steps=2, height=32, width=32, output_type="pt", max_sequence_length=16,
-                 generator=torch.Generator().manual_seed(0)).images
+    dtype = getattr(torch, RELEASED[name]["dtype"])
+    assert all(v.dtype == dtype for v in files.values() if v.is_floating_point())
+    extra = {} if name.startswith("sdxl") else {"max_sequence_length": 16}
+    image = pipe("a photo", num_inference_steps=2, height=32, width=32, output_type="pt",
+                 generator=torch.Generator().manual_seed(0), **extra).images
     assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
 
 
