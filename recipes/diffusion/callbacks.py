@@ -138,6 +138,7 @@ class TierTraffic(pl.Callback):
 
     def __init__(self) -> None:
         self._io: tuple[int, int] | None = None
+        self._routes: set[str] = set()  # every route seen: a step that moved nothing on one logs 0, not the last value
 
     def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
         self._io = disk_io_bytes()
@@ -152,8 +153,10 @@ class TierTraffic(pl.Callback):
         self._io = io
         report = getattr(trainer.strategy.model, "memory_report", None)
         if callable(report):
-            for route, nbytes in report().get("traffic_last_step", {}).items():
-                metrics[f"tier_mib/{route}"] = nbytes / 2**20
+            moved = report().get("traffic_last_step", {})
+            self._routes.update(moved)
+            for route in self._routes:
+                metrics[f"tier_mib/{route}"] = moved.get(route, 0) / 2**20
         for name, value in metrics.items():
             module.log(name, float(value), on_step=True, on_epoch=False)
 

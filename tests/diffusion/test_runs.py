@@ -206,3 +206,24 @@ def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path
     assert len(streamed) == 3 and all(v > 0 for v in streamed[1:]), streamed
     assert not csv_metric(str(tmp_path / "gemini"), "tier_mib/nvme->device")
     assert len(csv_metric(str(tmp_path / "gemini"), "disk_read_mib")) == 3
+
+
+def test_tier_traffic_logs_a_step_that_moved_nothing_as_zero():
+    """A route that moved bytes in one step and none in the next logs 0 for the next (Lightning keeps the last
+    value of a key not logged again: a resident step showed the first step's 66 GB of NVMe reads)."""
+    from types import SimpleNamespace
+
+    from lowmem.recipes.diffusion.callbacks import TierTraffic
+
+    reports = iter([{"nvme->device": 3 << 20}, {}, {"device->nvme": 1 << 20}])
+    model = SimpleNamespace(memory_report=lambda: {"traffic_last_step": next(reports)})
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=model), accumulate_grad_batches=1)
+    logged: list[dict] = []
+    module = SimpleNamespace(log=lambda name, value, **kw: logged[-1].__setitem__(name, value))
+    cb = TierTraffic()
+    for i in range(3):
+        logged.append({})
+        cb.on_train_batch_end(trainer, module, None, None, i)
+    tiers = [{k: v for k, v in step.items() if k.startswith("tier_mib/")} for step in logged]
+    assert tiers == [{"tier_mib/nvme->device": 3.0}, {"tier_mib/nvme->device": 0.0},
+                     {"tier_mib/nvme->device": 0.0, "tier_mib/device->nvme": 1.0}], tiers
