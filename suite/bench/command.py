@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a folder whose files' page cache counts without a cgroup (repeatable)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per command before it is killed")
     parser.add_argument("--no_cgroup", action="store_true", help="use the RSS + mincore fallback even with cgroups")
+    parser.add_argument("--cap_gib", type=float, default=None,
+                        help="run each command in a memory cgroup capped at this many GiB (page cache charged)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to measure")
 
 
@@ -34,12 +36,15 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for side in sides:
         side.timeout, side.offload_paths, side.use_cgroup = args.timeout, args.offload_dir, not args.no_cgroup
+        side.cap_bytes = int(args.cap_gib * 2**30) if args.cap_gib else None
         got = run_side(side)
         rows.append({"side": side.name, "command": " ".join(side.argv), "returncode": got.returncode,
-                     "peak_MiB": mib(got.peak_bytes), "wall_s": got.wall_s, "method": got.method})
+                     "oom_killed": got.oom_killed, "peak_MiB": mib(got.peak_bytes), "wall_s": got.wall_s,
+                     "method": got.method})
     if len(rows) == 2 and rows[0]["peak_MiB"]:
         add_ratios(rows[1:], rows[0], {"peak_vs_baseline": "peak_MiB", "time_vs_baseline": "wall_s"})
-    columns = ["side", "returncode", "peak_MiB", "peak_vs_baseline", "wall_s", "time_vs_baseline", "method", "command"]
+    columns = ["side", "returncode", "oom_killed", "peak_MiB", "peak_vs_baseline", "wall_s", "time_vs_baseline",
+               "method", "command"]
     publish(args, {"benchmark": "command", "rows": rows},
             [("whole-command peak memory (process tree, start to exit, page cache included)", rows, columns)])
     return 1 if any(r["returncode"] != 0 for r in rows) else 0

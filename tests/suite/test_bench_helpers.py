@@ -246,6 +246,22 @@ def test_a_capped_command_keeps_page_cache_under_the_cap_and_is_killed_past_it(t
     assert out["returncode"] != 0 and out["oom_kills"] >= 1, out
 
 
+def test_bench_command_runs_each_side_under_cap_gib_and_says_which_was_killed(tmp_path):
+    """`suite bench command --cap_gib`: a baseline over the cap is killed and shown so (`oom_killed`), the command
+    under it completes; the run exits 1 as any failed side makes it."""
+    if memory.cgroup_method() == "rss+mincore":
+        pytest.skip("no memory cgroup on this machine: a cap cannot be enforced")
+    from lowmem.suite.cli import main
+
+    hold = "b = bytearray(288 << 20); b[::4096] = b'\\x01' * len(b[::4096])"
+    out = tmp_path / "rows.json"
+    rc = main(["bench", "command", "--cap_gib", str(96 / 1024), "--json", str(out), "--baseline",
+               f'{sys.executable} -c "{hold}"', "--", sys.executable, "-c", "pass"])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 1 and [(r["side"], r["oom_killed"]) for r in rows] == [("baseline", True), ("command", False)], rows
+    assert rows[1]["returncode"] == 0 and rows[0]["returncode"] != 0
+
+
 def test_step_seconds_reads_the_plain_loops_lines(tmp_path):
     from lowmem.suite.bench.harness import step_seconds
 
