@@ -228,6 +228,8 @@ def write_released_pipeline(folder: str | Path, name: str, *, seed: int = 0, sha
                 continue
             sub.mkdir()
             diffusers_model = hasattr(part, "save_config")
+            if not diffusers_model:
+                part.config.architectures = [type(part).__name__]  # as save_pretrained writes it (scripts read it)
             part.save_config(sub) if diffusers_model else part.config.save_pretrained(sub)
             _write_model(part, sub, "diffusion_pytorch_model" if diffusers_model else "model", dtype, shard_bytes)
     for slot in ("tokenizer",) if name.startswith("flux") else ("tokenizer", "tokenizer_2"):
