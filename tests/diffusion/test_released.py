@@ -53,7 +53,8 @@ def test_written_folder_loads_strictly_and_generates(name, tmp_path):
     assert len(shards) > 1 and all((folder / slot / f).is_file() for f in shards)
     pipe = _pipeline_class(name).from_pretrained(folder, torch_dtype=torch.float32)
     for enc in (d for d in folder.iterdir() if d.name.startswith("text_encoder")):  # diffusers' scripts read it
-        assert json.loads((enc / "config.json").read_text())["architectures"] == [type(getattr(pipe, enc.name)).__name__]
+        config = json.loads((enc / "config.json").read_text())
+        assert config["architectures"] == [type(getattr(pipe, enc.name)).__name__]
     # every tensor the model has came from the files: its parameters equal what the files hold, none left at init
     from safetensors.torch import load_file
 
