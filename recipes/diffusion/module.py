@@ -96,7 +96,9 @@ class StableDiffusionFineTune(pl.LightningModule):
         self.set_modes()
         if not isinstance(self.trainer.strategy, GeminiStrategy):
             self.fill_hollow()
-        else:  # chunks packed in the order the UNet's modules run (its mid block is registered last)
+        elif type(self.unet).__name__ == "UNet2DConditionModel":
+            # chunks packed in the order the UNet's modules run (its mid block is registered last); SD3's and Flux's
+            # transformers register their blocks in the order they run
             from ...core_parallel.gemini import set_module_order
             from ...diffusion.memory import unet_module_order
 
