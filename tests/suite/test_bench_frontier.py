@@ -45,3 +45,25 @@ def test_bad_frontier_options_are_one_line_before_anything_runs(tmp_path, flags,
     with pytest.raises(UsageError, match=match):
         diffusion.run(args)
     assert not (tmp_path / "w").exists()
+
+
+def test_every_side_starts_with_the_model_folder_out_of_the_page_cache(tmp_path, monkeypatch):
+    """The SDXL row's pipeline lies outside the row's folder (written once): it is dropped from the page cache before
+    the plain loop and before ours, so neither reads what another side left cached (charged to nobody)."""
+    base = str(tmp_path / "sdxl-pipeline")
+    monkeypatch.setattr(frontier, "disk_speed", lambda folder: {"read_mb_s": 1.0, "write_mb_s": 1.0,
+                                                                "direct_io": True})
+    monkeypatch.setattr(frontier, "_commands", lambda row, opts, folder: (
+        ["plain"], ["diffusion", "x", "--pretrained_model_name_or_path", base]))
+    drops = []
+
+    def rows(sides, labels, *, drop, batch, compare=True):
+        drops.append(list(drop))
+        return [{**label, "returncode": 0, "peak_mib": 100.0, "step_s": 1.0, "command": "c"} for label in labels]
+
+    monkeypatch.setattr(frontier, "whole_rows", rows)
+    monkeypatch.setattr(frontier, "publish", lambda *a, **k: None)
+    monkeypatch.setattr(frontier, "save_figure", lambda *a, **k: None)
+    args = _args("--frontier_rows", "sdxl-lora", "--budgets", "1/2", "--work", str(tmp_path / "w"))
+    frontier.run_frontier(diffusion._defaults(args), args)
+    assert len(drops) == 2 and all(base in d for d in drops), drops
