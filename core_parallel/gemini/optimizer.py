@@ -99,6 +99,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.process_group = manager.group
         self.loss_scaler = DynamicLossScaler(config.loss_scaler, enabled=config.loss_scaler.on(config.precision))
         self._scratch: dict[str, HostPages] = {}  # NVMe shards staged during step(), dropped after it
+        # clipping's factor for the gradient shards on NVMe, applied where the step stages them (`_views`): scaling
+        # them in place through the file mapping costs a page fault per page (minutes for an SD3.5 full fine-tune)
+        self._nvme_grad_scale = 1.0
         self._prepared: bool | None = None  # None: not yet; else whether this step overflowed
 
     # ---- the training-loop interface ---------------------------------------------------------------
@@ -123,6 +126,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.end_checkpoint()
         self._prepared = None
+        self._nvme_grad_scale = 1.0
         self.manager.zero_grad()
 
     def _grad_shards(self) -> Iterator[torch.Tensor]:
@@ -166,9 +170,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
             for c in self.manager.trainable_chunks:
-                if c.grad.allocated:
+                if c.grad.allocated and c.grad.tier != "nvme":
                     c.grad.view().mul_(coef)
-                    c.grad.done()
+            self._nvme_grad_scale *= coef
         self.last_grad_norm = total
         return total
 
@@ -187,13 +191,19 @@ class GeminiOptimizer(torch.optim.Optimizer):
         sq = torch.zeros((), dtype=torch.float64)
         for c in self.manager.trainable_chunks:
             if c.grad.allocated:
-                sq += torch.linalg.vector_norm(c.grad.view()).cpu().double() ** 2
-                c.grad.done()
+                sq += torch.linalg.vector_norm(self._grad_values(c)).cpu().double() ** 2
         if self.manager.world > 1:
             sq = sq.to(self.manager.device)
             with self.collectives.collective("all_reduce(grad norm)"):
                 dist.all_reduce(sq, group=self.manager.group)
         return sq.sqrt().float().cpu()
+
+    def _grad_values(self, c: Chunk) -> torch.Tensor:
+        """Chunk `c`'s gradient shard as clipping has made it; one on NVMe read with pread into a temporary."""
+        if c.grad.tier != "nvme":
+            return c.grad.view()
+        g = c.grad.read_into(torch.empty(c.grad.numel, dtype=c.grad.dtype))
+        return g.mul_(self._nvme_grad_scale) if self._nvme_grad_scale != 1.0 else g
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -222,6 +232,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         finally:
             for pages in self._scratch.values():
                 pages.drop()
+            self._nvme_grad_scale = 1.0
         self.manager.end_step()
         # The user's optimizer was stepped through us, never through its own step(): mark it as torch's LR
         # schedulers do when they wrap that step, or the first scheduler.step() warns falsely of a wrong order.
@@ -266,8 +277,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def _views(self, c: Chunk, lo: int, hi: int, parity: int) -> dict[str, torch.Tensor]:
         """Elements [lo, hi) of the chunk's master, gradient and states: NVMe ones staged in scratch memory."""
         bufs = {"master": c.master, "grad": c.grad, **c.states}
-        return {k: self._staged(k, b, lo, hi, parity) if b.tier == "nvme" else b.view()[lo:hi]
-                for k, b in bufs.items()}
+        views = {k: self._staged(k, b, lo, hi, parity) if b.tier == "nvme" else b.view()[lo:hi]
+                 for k, b in bufs.items()}
+        if c.grad.tier == "nvme" and self._nvme_grad_scale != 1.0:
+            views["grad"].mul_(self._nvme_grad_scale)  # the staged copy: clipping's scale, as in place elsewhere
+        return views
 
     def _step_chunks(self, chunks: list[Chunk], used: set[int], hypers: list) -> None:
         """Update each chunk's shard where its optimizer state lives. NVMe shards are staged in scratch memory a

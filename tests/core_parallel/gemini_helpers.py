@@ -100,6 +100,9 @@ SCENARIOS = {
     "gloo": dict(kind="adamw", cfg=dict(chunk_mb=40 * 4 / 2**20, prefetch=2, host_collectives=False,
                                         peer_reads=False)),
     "nvme": dict(kind="sgd", cfg=dict(chunk_mb=50 * 4 / 2**20, offload_param_frac=1.0, offload_optim_frac=1.0)),
+    # gradients on NVMe clipped: the factor applied where the step stages them
+    "nvme_clip": dict(kind="adamw", cfg=dict(chunk_mb=50 * 4 / 2**20, offload_param_frac=1.0, offload_optim_frac=1.0,
+                                             max_grad_norm=0.5)),
     "auto": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, placement="auto", device_memory_budget=2600)),
     "accum_no_sync": dict(kind="adam", cfg=dict(chunk_mb=40 * 4 / 2**20, max_grad_norm=0.5), accum=2),
     "accum_sync": dict(kind="adam", cfg=dict(chunk_mb=None), accum=3, mode="sync"),
@@ -110,7 +113,7 @@ def run_scenario(rank: int, world: int, name: str, tmp: str) -> dict:
     """Train scenario `name` with Gemini; returns the final model and optimizer state dicts (all ranks call)."""
     sc = SCENARIOS[name]
     cfg = dict(sc["cfg"])
-    if name in ("nvme", "auto"):
+    if name in ("nvme", "nvme_clip", "auto"):
         cfg["offload_dir"] = f"{tmp}/{name}-w{world}"
     model, opt = build(sc["kind"])
     model, opt = core_parallel.setup(model, opt, GeminiConfig(**cfg))
