@@ -189,8 +189,11 @@ def save_unet_streaming(unet: torch.nn.Module, folder: str | Path | None, varian
     if mgr is None:
         raise ValueError("save_unet_streaming: the UNet's parameters are not in Gemini chunks")
     named = list(unet.named_parameters(remove_duplicate=False))
-    if len({id(p) for _, p in named}) != len(named) or any(True for _ in unet.buffers()):
-        raise ValueError("save_unet_streaming: tied parameters or buffers; use save_pretrained on gathered weights")
+    if len({id(p) for _, p in named}) != len(named):
+        raise ValueError("save_unet_streaming: tied parameters; use save_pretrained on gathered weights")
+    # persistent buffers (SD3's position embedding) are not in the chunks: written whole after the parameters
+    buffers = [(f"{prefix}.{n}" if prefix else n, b) for prefix, m in unet.named_modules()
+               for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
     pidx_of = {owner_of(p)[1]: name for name, p in named}
     writers: dict[str, SafetensorsWriter] = {}
     file_of: dict[str, str] = {}
@@ -199,6 +202,7 @@ def save_unet_streaming(unet: torch.nn.Module, folder: str | Path | None, varian
         folder.mkdir(parents=True, exist_ok=True)
         unet.save_config(folder)
         entries = [(name, torch.float32, tuple(p.shape)) for name, p in named]
+        entries += [(name, torch.float32 if b.is_floating_point() else b.dtype, tuple(b.shape)) for name, b in buffers]
         files, index = _shard_plan(entries, variant)
         by_name = {e[0]: e for e in entries}
         for fname, names in files.items():
@@ -212,6 +216,8 @@ def save_unet_streaming(unet: torch.nn.Module, folder: str | Path | None, varian
             if writers:
                 name = pidx_of[pidx]
                 writers[file_of[name]].write(name, value)
+        for name, b in buffers if writers else ():
+            writers[file_of[name]].write(name, b.detach().float() if b.is_floating_point() else b.detach())
     finally:
         for w in writers.values():
             w.close()

@@ -95,7 +95,7 @@ def write_component(module: StableDiffusionFineTune, name: str, folder: Path | N
     from ...diffusion.streaming import gemini_of, save_unet_streaming
 
     part = getattr(module, name)
-    if name == "unet" and gemini_of(part) is not None and not any(True for _ in part.buffers()):
+    if name == "unet" and gemini_of(part) is not None:
         _settle(module)
         save_unet_streaming(part, folder if module.global_rank == 0 else None)
         return
