@@ -78,9 +78,8 @@ RELEASED: dict[str, dict[str, Any]] = {
 dtype of their weight files."""
 
 
-def _init_(name: str, t: torch.Tensor, module: torch.nn.Module) -> None:
-    if len(list(module.children())) == 0 and hasattr(module, "reset_parameters"):
-        return  # the module's own initialisation ran
+def _init_(name: str, t: torch.Tensor) -> None:
+    """A value for a parameter of a module without its own `reset_parameters`."""
     if t.ndim == 1 and name == "weight":
         t.fill_(1.0)  # a norm's scale
     elif t.ndim == 1 and name == "bias":
@@ -138,12 +137,14 @@ def _write_model(model: torch.nn.Module, folder: Path, stem: str, dtype: torch.d
         seen.update(id(p) for p in own.values())
         if new:
             module.to_empty(device="cpu", recurse=False)
+            own_init = not any(True for _ in module.children()) and hasattr(module, "reset_parameters")
             with torch.no_grad():
-                if len(list(module.children())) == 0 and hasattr(module, "reset_parameters"):
+                if own_init:
                     module.reset_parameters()
                 for n, p in module.named_parameters(recurse=False):
                     if n in new:
-                        _init_(n, p.data, module)
+                        if not own_init:
+                            _init_(n, p.data)
                         writer.add(f"{prefix}.{n}" if prefix else n, p.data.to(dtype))
             module.to_empty(device="meta", recurse=False)
         for n, b in module.named_buffers(recurse=False):

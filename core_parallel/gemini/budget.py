@@ -81,9 +81,8 @@ def outside_model(memory: ProcessMemory, params: list[torch.Tensor]) -> int:
 
 class MemoryBudget:
     """`memory_budget` (`limit` bytes for the whole process) kept by a `ChunkManager` (`mgr` below): after each step,
-    `refit` sets
-    the model-data budget from the step's measured peak and moves buffers between the device and the offload tier
-    to fit it."""
+    `refit` sets the model-data budget from the step's measured peak and moves buffers between the device and the
+    offload tier to fit it."""
 
     def __init__(self, limit: int, memory: ProcessMemory) -> None:
         self.limit, self.memory = limit, memory

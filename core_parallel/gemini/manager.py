@@ -376,7 +376,7 @@ class ChunkManager:
 
     def _maybe_promote(self, c: Chunk) -> None:
         # under a memory_budget the chunks come back between steps only, leaving room for the step's working set
-        # (`_fit_memory_budget`): filled up to the budget here, the next gathers would push masters out again
+        # (`MemoryBudget.refit`): filled up to the budget here, the next gathers would push masters out again
         if (self.config.placement == "auto" and self.memory is None and c.master.tier != "device"
                 and self.fits(c.master.nbytes)):
             c.wait()  # a read of the master in flight on the reader thread ends before the master moves

@@ -130,6 +130,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.manager.zero_grad()
 
     def _grad_shards(self) -> Iterator[torch.Tensor]:
+        """Every gradient shard as a tensor to read or change in place (NVMe ones through their file mapping, with
+        clipping's pending factor applied first: rare paths, the clipped step never comes here)."""
+        scale, self._nvme_grad_scale = self._nvme_grad_scale, 1.0
+        for c in self.manager.trainable_chunks:
+            if scale != 1.0 and c.grad.allocated and c.grad.tier == "nvme":
+                c.grad.view().mul_(scale)
         for c in self.manager.trainable_chunks:
             if c.grad.allocated:
                 yield c.grad.view()

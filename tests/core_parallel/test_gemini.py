@@ -487,6 +487,30 @@ def test_first_step_keeps_a_frozen_chunk_gathered_across_the_adapters_between_it
     model.gemini_manager.close()
 
 
+def _device_and_nvme_runs(tmp_path, steps: int, train, **cfg) -> None:
+    """The same small model trained for `steps` steps, each `train(opt, nvme_grads)` after the backward, with every
+    buffer in memory and with every buffer on NVMe (`nvme_grads`: the ids of the NVMe gradient shards); the weights
+    must be equal bitwise."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    runs = {}
+    for name, tier in (("device", {}), ("nvme", dict(offload_tier="nvme", offload_dir=str(tmp_path / "n"),
+                                                      offload_param_frac=1.0, offload_optim_frac=1.0))):
+        model = copy.deepcopy(base)
+        model, opt = setup_gemini(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  GeminiConfig(chunk_mb=300 * 4 / 2**20, **cfg, **tier))
+        grads = {id(c.grad) for c in model.gemini_manager.trainable_chunks if c.grad.tier == "nvme"}
+        assert bool(grads) == (name == "nvme")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            opt.backward(model(torch.randn(4, 16, generator=g)).pow(2).sum())
+            train(opt, grads)
+            opt.zero_grad()
+        runs[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        model.gemini_manager.close()
+    assert all(torch.equal(runs["device"][k], runs["nvme"][k]) for k in runs["device"])
+
+
 def test_clipping_gradients_on_nvme_never_touches_their_file_mapping_and_equals_the_device_tier(tmp_path,
                                                                                                monkeypatch):
     """Clipped gradient shards on NVMe are read with pread for the norm and scaled where the step stages them (in
@@ -494,33 +518,30 @@ def test_clipping_gradients_on_nvme_never_touches_their_file_mapping_and_equals_
     the all-in-memory run's bitwise."""
     from lowmem.core_parallel.gemini import storage
 
-    torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-    runs = {}
-    for name, cfg in (("device", {}), ("nvme", dict(offload_tier="nvme", offload_dir=str(tmp_path / "n"),
-                                                     offload_param_frac=1.0, offload_optim_frac=1.0))):
-        model = copy.deepcopy(base)
-        model, opt = setup_gemini(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                  GeminiConfig(chunk_mb=300 * 4 / 2**20, max_grad_norm=0.05, **cfg))
-        grads = {id(c.grad) for c in model.gemini_manager.trainable_chunks if c.grad.tier == "nvme"}
-        real = storage.TieredBuffer.view
+    real = storage.TieredBuffer.view
 
-        def view(self, _real=real, _grads=grads):
-            assert id(self) not in _grads, "an NVMe gradient shard read through its file mapping"
-            return _real(self)
+    def step(opt, grads):
+        def view(self):
+            assert id(self) not in grads, "an NVMe gradient shard read through its file mapping"
+            return real(self)
 
         monkeypatch.setattr(storage.TieredBuffer, "view", view)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            opt.backward(model(torch.randn(4, 16, generator=g)).pow(2).sum())
-            opt.step()
-            assert opt.last_grad_norm > 0.05  # clipped every step
-            opt.zero_grad()
+        opt.step()
         monkeypatch.setattr(storage.TieredBuffer, "view", real)
-        assert name == "device" or grads
-        runs[name] = {k: v.clone() for k, v in model.state_dict().items()}
-        model.gemini_manager.close()
-    assert all(torch.equal(runs["device"][k], runs["nvme"][k]) for k in runs["device"])
+        assert opt.last_grad_norm > 0.05  # clipped every step
+
+    _device_and_nvme_runs(tmp_path, 3, step, max_grad_norm=0.05)
+
+
+def test_clip_by_norm_then_by_value_on_nvme_gradients_equals_the_device_tier(tmp_path):
+    """A user clipping by norm, then by value, before `step()`: the norm's factor pending on NVMe gradient shards is
+    applied before the clamp reads them (clamping unscaled values gave other weights)."""
+    def step(opt, grads):
+        assert opt.clip_grad_norm(0.05) > 0.05
+        opt.clip_grad_value(0.002)
+        opt.step()
+
+    _device_and_nvme_runs(tmp_path, 2, step)
 
 
 def test_order_of_use_sorts_declared_modules_and_keeps_the_rest():

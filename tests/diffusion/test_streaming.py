@@ -87,6 +87,18 @@ def test_cast_hollow_reads_nothing_and_fills_the_cast_values(small):
         assert torch.equal(unet.state_dict()[k], v.to(torch.bfloat16)), k
 
 
+def _assert_streamed_is_save_pretrained(model, cls, tmp_path: Path) -> None:
+    """`save_unet_streaming(model)` and `save_pretrained` of the gathered model write the same files, byte for byte."""
+    save_unet_streaming(model, tmp_path / "streamed")
+    old = cls.from_config(model.config)
+    old.load_state_dict(model.state_dict())
+    old.save_pretrained(tmp_path / "old", safe_serialization=True)
+    names = sorted(p.name for p in (tmp_path / "old").iterdir())
+    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+
+
 def test_streamed_export_is_what_save_pretrained_writes(small, tmp_path):
     """Gemini's weights (after a step) written chunk by chunk equal `save_pretrained` of the gathered model, byte
     for byte: config.json and the safetensors file."""
@@ -97,14 +109,7 @@ def test_streamed_export_is_what_save_pretrained_writes(small, tmp_path):
     model(x, t, ctx).sample.square().mean().backward()
     opt.step()
     opt.zero_grad()
-    save_unet_streaming(model, tmp_path / "streamed")
-    old = UNet2DConditionModel.from_config(model.config)
-    old.load_state_dict(model.state_dict())
-    old.save_pretrained(tmp_path / "old", safe_serialization=True)
-    names = sorted(p.name for p in (tmp_path / "old").iterdir())
-    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == names
-    for name in names:
-        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+    _assert_streamed_is_save_pretrained(model, UNet2DConditionModel, tmp_path)
     back = UNet2DConditionModel.from_pretrained(tmp_path / "streamed")
     assert not torch.equal(back.conv_in.weight, _ref_state(small)["conv_in.weight"])  # the trained weights
 
@@ -126,14 +131,7 @@ def test_streamed_export_writes_persistent_buffers_too(tmp_path):
     out.sum().backward()
     opt.step()
     opt.zero_grad()
-    save_unet_streaming(model, tmp_path / "streamed")
-    old = SD3Transformer2DModel.from_config(model.config)
-    old.load_state_dict(model.state_dict())
-    old.save_pretrained(tmp_path / "old", safe_serialization=True)
-    names = sorted(p.name for p in (tmp_path / "old").iterdir())
-    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == names
-    for name in names:
-        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+    _assert_streamed_is_save_pretrained(model, SD3Transformer2DModel, tmp_path)
 
 
 def test_writer_matches_safetensors_for_mixed_dtypes_and_any_write_order(tmp_path):
