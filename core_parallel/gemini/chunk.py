@@ -4,8 +4,9 @@ The gathered buffer `full` ([size], compute dtype, on the compute device) keeps 
 whole run: releasing resizes that storage to 0 bytes and gathering resizes it back and fills it. On a CPU
 device the storage is a fixed anonymous mapping instead (`HostPages`), and so is the flat gradient buffer:
 releasing hands the pages to the manager's `PageRecycler`, which moves them to the next buffer filled, and the
-C heap never sees chunk-sized blocks come and go. The
-parameters are views of `full` set once at setup, so tensors autograd saved in forward see the re-gathered
+C heap never sees chunk-sized blocks come and go. On one rank of a CPU device, a master on the device tier in
+the gathered dtype (a frozen LoRA base, or fp32 training) is `full` itself (`pin`): its gathers and releases move
+no byte. The parameters are views of `full` set once at setup, so tensors autograd saved in forward see the re-gathered
 data in backward, and no parameter is ever re-classed. Writes go through `full.data`, which has its own
 version counter, so re-gathering does not trip autograd's in-place checks.
 """
@@ -105,6 +106,7 @@ class Chunk:
         # thread, overlapping compute (set by the manager)
         self.reader: Executor | None = None
         self.collectives = env.collectives
+        self.pinned = False  # the master is `full` itself (`pin`)
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -118,15 +120,47 @@ class Chunk:
             p.data = self.full[s.offset : s.offset + s.numel].view(p.shape)
         self.free_storage()
 
+    @property
+    def pinnable(self) -> bool:
+        """Whether the master can be `full` itself: one rank of a CPU device, the master on the device tier in `full`'s
+        dtype (nothing to gather: the gathered buffer would be a copy of it). A master on the CPU tier is not, though
+        on a CPU device it is the same memory: the tiers keep their meaning, as on an accelerator."""
+        return (self.world == 1 and self._pages is not None and self.master.allocated
+                and self.master.tier == "device" and self.master.dtype == self.full.dtype)
+
+    def pin(self) -> None:
+        """Keep the master in `full` (its own storage freed): the parameters view the master, so a gather or release
+        only changes the state; the optimizer step and loads write the master, which the parameters see at once."""
+        if self.pinned or not self.pinnable:
+            return
+        self.wait()
+        self.alloc_storage()
+        self.full.data.copy_(self.master.view())
+        self.master.adopt(self.full.data)
+        self.pinned = True
+
+    def unpin(self) -> None:
+        """The master left `full` (moved to another tier, with storage of its own): `full` follows the gathers
+        again (a no-op while the master still lives there)."""
+        if not self.pinned or (self.master.tier == "device" and self.master.view().data_ptr() == self.full.data_ptr()):
+            return
+        self.pinned = False
+        if self.sm.data is ChunkState.RELEASED:
+            self.free_storage()
+
     def alloc_storage(self) -> None:
-        """Give `full` memory (contents undefined until written)."""
+        """Give `full` memory (contents undefined until written; a pinned chunk's hold the master)."""
+        if self.pinned:
+            return
         if self._pages is not None:
             self.recycler.acquire(self._pages)
         else:
             self.full.untyped_storage().resize_(self.full_nbytes)
 
     def free_storage(self) -> None:
-        """Take `full`'s memory away; the parameters keep viewing it."""
+        """Take `full`'s memory away (not a pinned chunk's: it is the master); the parameters keep viewing it."""
+        if self.pinned:
+            return
         if self._pages is not None:
             self.recycler.release(self._pages)
         else:
@@ -158,6 +192,9 @@ class Chunk:
         peers do not."""
         read_async = async_op and self.reads_async
         async_op = async_op and self.world > 1 and self.host_comm is None and self.peers is None
+        if self.pinned:  # `full` is the master
+            self.sm.to(ChunkState.GATHERED)
+            return
         self.sm.to(ChunkState.GATHERING if async_op or read_async else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data

@@ -168,7 +168,7 @@ def _new_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     if what is not None:
         raise ValueError(f"the model is set up by Gemini already (same parameters, frozen ones, config, process group "
                          f"and optimizer kind); this setup has {what}: set up a fresh copy of the model instead")
-    mgr.end_checkpoint()
+    mgr.state_io.end_checkpoint()
     mgr.zero_grad()
     for c in mgr.trainable_chunks:
         for buf in c.states.values():

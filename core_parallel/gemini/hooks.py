@@ -80,8 +80,8 @@ def _state_dict_hooks(module: torch.nn.Module, mgr: ChunkManager, names: dict[st
 
     def save_post(mod, state_dict, prefix, local_metadata):
         for name, pidx in names.items():
-            state_dict[prefix + name] = mgr.param_value(pidx)
-        mgr.io_release(names.values())
+            state_dict[prefix + name] = mgr.state_io.param_value(pidx)
+        mgr.state_io.release(names.values())
 
     own = [mgr.params[pidx] for pidx in names.values()]
 
@@ -91,7 +91,7 @@ def _state_dict_hooks(module: torch.nn.Module, mgr: ChunkManager, names: dict[st
 
     def load_post(mod, incompatible):
         guard(own)
-        mgr.io_release(names.values())
+        mgr.state_io.release(names.values())
 
     return [
         module.register_state_dict_pre_hook(save_pre),

@@ -30,7 +30,7 @@ from .host_memory import HostHeap, PageRecycler
 from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .peer_reads import PeerReads
-from .placement import AccessTrace, MemoryLedger, budget_plan, pick_victim, static_plan
+from .placement import AccessTrace, MemoryLedger, budget_plan, keep_recent, pick_victim, static_plan
 from .state import ChunkState
 from .state_dict_io import StateDictIO
 from .storage import NvmeFile, TieredBuffer
@@ -112,6 +112,7 @@ class ChunkManager:
         self._in_backward = False
         self.pass_open = False  # a forward (or its backward) is under way: the fallback may gather
         self._storage_keys: dict[int, int] = {}
+        self._gathered: dict[int, int] = {}  # chunk -> bytes its gathered copy holds on the device (in the ledger)
         self.passes = 0
         self._reduce_ptr = len(self.trainable_chunks) - 1
         self._reduced: set[int] = set()  # chunks reduced in this backward pass
@@ -119,7 +120,7 @@ class ChunkManager:
         self._clock = 0
         self.last_used: dict[int, int] = {}  # chunk -> the clock at its last use (eviction before the trace exists)
         self._idle_kept: list[int] = []  # first step: the idle chunks kept gathered, last idle last (`_defer_release`)
-        self._weights: dict[int, float] | None = None  # `_window_weights`, computed once the chunks exist
+        self._largest = max((c.full_nbytes for c in self.chunks), default=1) or 1  # for `_window_weights`
         self.param_dtypes = [p.dtype for p in params]
         self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
 
@@ -197,6 +198,7 @@ class ChunkManager:
                 buf.allocate()
                 self.ledger.add(buf.tier, "optim", buf.nbytes)
             c.bind(self.params)
+            self._repin(c)
             for s in c.spec.slots:
                 clear_source(self.params[s.param])
             self._storage_keys[c.index] = c.full.untyped_storage()._cdata
@@ -296,43 +298,49 @@ class ChunkManager:
                     self._release(c)
 
     def _window_weights(self) -> dict[int, float]:
-        """Each chunk's gathered size over the largest one's: `keep_gathered` counts chunks by these weights."""
-        if self._weights is None:
-            largest = max((c.full_nbytes for c in self.chunks), default=1) or 1
-            self._weights = {c.index: c.full_nbytes / largest for c in self.chunks}
-        return self._weights
+        """Each chunk's gathered size over the largest one's (`keep_gathered` counts chunks by these weights); a pinned
+        chunk's is 0: gathered, it holds nothing beside its master."""
+        return {c.index: 0.0 if c.pinned else c.full_nbytes / self._largest for c in self.chunks}
 
     def _defer_release(self, i: int) -> None:
         """While the first step records the order, the chunks that went idle last stay gathered: modules sharing a
         chunk usually run one after another, and without the order each of them would gather the whole chunk again
-        from its tier (from disk on the NVMe tier). The last idle chunk is kept, and the ones before it while their
-        sizes over the largest chunk's sum to at most `keep_gathered - 1` (as the recorded order's window counts
-        them): a LoRA's small adapter chunk used between the layers of a frozen chunk does not push it out. Every
-        rank runs the same modules in the same order, so all make the same choice (gathers are collective)."""
+        from its tier (from disk on the NVMe tier). Which stay: `placement.keep_recent`, with `keep_gathered - 1` as
+        room. Every rank runs the same modules in the same order, so all make the same choice (gathers are
+        collective)."""
         keep = self.config.prefetch + 1 if self.config.keep_gathered is None else self.config.keep_gathered
-        self._idle_kept = [k for k in self._idle_kept if k != i] + [i]
-        weights, room, kept = self._window_weights(), keep - 1, [i]
-        for k in reversed(self._idle_kept[:-1]):
-            c = self.chunks[k]
-            if c.sm.users or c.sm.data is ChunkState.RELEASED:
-                continue  # in use again, or released since
-            if weights[k] <= room + 1e-9:
-                room -= weights[k]
-                kept.append(k)
-            else:
-                self._release(c)
-        self._idle_kept = kept[::-1]
+        order = [k for k in self._idle_kept if k != i] + [i]
+        self._idle_kept, drop = keep_recent(order, self._window_weights(), keep - 1, lambda k: (
+            not self.chunks[k].sm.users and self.chunks[k].sm.data is not ChunkState.RELEASED))
+        for k in drop:
+            self._release(self.chunks[k])
 
     def _gather(self, c: Chunk, async_op: bool) -> None:
-        self._make_room(c.full_nbytes, exclude={c.index})
-        self.ledger.add("device", "params", c.full_nbytes)
-        self.ledger.transfer(c.master.tier, "device", c.master.nbytes)
+        cost = 0 if c.pinned else c.full_nbytes  # a pinned chunk's gathered buffer is its master, counted in its tier
+        self._make_room(cost, exclude={c.index})
+        self._account_gathered(c, cost)
+        if not c.pinned:
+            self.ledger.transfer(c.master.tier, "device", c.master.nbytes)
         c.start_gather(async_op)
         self._maybe_promote(c)
 
     def _release(self, c: Chunk, in_use: bool = False) -> None:
         c.release(in_use)
-        self.ledger.add("device", "params", -c.full_nbytes)
+        self._account_gathered(c, 0)
+
+    def _account_gathered(self, c: Chunk, nbytes: int) -> None:
+        """Chunk `c`'s gathered copy now takes `nbytes` on the device (0: released, or pinned)."""
+        self.ledger.add("device", "params", nbytes - self._gathered.get(c.index, 0))
+        self._gathered[c.index] = nbytes
+
+    def _repin(self, c: Chunk) -> None:
+        """Chunk `c`'s master was placed or moved: pinned wherever it can be (`Chunk.pin`), else gathered as a copy."""
+        c.unpin()
+        if not c.pinned and c.sm.data is not ChunkState.RELEASED:
+            self._account_gathered(c, c.full_nbytes)
+        c.pin()
+        if c.pinned:
+            self._account_gathered(c, 0)
 
     def release_idle(self) -> None:
         """Release gathered chunks no module uses (stale prefetches, the end of a pass)."""
@@ -393,6 +401,7 @@ class ChunkManager:
             if self.peers is not None:  # where it is now (also after a failed move)
                 self.peers.end_move(c.index, in_file=c.master.tier == "nvme")
         self.ledger.move(src, tier, "params", c.master.nbytes)
+        self._repin(c)
 
     # ---- gradients ---------------------------------------------------------------------------------
     def begin_backward(self, queue: bool = True) -> None:
@@ -550,19 +559,11 @@ class ChunkManager:
         report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report
 
-    # ---- state_dict through the chunks (`StateDictIO`; a save or load ends the pass) ------------------
+    # ---- state_dict through the chunks (`StateDictIO`, `state_io`; a save or load ends the pass) ------
     def io_gather(self, pidxs: Iterable[int]) -> None:
-        """Gather the fp32 master chunks of parameters `pidxs` for `param_value` (collective)."""
+        """Gather the fp32 master chunks of parameters `pidxs` for `state_io.param_value` (collective)."""
         self.pass_open = False
         self.state_io.gather(pidxs)
-
-    def param_value(self, pidx: int) -> torch.Tensor:
-        """A parameter's full value for `state_dict()` (see `StateDictIO.param_value`)."""
-        return self.state_io.param_value(pidx)
-
-    def io_release(self, pidxs: Iterable[int]) -> None:
-        """A module's state_dict save or load is done with parameters `pidxs`."""
-        self.state_io.release(pidxs)
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
         """Write `load_state_dict()` values into the master shards (no communication)."""
@@ -580,10 +581,6 @@ class ChunkManager:
         (`frozen=False`: the frozen parameters are not saved, so not gathered)."""
         self.pass_open = False
         self.state_io.begin_checkpoint(frozen=frozen)
-
-    def end_checkpoint(self) -> None:
-        """Back to normal state_dict behaviour (collective full values)."""
-        self.state_io.end_checkpoint()
 
     def close(self) -> None:
         if self.reader is not None:

@@ -107,7 +107,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     # ---- the training-loop interface ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, then make sure every rank has run its gradient reductions."""
-        self.manager.end_checkpoint()
+        self.manager.state_io.end_checkpoint()
         passes = self.manager.passes
         (loss * self.loss_scaler.scale if self.loss_scaler.enabled else loss).backward()
         if self.manager.passes == passes:  # no hook fired on this rank: still take part in the reductions
@@ -124,7 +124,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.manager.sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.end_checkpoint()
+        self.manager.state_io.end_checkpoint()
         self._prepared = None
         self._nvme_grad_scale = 1.0
         self.manager.zero_grad()
@@ -217,7 +217,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.manager.end_checkpoint()
+        self.manager.state_io.end_checkpoint()
         used = self.manager.used_params()
         overflow = self._prepare()
         self.loss_scaler.update(overflow)
@@ -424,7 +424,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def end_sharded_state(self) -> None:
         """The save is done (no communication): model.state_dict() gathers full values again."""
-        self.manager.end_checkpoint()
+        self.manager.state_io.end_checkpoint()
 
     def _gi(self, j: int) -> int:
         return self.group_of[self.order[j]]

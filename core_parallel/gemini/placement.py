@@ -6,6 +6,7 @@ Pure bookkeeping, no communication:
 - `AccessTrace`: the chunk access order recorded in the first step; `next_use` gives the distance to a
   chunk's next access from the current position (the information Belady's optimal eviction needs).
 - `pick_victim`: among evictable chunks, the one whose next use is furthest away.
+- `keep_recent`: before the order is recorded, which idle gathered chunks stay gathered.
 - `MemoryLedger`: bytes per tier and kind (params, grads, optim), the peak on the device, and the
   traffic between tiers in the current step. On a CPU-only machine the "device" is CPU memory and the
   budget is enforced by this accounting.
@@ -16,9 +17,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["KINDS", "AccessTrace", "MemoryLedger", "budget_plan", "pick_victim", "static_plan"]
+__all__ = ["KINDS", "AccessTrace", "MemoryLedger", "budget_plan", "keep_recent", "pick_victim", "static_plan"]
 
 KINDS = ("params", "grads", "optim")
 
@@ -164,3 +165,21 @@ class MemoryLedger:
             "traffic_last_step": {f"{s}->{d}": n for (s, d), n in sorted(self.last_traffic.items())},
             "peak_device_bytes_last_step": self.last_peak_device,
         }
+
+
+def keep_recent(order: Sequence[int], weights: Mapping[int, float], room: float,
+                idle: Callable[[int], bool]) -> tuple[list[int], list[int]]:
+    """Which gathered chunks that went idle (`order`, the last idle last) stay gathered, and which to release: the
+    last one stays, the ones before it (those still `idle`) while their `weights` sum to at most `room`, as the
+    recorded order's window counts them (a LoRA's small adapter chunk used between the layers of a frozen chunk
+    does not push it out). Returns (kept, the last idle last; to release)."""
+    kept, drop = [order[-1]], []
+    for k in reversed(order[:-1]):
+        if not idle(k):
+            continue  # in use again, or released since
+        if weights[k] <= room + 1e-9:
+            room -= weights[k]
+            kept.append(k)
+        else:
+            drop.append(k)
+    return kept[::-1], drop

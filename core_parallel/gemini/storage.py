@@ -490,6 +490,14 @@ class TieredBuffer:
             self._tensor = t
         self.allocated = True
 
+    def adopt(self, t: torch.Tensor) -> None:
+        """Hold the data in `t` ([numel] of this buffer's dtype in memory, already holding its values) instead of
+        storage of its own (a pinned chunk's master, kept in the gathered buffer)."""
+        if not self.allocated or self.tier == "nvme" or t.numel() != self.numel or t.dtype != self.dtype:
+            raise ValueError(f"cannot adopt a [{t.numel()}] {t.dtype} tensor for a [{self.numel}] {self.dtype} "
+                             f"buffer on {self.tier} (allocated: {self.allocated})")
+        self._tensor = t
+
     def view(self) -> torch.Tensor:
         """The data as a [numel] tensor of its dtype in its tier (an mmap-backed CPU tensor for nvme)."""
         if not self.allocated:

@@ -1,0 +1,134 @@
+"""Pinned chunks (issue 47): on one rank of a CPU device a master on the device tier in the gathered dtype lives in the
+gathered buffer itself, so gathers and releases move no byte and the model data is held once, not twice. Checked:
+which chunks are pinned, that their gathers copy nothing, that the ledger charges them once, that training equals
+the unpinned run bitwise, and that a pinned master moved to NVMe and back (between steps, and while its chunk is in use)
+keeps every value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
+from lowmem.core_parallel.gemini.chunk import Chunk
+from lowmem.core_parallel.gemini.state import ChunkState
+from tests.core_parallel.gemini_helpers import batch, build
+
+STEPS = range(4)
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    x, y = batch(step)
+    return ((model(x, step % 2 == 0) - y) ** 2).mean()
+
+
+class _Reads:
+    """Counts the chunk reads that fill a gathered buffer (one rank: `Chunk._read_one_sided`)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.chunks: list[int] = []
+        orig = Chunk._read_one_sided
+
+        def counted(chunk, out):
+            self.chunks.append(chunk.index)
+            return orig(chunk, out)
+
+        monkeypatch.setattr(Chunk, "_read_one_sided", counted)
+
+
+def _unpinned(precision: str, monkeypatch) -> dict[str, torch.Tensor]:
+    """The final state of the same run with every chunk gathered into a copy (no chunk pinned)."""
+    with monkeypatch.context() as m:
+        m.setattr(Chunk, "pinnable", property(lambda self: False))
+        model, opt = build("adam")
+        model, gopt = setup_gemini(model, opt, GeminiConfig(chunk_mb=40 * 4 / 2**20, precision=precision))
+        assert not any(c.pinned for c in model.gemini_manager.chunks)
+        _train(model, gopt)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.gemini_manager.close()
+    return state
+
+
+def _held(mgr, *kinds: str) -> int:
+    return sum(mgr.ledger.report()["bytes"]["device"][k] for k in kinds)
+
+
+def _train(model, opt, steps=STEPS, between=None) -> None:
+    for step in steps:
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between(step)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_device_masters_are_the_gathered_buffers_on_one_rank(precision, monkeypatch):
+    model, opt = build("adam")
+    model, gopt = setup_gemini(model, opt, GeminiConfig(chunk_mb=40 * 4 / 2**20, precision=precision))
+    mgr = model.gemini_manager
+    # fp32: every chunk; bf16: the frozen ones (kept in bf16), not the trainable ones (fp32 masters, bf16 compute)
+    want = {c.index for c in mgr.chunks if precision == "fp32" or not c.spec.trainable}
+    assert want and {c.index for c in mgr.chunks if c.pinned} == want
+    for c in mgr.chunks:
+        same = c.master.view().data_ptr() == c.full.data_ptr()
+        assert same == c.pinned, c.index
+    reads = _Reads(monkeypatch)
+    # inside a forward the ledger charges a gathered pinned chunk nothing beside its master, an unpinned one its copy
+    charged = []
+    handle = model.l2.register_forward_hook(lambda *_: charged.append(
+        (mgr.ledger.tier_total("device") - _held(mgr, "grads", "optim"),
+         sum(c.full_nbytes for c in mgr.chunks if not c.pinned and c.sm.data is not ChunkState.RELEASED))))
+    _train(model, gopt)
+    handle.remove()
+    # only the chunks that are not pinned are read (the counter works: bf16's trainable chunks are)
+    assert set(reads.chunks) == {c.index for c in mgr.chunks if not c.pinned}, "a pinned chunk's gather copied"
+    masters = sum(c.master.nbytes for c in mgr.chunks)
+    assert charged and all(params == masters + copies for params, copies in charged), (charged, masters)
+    assert mgr.memory_report()["bytes"]["device"]["params"] == masters
+    got = model.state_dict()
+    for k, v in _unpinned(precision, monkeypatch).items():  # the same run with gathered copies, bitwise
+        assert torch.equal(got[k], v), k
+    mgr.close()
+
+
+def test_a_pinned_master_moved_to_nvme_and_back_keeps_every_value(tmp_path):
+    cfg = dict(chunk_mb=40 * 4 / 2**20, offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), placement="auto",
+               device_memory_budget=1 << 30)
+    model, opt = build("adam")
+    model, gopt = setup_gemini(model, opt, GeminiConfig(**cfg))
+    mgr = model.gemini_manager
+    assert all(c.pinned for c in mgr.chunks)
+    moved: list[tuple[int, bool]] = []
+
+    def off_and_back(step: int) -> None:  # between steps: every master to NVMe, then half of them back
+        for c in mgr.chunks:
+            mgr.move_master(c, "nvme")
+            assert not c.pinned and c.sm.data is ChunkState.RELEASED
+        for c in mgr.chunks[step % 2 :: 2]:
+            mgr.move_master(c, "device")
+            assert c.pinned and c.master.view().data_ptr() == c.full.data_ptr()
+
+    # and while a chunk is in use: a module's forward pre-hook moves its own chunk off and back
+    first = next(iter(model.l1.parameters()))
+
+    def in_use(module, args):
+        c = mgr.chunks[mgr.slot_of[next(i for i, p in enumerate(mgr.params) if p is first)].chunk]
+        assert c.sm.data is ChunkState.GATHERED
+        was = c.pinned
+        mgr.move_master(c, "nvme")
+        assert not c.pinned and c.sm.data is ChunkState.GATHERED  # a gathered copy of its own now
+        mgr.move_master(c, "device")
+        moved.append((c.index, was))
+
+    handle = model.l1.register_forward_pre_hook(in_use)
+    _train(model, gopt, between=off_and_back)
+    handle.remove()
+    assert moved and any(was for _, was in moved)
+    got = model.state_dict()
+    for k, v in _unpinned("fp32", pytest.MonkeyPatch()).items():
+        assert torch.equal(got[k], v), k
+    # the ledger is back to the masters alone once every chunk is released
+    assert mgr.memory_report()["bytes"]["device"]["params"] == sum(
+        c.master.nbytes for c in mgr.chunks if c.master.tier == "device")
+    mgr.close()
