@@ -120,7 +120,9 @@ class ChunkManager:
         self._clock = 0
         self.last_used: dict[int, int] = {}  # chunk -> the clock at its last use (eviction before the trace exists)
         self._idle_kept: list[int] = []  # first step: the idle chunks kept gathered, last idle last (`_defer_release`)
-        self._largest = max((c.full_nbytes for c in self.chunks), default=1) or 1  # for `_window_weights`
+        largest = max((c.full_nbytes for c in self.chunks), default=1) or 1
+        # each chunk's gathered size over the largest one's: `keep_gathered` counts chunks by these weights
+        self._weights = {c.index: c.full_nbytes / largest for c in self.chunks}
         self.param_dtypes = [p.dtype for p in params]
         self.state_io = StateDictIO(self.chunks, self.slot_of, params, self.param_dtypes, rank=rank)
 
@@ -287,20 +289,18 @@ class ChunkManager:
         for i in ids:
             c = self.chunks[i]
             if c.sm.release_use() and c.sm.data is not ChunkState.RELEASED:
+                if c.pinned:  # released or gathered again, its master stays where it is: nothing to keep
+                    self._release(c)
+                    continue
                 if not self.trace.frozen and self.config.keep_gathered != 0:
                     self._defer_release(i)
                     continue
                 if soon is None:
                     keep = self.config.keep_gathered
                     soon = self.trace.upcoming(self.config.prefetch + 1 if keep is None else keep,
-                                               self._window_weights()) if self.trace.frozen else ()
+                                               self._weights) if self.trace.frozen else ()
                 if i not in soon:
                     self._release(c)
-
-    def _window_weights(self) -> dict[int, float]:
-        """Each chunk's gathered size over the largest one's (`keep_gathered` counts chunks by these weights); a pinned
-        chunk's is 0: gathered, it holds nothing beside its master."""
-        return {c.index: 0.0 if c.pinned else c.full_nbytes / self._largest for c in self.chunks}
 
     def _defer_release(self, i: int) -> None:
         """While the first step records the order, the chunks that went idle last stay gathered: modules sharing a
@@ -310,7 +310,7 @@ class ChunkManager:
         collective)."""
         keep = self.config.prefetch + 1 if self.config.keep_gathered is None else self.config.keep_gathered
         order = [k for k in self._idle_kept if k != i] + [i]
-        self._idle_kept, drop = keep_recent(order, self._window_weights(), keep - 1, lambda k: (
+        self._idle_kept, drop = keep_recent(order, self._weights, keep - 1, lambda k: (
             not self.chunks[k].sm.users and self.chunks[k].sm.data is not ChunkState.RELEASED))
         for k in drop:
             self._release(self.chunks[k])

@@ -11,6 +11,7 @@ import torch
 
 from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
 from lowmem.core_parallel.gemini.chunk import Chunk
+from lowmem.core_parallel.gemini.placement import AccessTrace
 from lowmem.core_parallel.gemini.state import ChunkState
 from tests.core_parallel.gemini_helpers import batch, build
 
@@ -74,6 +75,9 @@ def test_device_masters_are_the_gathered_buffers_on_one_rank(precision, monkeypa
         same = c.master.view().data_ptr() == c.full.data_ptr()
         assert same == c.pinned, c.index
     reads = _Reads(monkeypatch)
+    lookups = []  # look-aheads in the recorded order (a pinned chunk needs none: keeping it gathered saves nothing)
+    upcoming = AccessTrace.upcoming
+    monkeypatch.setattr(AccessTrace, "upcoming", lambda self, *a, **k: lookups.append(1) or upcoming(self, *a, **k))
     # inside a forward the ledger charges a gathered pinned chunk nothing beside its master, an unpinned one its copy
     charged = []
     handle = model.l2.register_forward_hook(lambda *_: charged.append(
@@ -84,6 +88,7 @@ def test_device_masters_are_the_gathered_buffers_on_one_rank(precision, monkeypa
     # only the chunks that are not pinned are read (the counter works: bf16's trainable chunks are)
     assert set(reads.chunks) == {c.index for c in mgr.chunks if not c.pinned}, "a pinned chunk's gather copied"
     masters = sum(c.master.nbytes for c in mgr.chunks)
+    assert bool(lookups) == (precision != "fp32"), len(lookups)
     assert charged and all(params == masters + copies for params, copies in charged), (charged, masters)
     assert mgr.memory_report()["bytes"]["device"]["params"] == masters
     got = model.state_dict()
