@@ -22,7 +22,8 @@ cache a process fills is charged to it, and a tier kept there would cost the mem
 region written (`write`, or through the mapping followed by `drop_pages`) starts its writeback at once
 (`sync_file_range(SYNC_FILE_RANGE_WRITE)`) and is dropped from the page cache (`posix_fadvise(DONTNEED)`) once
 written back, when more than `writeback_lag` bytes are waiting behind it (`flush()` drops them all); a region
-read back with `read` is dropped right after. Readahead is off (`POSIX_FADV_RANDOM`): regions are read whole.
+read back with `read` is dropped right after, or never enters it: into page-aligned memory (a gathered chunk) it is
+read with O_DIRECT where the file system allows. Readahead is off (`POSIX_FADV_RANDOM`): regions are read whole.
 Where there is no `sync_file_range` (not Linux) `fdatasync` writes back; on a filesystem whose pages are the
 file (tmpfs) the advice does nothing and the tier stays in memory, as it must.
 
@@ -139,6 +140,8 @@ class NvmeFile:
         self.path = self.folder / self._new_name()  # the name is final once `open()` succeeds
         self.size = 0
         self._fd: int | None = None
+        self._direct: int | None = None  # a second descriptor with O_DIRECT for `read` (None: buffered reads only)
+        self.direct_bytes = 0  # bytes `read` took with direct I/O
         self._mm: mmap.mmap | None = None
         self._ino: tuple[int, int] | None = None
         self._finalizer: weakref.finalize | None = None
@@ -180,6 +183,7 @@ class NvmeFile:
                 f"tier ({exc.strerror}); free space there or choose another folder"
             ) from exc
         self._fd = fd
+        self._direct = _open_direct(fd)
         self._behind = WriteBehind(fd, self.writeback_lag)
         _advise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))  # regions are read whole: no readahead
         st = os.fstat(fd)
@@ -232,10 +236,31 @@ class NvmeFile:
 
     def read(self, offset: int, out: torch.Tensor) -> torch.Tensor:
         """Copy the region at `offset` into `out` (contiguous CPU, the region's dtype) with pread: no page faults;
-        the pages read leave the page cache (those still being written back leave when `flush` waits for them)."""
+        the pages read leave the page cache (those still being written back leave when `flush` waits for them).
+
+        Where `out` starts on a page (a gathered chunk's `HostPages`) and the file system takes O_DIRECT, its whole
+        pages are read with direct I/O: from the disk into `out`, no page-cache copy to charge, fill and drop (the
+        kernel writes back any of the range still dirty in the page cache first); the tail under a page is read
+        buffered. A file system that refuses direct reads turns them off for the file."""
         self.check()
-        _rw(os.preadv, self._fd, out, offset)
-        _advise(self._fd, *_page_span(offset, out.numel() * out.element_size()), getattr(os, "POSIX_FADV_DONTNEED", 4))
+        nbytes = out.numel() * out.element_size()
+        aligned = self._direct is not None and out.data_ptr() % _PAGE == 0 and offset % _PAGE == 0
+        head = nbytes // _PAGE * _PAGE if aligned else 0
+        if head:
+            flat = out.view(-1).view(torch.uint8)
+            try:
+                _rw(os.preadv, self._direct, flat[:head], offset)
+                self.direct_bytes += head
+            except OSError as exc:  # EINVAL: this file system or device will not do it after all
+                logger.info("NVMe tier: direct reads refused (%s); reading through the page cache", exc.strerror)
+                os.close(self._direct)
+                self._direct, head = None, 0
+            if head < nbytes:
+                _rw(os.preadv, self._fd, flat[head:], offset + head)
+        else:
+            _rw(os.preadv, self._fd, out, offset)
+        if head < nbytes:
+            _advise(self._fd, *_page_span(offset + head, nbytes - head), getattr(os, "POSIX_FADV_DONTNEED", 4))
         return out
 
     def write(self, offset: int, src: torch.Tensor) -> None:
@@ -272,6 +297,9 @@ class NvmeFile:
             except BufferError:  # tensors still view the mapping; the OS unmaps at exit
                 logger.debug("NVMe mapping still viewed; left open")
             self._mm = None
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
         if self._fd is not None:
             if remove:
                 _unlink_if_same(self.path, os.fstat(self._fd))
@@ -280,6 +308,18 @@ class NvmeFile:
         if self._rank_lock is not None:
             _release_rank_lock(self._rank_lock)
             self._rank_lock = None
+
+
+def _open_direct(fd: int) -> int | None:
+    """A second, read-only O_DIRECT descriptor of the file open as `fd` (reopened through /proc, never by its name),
+    or None where there is no O_DIRECT or the file system refuses it (tmpfs: EINVAL)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
 
 
 def _same_file(path: Path | str, st: os.stat_result | tuple[int, int]) -> bool:

@@ -203,3 +203,45 @@ def test_a_peers_read_of_an_nvme_region_leaves_the_page_cache(folder):
         assert file_resident_bytes(path) < MIB, file_resident_bytes(path)
     finally:
         os.close(fd)
+
+
+def test_page_aligned_reads_go_direct_with_the_same_bytes_and_leave_no_pages(folder):
+    """Into page-aligned memory (a gathered chunk's `HostPages`) the whole pages of a region are read with O_DIRECT and
+    its tail buffered; elsewhere (unaligned memory, an offset inside a region) buffered: the same bytes either way,
+    written through pwrite or the mapping and not yet written back."""
+    from lowmem.core_parallel.gemini.host_memory import HostPages
+
+    _needs_dropping(folder)
+    sizes = [PAGE // 4 * 3 + 5, 257 * 1024, PAGE // 2]  # fp32: pages and a tail; whole pages; one bf16 page below
+    f = NvmeFile(folder, rank=0)
+    offsets = [f.reserve(n) for n in sizes]
+    f.open()
+    if f._direct is None:
+        f.close()
+        pytest.skip(f"{folder}: no O_DIRECT here")
+    try:
+        g = torch.Generator().manual_seed(0)
+        values = [torch.randn(n, generator=g) for n in sizes]
+        values[2] = values[2].to(torch.bfloat16).view(torch.float32)[: sizes[2] // 2].contiguous()
+        for off, v in zip(offsets[:2], values[:2]):
+            f.write(off, v)
+        f.view(offsets[2], values[2].numel()).copy_(values[2])  # through the mapping, still dirty
+        pages = HostPages(max(sizes) * 4)
+        before = f.direct_bytes
+        for off, v in zip(offsets, values):
+            out = pages.tensor(torch.float32, v.numel())
+            out.fill_(float("nan"))
+            assert torch.equal(f.read(off, out), v)
+            unaligned = torch.empty(v.numel() + 1)[1:]  # 4 bytes past torch's 64-byte alignment: buffered
+            assert torch.equal(f.read(off, unaligned), v)
+        whole = sum(v.numel() * 4 // PAGE * PAGE for v in values)
+        assert f.direct_bytes - before == whole > 0
+        inside = torch.empty(values[1].numel() - PAGE // 4 + 1)[1:]
+        f.read(offsets[1] + PAGE, pages.tensor(torch.float32, inside.numel()))  # page-aligned offset inside: direct
+        assert f.direct_bytes - before > whole
+        f.read(offsets[1] + 4, inside[:-1])  # an offset off a page: buffered
+        assert torch.equal(inside[:-1], values[1][1 : inside.numel()])
+        f.flush()
+        assert file_resident_bytes(f.path) < 2 * MIB
+    finally:
+        f.close()
