@@ -125,8 +125,11 @@ class Chunk:
         """Whether the master can be `full` itself: one rank of a CPU device, the master on the device tier in `full`'s
         dtype (nothing to gather: the gathered buffer would be a copy of it). A master on the CPU tier is not, though
         on a CPU device it is the same memory: the tiers keep their meaning, as on an accelerator."""
-        return (self.world == 1 and self._pages is not None and self.master.allocated
-                and self.master.tier == "device" and self.master.dtype == self.full.dtype)
+        return self.master.allocated and self.pinnable_on(self.master.tier)
+
+    def pinnable_on(self, tier: str) -> bool:
+        """Whether the master would be pinned on `tier`."""
+        return self.world == 1 and self._pages is not None and tier == "device" and self.master.dtype == self.full.dtype
 
     def pin(self) -> None:
         """Keep the master in `full` (its own storage freed): the parameters view the master, so a gather or release
@@ -135,7 +138,8 @@ class Chunk:
             return
         self.wait()
         self.alloc_storage()
-        self.full.data.copy_(self.master.view())
+        if self.master.view().data_ptr() != self.full.data_ptr():  # else read straight into it (`move_master`)
+            self.full.data.copy_(self.master.view())
         self.master.adopt(self.full.data)
         self.pinned = True
 

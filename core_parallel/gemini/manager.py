@@ -392,11 +392,14 @@ class ChunkManager:
 
     def move_master(self, c: Chunk, tier: str) -> None:
         """Move chunk `c`'s master shard to `tier` (accounted; peers told where it is)."""
-        src = c.master.tier
+        src, into = c.master.tier, None
+        if src == "nvme" and c.pinnable_on(tier):  # read into the pages it will be pinned in: no second copy
+            c.alloc_storage()
+            into = c.full.data
         if self.peers is not None:
             self.peers.begin_move()
         try:
-            c.master.move(tier)
+            c.master.move(tier, into=into)  # (failing, the pages stay with the chunk: its next gather fills them)
         finally:
             if self.peers is not None:  # where it is now (also after a failed move)
                 self.peers.end_move(c.index, in_file=c.master.tier == "nvme")

@@ -571,8 +571,10 @@ class TieredBuffer:
         self._tensor = None
         self.allocated = False
 
-    def move(self, tier: str) -> int:
-        """Move the data to `tier`; returns the bytes copied."""
+    def move(self, tier: str, into: torch.Tensor | None = None) -> int:
+        """Move the data to `tier`; returns the bytes copied. From NVMe it is read with pread (direct I/O into
+        page-aligned memory), not through the mapping, whose page faults took a page each; `into`: [numel] CPU memory
+        of this dtype to read it into and keep it in (a pinned chunk's gathered buffer)."""
         if tier == self.tier:
             return 0
         if tier == "nvme" and self._offset is None:
@@ -580,10 +582,17 @@ class TieredBuffer:
         if not self.allocated:
             self.tier = tier
             return 0
+        if self.tier == "nvme":
+            cpu = tier == "cpu" or self.device.type == "cpu"
+            dst = into if into is not None else self._region if self._region is not None and cpu else torch.empty(
+                self.numel, dtype=self.dtype)
+            self._nvme.read(self._offset, dst)
+            self.done()
+            self.tier = tier
+            self._tensor = dst if cpu else dst.to(self.device)
+            return self.nbytes
         data = self.view()
-        src = data.clone() if self.tier == "nvme" else data
-        self.done()
         self._tensor = None
         self.tier = tier
-        self.allocate(fill=src)
+        self.allocate(fill=data)
         return self.nbytes
