@@ -59,6 +59,23 @@ def test_keep_attention_matches_plain_gradients_without_recomputing_attention(ti
         torch.testing.assert_close(full[name], g, msg=name)
 
 
+def test_keep_attention_keeps_only_where_the_attention_outweighs_its_dispatch_cost(tiny):
+    """Blocks with fewer tokens than channels recompute their attention like `full` (keeping it would save less than
+    the selective policy's Python call per op costs); the gradients stay those of the unchecked model."""
+    unet = tiny["unet"].train()
+    set_kernels_attention(unet, "auto")
+    side = unet.config.sample_size
+    unet.config.sample_size = 4  # 16 tokens at 32 channels, 4 at 64: fewer tokens than channels everywhere
+    try:
+        plain, _ = _grads(unet, None)
+        kept, kept_calls = _grads(unet, "keep_attention")
+    finally:
+        unet.config.sample_size = side
+    assert kept_calls > 0, "a block with fewer tokens than channels recomputes its attention"
+    for name, g in plain.items():
+        torch.testing.assert_close(kept[name], g, msg=name)
+
+
 def test_unknown_policy_is_refused(tiny):
     with pytest.raises(ValueError, match="policy"):
         enable_checkpointing(tiny["unet"], "sometimes")
