@@ -170,14 +170,14 @@ class Chunk:
         else:
             self.full.untyped_storage().resize_(0)
 
-    def _new_grad_full(self) -> torch.Tensor:
-        """A zeroed [size] fp32 buffer for the local gradients."""
+    def _new_grad_full(self, zero: bool = True) -> torch.Tensor:
+        """A [size] fp32 buffer for the local gradients, zeroed (`zero=False`: contents undefined)."""
         if self._pages is None:
-            return torch.zeros(self.spec.size, dtype=torch.float32, device=self.full.device)
+            return (torch.zeros if zero else torch.empty)(self.spec.size, dtype=torch.float32, device=self.full.device)
         if self._grad_pages is None:
             self._grad_pages = HostPages(self.map_elems * 4)
         out = self._grad_pages.tensor(torch.float32, self.spec.size)
-        return out.zero_() if self.recycler.acquire(self._grad_pages) else out
+        return out.zero_() if self.recycler.acquire(self._grad_pages) and zero else out
 
     def drop_local_grads(self) -> None:
         """Forget the local gradients (the flat buffer and the pending parameter gradients)."""
@@ -301,10 +301,17 @@ class Chunk:
 
     def materialize_grad(self) -> None:
         """Build `grad_full` ([size] fp32) from the pending parameter gradients and free them."""
-        if self.grad_full is None:
-            self.grad_full = self._new_grad_full()
-        for offset, g in self.pending.items():
-            self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
+        if self.grad_full is None:  # a new buffer: each gradient copied into its place, only the rest zeroed
+            self.grad_full, end = self._new_grad_full(zero=False), 0
+            for offset in sorted(self.pending):
+                g = self.pending[offset]
+                self.grad_full[end:offset].zero_()
+                self.grad_full[offset : offset + g.numel()].copy_(g.reshape(-1))
+                end = offset + g.numel()
+            self.grad_full[end:].zero_()
+        else:
+            for offset, g in self.pending.items():
+                self.grad_full[offset : offset + g.numel()].add_(g.reshape(-1))
         self.pending, self._pending_nbytes = {}, 0
 
     def reduce_scatter(self, out: torch.Tensor | None = None, async_op: bool = False) -> Reduction:

@@ -2,7 +2,8 @@
 gathered buffer itself, so gathers and releases move no byte and the model data is held once, not twice. Checked:
 which chunks are pinned, that their gathers copy nothing, that the ledger charges them once, that training equals
 the unpinned run bitwise, and that a pinned master moved to NVMe and back (between steps, and while its chunk is in use)
-keeps every value."""
+keeps every value. Also the flat gradient buffer's fill (each gradient copied into place, only the rest zeroed),
+on two ranks that use different parameters."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lowmem.core_parallel.gemini.chunk import Chunk
 from lowmem.core_parallel.gemini.placement import AccessTrace
 from lowmem.core_parallel.gemini.state import ChunkState
 from lowmem.core_parallel.gemini.storage import NvmeFile
-from tests.core_parallel.gemini_helpers import batch, build
+from tests.core_parallel.gemini_helpers import assert_close_dicts, batch, build
 
 STEPS = range(4)
 
@@ -140,3 +141,50 @@ def test_a_pinned_master_moved_to_nvme_and_back_keeps_every_value(tmp_path):
     assert mgr.memory_report()["bytes"]["device"]["params"] == sum(
         c.master.nbytes for c in mgr.chunks if c.master.tier == "device")
     mgr.close()
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if both else self.a(x)
+
+
+def _stale_buffers_rank(rank: int, world: int) -> dict:
+    """Rank 1 uses `b`, rank 0 does not; every flat gradient buffer handed out undefined is full of NaN (recycled
+    pages hold old data), so rank 0 must zero `b`'s place before the reduction sums it with rank 1's."""
+    new = Chunk._new_grad_full
+
+    def stale(self, zero=True):
+        out = new(self, zero)
+        return out if zero else out.fill_(float("nan"))
+
+    Chunk._new_grad_full = stale
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, gopt = setup_gemini(model, opt, GeminiConfig(chunk_mb=64 * 4 / 2**20))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    gopt.backward(model(x, rank == 1).pow(2).mean())
+    gopt.step()
+    out = {k: v.clone() for k, v in model.state_dict().items()}
+    model.gemini_manager.close()
+    return out
+
+
+def test_a_new_gradient_buffer_zeros_what_this_rank_did_not_compute():
+    from lowmem.core_parallel import run_on_ranks
+
+    got = run_on_ranks(_stale_buffers_rank, 2, timeout=120)
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss = sum(ref(torch.randn(4, 5, generator=torch.Generator().manual_seed(r)), r == 1).pow(2).mean()
+               for r in range(2)) / 2
+    loss.backward()
+    opt.step()
+    for rank_state in got:
+        assert_close_dicts(rank_state, ref.state_dict())
+
