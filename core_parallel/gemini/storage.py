@@ -184,6 +184,8 @@ class NvmeFile:
             ) from exc
         self._fd = fd
         self._direct = _open_direct(fd)
+        if self._direct is not None:  # closed with the file, or when it is collected (it would keep the inode alive)
+            self._direct_closer = weakref.finalize(self, os.close, self._direct)
         self._behind = WriteBehind(fd, self.writeback_lag)
         _advise(fd, 0, 0, getattr(os, "POSIX_FADV_RANDOM", 1))  # regions are read whole: no readahead
         st = os.fstat(fd)
@@ -238,10 +240,9 @@ class NvmeFile:
         """Copy the region at `offset` into `out` (contiguous CPU, the region's dtype) with pread: no page faults;
         the pages read leave the page cache (those still being written back leave when `flush` waits for them).
 
-        Where `out` starts on a page (a gathered chunk's `HostPages`) and the file system takes O_DIRECT, its whole
-        pages are read with direct I/O: from the disk into `out`, no page-cache copy to charge, fill and drop (the
-        kernel writes back any of the range still dirty in the page cache first); the tail under a page is read
-        buffered. A file system that refuses direct reads turns them off for the file."""
+        Into page-aligned `out` (a gathered chunk's `HostPages`) at a page-aligned offset, whole pages are read with
+        O_DIRECT where the file system takes it (no page-cache copy to charge, fill and drop; the kernel writes back
+        what of the range is still dirty first), the tail buffered; refused once, direct reads stop for the file."""
         self.check()
         nbytes = out.numel() * out.element_size()
         aligned = self._direct is not None and out.data_ptr() % _PAGE == 0 and offset % _PAGE == 0
@@ -253,8 +254,8 @@ class NvmeFile:
                 self.direct_bytes += head
             except OSError as exc:  # EINVAL: this file system or device will not do it after all
                 logger.info("NVMe tier: direct reads refused (%s); reading through the page cache", exc.strerror)
-                os.close(self._direct)
-                self._direct, head = None, 0
+                self._close_direct()
+                head = 0
             if head < nbytes:
                 _rw(os.preadv, self._fd, flat[head:], offset + head)
         else:
@@ -270,6 +271,11 @@ class NvmeFile:
         self.check()
         _rw(os.pwritev, self._fd, src, offset)
         self._behind.written(offset, src.numel() * src.element_size())
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct_closer()
+            self._direct = None
 
     def drop_pages(self, offset: int, numel: int, itemsize: int = _F32) -> None:
         """Let the kernel drop this region (`numel` elements of `itemsize` bytes) from our resident memory and, once
@@ -297,9 +303,7 @@ class NvmeFile:
             except BufferError:  # tensors still view the mapping; the OS unmaps at exit
                 logger.debug("NVMe mapping still viewed; left open")
             self._mm = None
-        if self._direct is not None:
-            os.close(self._direct)
-            self._direct = None
+        self._close_direct()
         if self._fd is not None:
             if remove:
                 _unlink_if_same(self.path, os.fstat(self._fd))
@@ -313,12 +317,9 @@ class NvmeFile:
 def _open_direct(fd: int) -> int | None:
     """A second, read-only O_DIRECT descriptor of the file open as `fd` (reopened through /proc, never by its name),
     or None where there is no O_DIRECT or the file system refuses it (tmpfs: EINVAL)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
     try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, AttributeError):  # AttributeError: no O_DIRECT on this platform
         return None
 
 

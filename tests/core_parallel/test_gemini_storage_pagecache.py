@@ -245,3 +245,21 @@ def test_page_aligned_reads_go_direct_with_the_same_bytes_and_leave_no_pages(fol
         assert file_resident_bytes(f.path) < 2 * MIB
     finally:
         f.close()
+
+
+def test_a_collected_tier_closes_its_direct_descriptor(folder):
+    """An NVMe file collected without `close` (an error path) is removed; its O_DIRECT descriptor is closed too, or
+    the removed file would keep its disk space until the process exits."""
+    import gc
+
+    f = NvmeFile(folder, rank=0)
+    f.reserve(1 << 20)
+    f.open()
+    fd = f._direct
+    if fd is None:
+        f.close()
+        pytest.skip(f"{folder}: no O_DIRECT here")
+    del f
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
