@@ -336,11 +336,8 @@ class ChunkManager:
     def _repin(self, c: Chunk) -> None:
         """Chunk `c`'s master was placed or moved: pinned wherever it can be (`Chunk.pin`), else gathered as a copy."""
         c.unpin()
-        if not c.pinned and c.sm.data is not ChunkState.RELEASED:
-            self._account_gathered(c, c.full_nbytes)
         c.pin()
-        if c.pinned:
-            self._account_gathered(c, 0)
+        self._account_gathered(c, 0 if c.pinned or c.sm.data is ChunkState.RELEASED else c.full_nbytes)
 
     def release_idle(self) -> None:
         """Release gathered chunks no module uses (stale prefetches, the end of a pass)."""
@@ -349,13 +346,16 @@ class ChunkManager:
                 self._release(c)
 
     def _prefetch(self) -> None:
+        """Start gathering the next `prefetch` chunks of the recorded order not gathered yet (those in flight count):
+        a chunk many modules use in a row (a LoRA base's, between its adapters') is followed from its first use on."""
         if not self.prefetch or not self.trace.frozen:
             return
-        for i in self.trace.upcoming(self.prefetch):
-            c = self.chunks[i]
-            if self.reader is not None and not c.reads_async:
-                continue  # a copy between CPU tiers: compute itself, gathered when used
-            if c.sm.data is ChunkState.RELEASED and self.fits(c.full_nbytes):
+        for c in [c for c in map(self.chunks.__getitem__, self.trace.ahead())
+                  if not c.pinned and c.sm.data is not ChunkState.GATHERED][: self.prefetch]:
+            # not a copy between CPU tiers (compute itself, gathered when used; see __init__)
+            if c.sm.data is ChunkState.RELEASED and (self.reader is None or c.reads_async):
+                if not self.fits(c.full_nbytes):
+                    return
                 self._gather(c, async_op=True)
 
     # ---- placement under a budget ------------------------------------------------------------------

@@ -52,11 +52,15 @@ def budget_plan(masters: Sequence[int], optims: Sequence[int], left: int | None,
 class AccessTrace:
     """Chunk accesses in the order of one traced step; afterwards answers "when is chunk c used next?"."""
 
+    AHEAD = 8
+    """How many distinct chunks `ahead` lists at most."""
+
     def __init__(self) -> None:
         self.order: list[int] = []
         self.frozen = False
         self.cursor = 0
         self._positions: dict[int, list[int]] = {}
+        self._ahead: list[tuple[int, ...]] = []
 
     def record(self, chunk: int) -> None:
         """Note an access; while recording it appends, afterwards it advances the cursor."""
@@ -75,7 +79,16 @@ class AccessTrace:
         self.frozen = True
         for pos, c in enumerate(self.order):
             self._positions.setdefault(c, []).append(pos)
+        self._ahead = [()] * (len(self.order) + 1)
+        for pos in range(len(self.order) - 1, -1, -1):
+            c = self.order[pos]
+            self._ahead[pos] = (c, *(x for x in self._ahead[pos + 1] if x != c))[: self.AHEAD]
         self.cursor = 0
+
+    def ahead(self) -> tuple[int, ...]:
+        """The next distinct chunks from the cursor in the order of their next use, `AHEAD` at most (computed once
+        at `freeze`: however many accesses of the same chunks come first, no scan)."""
+        return self._ahead[self.cursor] if self.frozen else ()
 
     def new_step(self) -> None:
         """Rewind the cursor to the start of the recorded order."""

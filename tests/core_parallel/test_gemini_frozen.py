@@ -284,3 +284,47 @@ def test_a_frozen_base_cast_by_the_user_stays_in_its_dtype_under_mixed_precision
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
     mgr.close()
+
+
+class _Shared(nn.Module):
+    """Three layers per chunk, each chunk's layers run one after another: a chunk is accessed three times in a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_next_chunk_is_read_from_the_first_use_of_the_current_one(tmp_path, monkeypatch):
+    """With the order recorded, a chunk used by several modules in a row has the next chunk read ahead from its first
+    use on (it was from its last: the read then overlapped one module's compute instead of three)."""
+    from lowmem.core_parallel.gemini.manager import ChunkManager
+
+    torch.manual_seed(0)
+    model = _Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / "nvme"), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=3 * 16 * 17 * 4 / 2**20, prefetch=1)
+    model, gopt = setup_gemini(model, opt, cfg)
+    mgr = model.gemini_manager
+    assert mgr.reader is not None and [len(c.spec.slots) for c in mgr.chunks] == [6, 6, 6]
+    events: list[tuple[str, int]] = []
+    gather, record = ChunkManager._gather, mgr.trace.record
+    monkeypatch.setattr(ChunkManager, "_gather", lambda self, c, async_op: (
+        events.append(("prefetch" if async_op else "gather", c.index)), gather(self, c, async_op))[1])
+    monkeypatch.setattr(mgr.trace, "record", lambda i: (events.append(("use", i)), record(i))[1])
+    x = torch.randn(4, 16)
+    for _ in range(2):  # the second step runs with the order recorded
+        events.clear()
+        model(x).pow(2).mean().backward()
+        gopt.step()
+        gopt.zero_grad()
+    forward = events[: events.index(("use", 2)) + 1]
+    # step 2, forward: chunk 1 is prefetched right after chunk 0's first use, chunk 2 after chunk 1's
+    assert forward[:3] == [("use", 0), ("gather", 0), ("prefetch", 1)], forward
+    assert forward.index(("prefetch", 2)) == forward.index(("use", 1)) + 1, forward
+    mgr.close()
