@@ -13,7 +13,7 @@ version counter, so re-gathering does not trip autograd's in-place checks.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from ..trace import CollectiveTrace
 from .host_memory import HostPages, PageRecycler
 from .layout import ChunkSpec
 from .peer_reads import PeerReads
+from .prefetch import Reader
 from .state import ChunkState, ChunkStateMachine
 from .storage import TieredBuffer
 
@@ -90,6 +91,7 @@ class Chunk:
         self.grad = grad
         self.states: dict[str, TieredBuffer] = states or {}
         self.grad_full: torch.Tensor | None = None
+        self._grad_is_shard = False  # `grad_full` is the gradient shard itself (one rank: `materialize_grad(into)`)
         self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
         self._pending_nbytes = 0
         self._work = None
@@ -104,7 +106,7 @@ class Chunk:
         self.peers: PeerReads | None = None
         # CPU device, master on NVMe, gathers one-sided (one rank, or peer reads): an async gather is a read on this
         # thread, overlapping compute (set by the manager)
-        self.reader: Executor | None = None
+        self.reader: Reader | None = None
         self.collectives = env.collectives
         self.pinned = False  # the master is `full` itself (`pin`)
 
@@ -181,9 +183,9 @@ class Chunk:
 
     def drop_local_grads(self) -> None:
         """Forget the local gradients (the flat buffer and the pending parameter gradients)."""
-        if self.grad_full is not None and self._grad_pages is not None:
+        if self.grad_full is not None and self._grad_pages is not None and not self._grad_is_shard:
             self.recycler.release(self._grad_pages)
-        self.grad_full, self.pending, self._pending_nbytes = None, {}, 0
+        self.grad_full, self.pending, self._pending_nbytes, self._grad_is_shard = None, {}, 0, False
 
     @property
     def full_nbytes(self) -> int:
@@ -276,8 +278,9 @@ class Chunk:
 
     @property
     def local_grad_nbytes(self) -> int:
-        """Bytes of local gradients held: `grad_full` and the parameter gradients waiting for it."""
-        full = self.grad_full.numel() * 4 if self.grad_full is not None else 0
+        """Bytes of local gradients held: `grad_full` (unless it is the shard) and the parameter gradients waiting
+        for it."""
+        full = self.grad_full.numel() * 4 if self.grad_full is not None and not self._grad_is_shard else 0
         return full + self._pending_nbytes
 
     def add_grad(self, offset: int, grad: torch.Tensor) -> None:
@@ -299,10 +302,13 @@ class Chunk:
             self.materialize_grad()
             self.grad_full[offset : offset + grad.numel()].add_(grad.reshape(-1))
 
-    def materialize_grad(self) -> None:
-        """Build `grad_full` ([size] fp32) from the pending parameter gradients and free them."""
+    def materialize_grad(self, into: torch.Tensor | None = None) -> None:
+        """Build `grad_full` ([size] fp32) from the pending parameter gradients and free them. `into`: the buffer
+        to build it in when there is none yet (its contents undefined: one rank's gradient shard, so that the
+        reduction copies nothing)."""
         if self.grad_full is None:  # a new buffer: each gradient copied into its place, only the rest zeroed
-            self.grad_full, end = self._new_grad_full(zero=False), 0
+            self.grad_full, end = self._new_grad_full(zero=False) if into is None else into, 0
+            self._grad_is_shard = into is not None
             for offset in sorted(self.pending):
                 g = self.pending[offset]
                 self.grad_full[end:offset].zero_()
@@ -325,7 +331,7 @@ class Chunk:
             self.grad_full = self._new_grad_full()
         full = self.grad_full
         if self.world == 1:  # the shard is the whole buffer
-            return Reduction(self, full if out is None else out.copy_(full), None)
+            return Reduction(self, full if out is None or out is full else out.copy_(full), None)
         if out is None:
             out = torch.empty(self.shard_numel, dtype=torch.float32, device=full.device)
         work = None

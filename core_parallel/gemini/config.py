@@ -86,6 +86,11 @@ class GeminiConfig:
     """Compute dtype of the gathered parameters: fp32, fp16 or bf16 (master shards are always fp32)."""
     prefetch: int = 1
     """Number of chunks all-gathered ahead of use, following the order recorded in the first step."""
+    prefetch_max: int = 4
+    """Where masters are read from NVMe on a reader thread (one CPU rank, or peer reads), the depth starts at
+    `prefetch` and each step sets it from what it measured, between `prefetch` and `prefetch_max`: deeper when
+    compute waited for reads while the reader had time to spare, shallower when the reader was busy all the step
+    (`prefetch.PrefetchDepth`). Equal to `prefetch` (or below it): a fixed depth."""
     keep_gathered: int | None = None
     """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
     of the recorded order (it will be used again soon), chunks counted by their size over the largest one's (a
@@ -128,8 +133,9 @@ class GeminiConfig:
             raise InputError(f"chunk_mb must be a positive number of MiB or None, got {self.chunk_mb!r}")
         if self.precision not in _PRECISIONS:
             raise InputError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise InputError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        for name in ("prefetch", "prefetch_max"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise InputError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.keep_gathered is not None and (not isinstance(self.keep_gathered, int) or self.keep_gathered < 0):
             raise InputError(f"keep_gathered must be an int >= 0 or None, got {self.keep_gathered!r}")
         if not isinstance(self.host_collectives, bool):

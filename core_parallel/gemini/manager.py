@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from .layout import ChunkSpec, Slot
 from .lazy import clear_source, close_sources, is_hollow, source_of, take_value
 from .peer_reads import PeerReads
 from .placement import AccessTrace, MemoryLedger, budget_plan, keep_recent, pick_victim, static_plan
+from .prefetch import PrefetchDepth, Reader
 from .state import ChunkState
 from .state_dict_io import StateDictIO
 from .storage import NvmeFile, TieredBuffer
@@ -94,22 +95,19 @@ class ChunkManager:
                 c.master.use_region(self.peers.region(c.index))
                 c.peers = self.peers
         self.trainable_chunks = [c for c in self.chunks if c.spec.trainable]
-        # Prefetching needs a gather that runs beside compute: gloo's, an accelerator's, or a read of an NVMe master
-        # on the reader thread (a CPU device whose gathers are one-sided: one rank, or peer reads). Copies between
-        # CPU tiers and shared-memory gathers are compute themselves: prefetching them would only hold the next
-        # chunk longer, so a CPU device prefetches the chunks whose master is on NVMe only. The optimizer step reads
-        # the next NVMe piece on that thread too. prefetch=0: no thread, every read synchronous.
+        # reading ahead: where it pays, and how far (`prefetch.py`); prefetch=0: no thread, every read synchronous
         self.reader = None
         one_sided = world == 1 or self.peers is not None
         if device.type == "cpu" and self.nvme is not None and one_sided and config.prefetch:
-            self.reader = ThreadPoolExecutor(1, thread_name_prefix="lowmem-tier-reader")
+            self.reader = Reader()
             for c in self.chunks:
                 c.reader = self.reader
         overlaps = device.type != "cpu" or (world > 1 and self.host_comm is None) or self.reader is not None
-        self.prefetch = config.prefetch if overlaps else 0
+        least = config.prefetch if overlaps else 0
+        self.depth = PrefetchDepth(least, max(least, config.prefetch_max) if self.reader is not None else least)
         self.sync = True
         self.had_grad: dict[int, bool] = {s.param: False for c in self.trainable_chunks for s in c.spec.slots}
-        self._in_backward = False
+        self.in_backward = False  # a backward pass is under way (from its first hook to `end_backward`)
         self.pass_open = False  # a forward (or its backward) is under way: the fallback may gather
         self._storage_keys: dict[int, int] = {}
         self._gathered: dict[int, int] = {}  # chunk -> bytes its gathered copy holds on the device (in the ledger)
@@ -220,17 +218,12 @@ class ChunkManager:
         """A module's forward starts: a pass is under way until its backward (or the forward) ends."""
         self.pass_open = True
 
-    @property
-    def in_backward(self) -> bool:
-        """Whether a backward pass is under way (between its first hook and `end_backward`)."""
-        return self._in_backward
-
     @contextlib.contextmanager
     def collective_reads(self) -> Iterator[None]:
         """Inside the block parameter reads outside a forward gather their chunks (and release them at its end),
         as inside a pass. Every rank must enter the block and run the same reads (each gather is a collective):
         an EMA update or sampling between steps, run by a callback on every rank."""
-        if self.pass_open or self._in_backward:  # already inside a pass: reads gather there anyway
+        if self.pass_open or self.in_backward:  # already inside a pass: reads gather there anyway
             yield
             return
         self.pass_open = True
@@ -244,7 +237,7 @@ class ChunkManager:
         """Whether a parameter read outside its modules may gather its chunk: inside a pass, where every rank
         runs the same reads (between steps a read may be one rank's alone, and where gathers are collectives it
         would hang; the same error on every transport, so a CPU test catches what would hang on GPUs)."""
-        return self.pass_open or self._in_backward
+        return self.pass_open or self.in_backward
 
     @contextlib.contextmanager
     def master_writes(self, what: str = "the optimizer step") -> Iterator[None]:
@@ -277,9 +270,12 @@ class ChunkManager:
             self.trace.record(i)
             self._clock += 1
             self.last_used[i] = self._clock
+            t0 = time.perf_counter() if c.reads_async else None  # compute waits for this read: `PrefetchDepth`
             if c.sm.data is ChunkState.RELEASED:
                 self._gather(c, async_op=False)
             c.wait()
+            if t0 is not None:
+                self.depth.wait(time.perf_counter() - t0)
             c.sm.acquire()
         self._prefetch()
 
@@ -348,10 +344,10 @@ class ChunkManager:
     def _prefetch(self) -> None:
         """Start gathering the next `prefetch` chunks of the recorded order not gathered yet (those in flight count):
         a chunk many modules use in a row (a LoRA base's, between its adapters') is followed from its first use on."""
-        if not self.prefetch or not self.trace.frozen:
+        if not self.depth.depth or not self.trace.frozen:
             return
         for c in [c for c in map(self.chunks.__getitem__, self.trace.ahead())
-                  if not c.pinned and c.sm.data is not ChunkState.GATHERED][: self.prefetch]:
+                  if not c.pinned and c.sm.data is not ChunkState.GATHERED][: self.depth.depth]:
             # not a copy between CPU tiers (compute itself, gathered when used; see __init__)
             if c.sm.data is ChunkState.RELEASED and (self.reader is None or c.reads_async):
                 if not self.fits(c.full_nbytes):
@@ -409,9 +405,9 @@ class ChunkManager:
     # ---- gradients ---------------------------------------------------------------------------------
     def begin_backward(self, queue: bool = True) -> None:
         """First hook of a backward pass: arm the end-of-pass callback."""
-        if self._in_backward:
+        if self.in_backward:
             return
-        self._in_backward = True
+        self.in_backward = True
         self.passes += 1
         self._reduce_ptr = len(self.trainable_chunks) - 1
         self._reduced = set()
@@ -461,13 +457,16 @@ class ChunkManager:
         if c.index in self._reduced:
             return
         self._reduced.add(c.index)
+        direct = not c.grad.allocated and c.grad.tier == "device"  # straight into the shard: no temporary
+        if direct and self.world == 1 and c.pending and c.grad_full is None:
+            c.grad.allocate(zero=False)  # one rank: the shard is the whole flat buffer, the gradients copied into it
         if c.pending:  # the flat buffer first, then the shard: the parameter gradients are gone by then
             held = c.local_grad_nbytes
-            c.materialize_grad()
+            c.materialize_grad(into=c.grad.view() if direct and c.grad.allocated else None)
             self._account_local_grads(c, held)
-        direct = not c.grad.allocated and c.grad.tier == "device"  # straight into the shard: no temporary
         if direct:
-            c.grad.allocate(zero=False)  # the reduce-scatter writes all of it
+            if not c.grad.allocated:
+                c.grad.allocate(zero=False)  # the reduce-scatter writes all of it
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
         held = c.local_grad_nbytes  # accounted; a chunk without any gradient gets a zero buffer unaccounted
         reduction = c.reduce_scatter(out=c.grad.view() if direct else None, async_op=self.world > 1)
@@ -502,7 +501,7 @@ class ChunkManager:
         for c in self.chunks:
             c.sm.end_backward()
         self.release_idle()
-        self._in_backward = False
+        self.in_backward = False
         self.pass_open = False
 
     def zero_grad(self) -> None:
@@ -546,6 +545,7 @@ class ChunkManager:
             self.nvme.flush()
         self.trace.freeze()
         self.trace.new_step()
+        self.depth.end_step(self.reader.busy if self.reader is not None else 0.0)
         if self.memory is not None:
             self.memory.refit(self)
         self.ledger.new_step()
@@ -558,7 +558,7 @@ class ChunkManager:
         if self.memory is not None:
             report["memory_budget_bytes"] = self.memory.limit
             report["process_peak_bytes_last_step"] = self.memory.last_process_peak
-        report["chunks"] = len(self.chunks)
+        report["chunks"], report["prefetch_depth"] = len(self.chunks), self.depth.depth
         report["chunk_elements"] = max((c.spec.size for c in self.chunks), default=0)
         return report
 
@@ -574,8 +574,7 @@ class ChunkManager:
             self.state_io.load(pidxs, values)
 
     def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
-        """Full fp32 values of parameters `pidxs`, one gathered chunk at a time (collective, see
-        `StateDictIO.stream_values`)."""
+        """Full fp32 values of parameters `pidxs`, a gathered chunk at a time (collective; `StateDictIO`)."""
         self.pass_open = False
         yield from self.state_io.stream_values(pidxs)
 

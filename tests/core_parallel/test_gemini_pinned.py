@@ -3,7 +3,7 @@ gathered buffer itself, so gathers and releases move no byte and the model data 
 which chunks are pinned, that their gathers copy nothing, that the ledger charges them once, that training equals
 the unpinned run bitwise, and that a pinned master moved to NVMe and back (between steps, and while its chunk is in use)
 keeps every value. Also the flat gradient buffer's fill (each gradient copied into place, only the rest zeroed),
-on two ranks that use different parameters."""
+on two ranks that use different parameters, and on one rank straight into the gradient shard."""
 
 from __future__ import annotations
 
@@ -188,3 +188,39 @@ def test_a_new_gradient_buffer_zeros_what_this_rank_did_not_compute():
     for rank_state in got:
         assert_close_dicts(rank_state, ref.state_dict())
 
+
+
+def test_one_rank_copies_gradients_straight_into_their_shard(monkeypatch):
+    """On one rank the gradient shard is the whole flat buffer: the gradients are copied into it, with no flat buffer
+    of their own (and no copy of it into the shard). Shards handed out undefined are full of NaN here, and `b` gets
+    no gradient in odd steps, so its place in the shard must be zeroed, as plain torch's missing gradient is."""
+    from lowmem.core_parallel.gemini.storage import TieredBuffer
+
+    flat = []
+    monkeypatch.setattr(Chunk, "_new_grad_full", lambda self, zero=True: flat.append(self.index))
+    allocate = TieredBuffer.allocate
+
+    def stale(self, fill=None, zero=True):
+        allocate(self, fill, zero)
+        if fill is None and not zero and self.tier != "nvme":
+            self.view().fill_(float("nan"))
+
+    monkeypatch.setattr(TieredBuffer, "allocate", stale)
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    ref = _TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, gopt = setup_gemini(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               GeminiConfig(chunk_mb=64 * 4 / 2**20))
+    for step in range(4):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        gopt.backward(model(x, step % 2 == 0).pow(2).mean())
+        gopt.step()
+        gopt.zero_grad()
+        ref(x, step % 2 == 0).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert flat == []
+    assert_close_dicts(model.state_dict(), ref.state_dict())
+    model.gemini_manager.close()
