@@ -134,7 +134,8 @@ def disk_io_bytes() -> tuple[int, int] | None:
 class TierTraffic(pl.Callback):
     """Per optimizer step, logged beside the loss (so in the CSV log): the MiB this process read from and wrote to
     the disk (`disk_read_mib`, `disk_write_mib`, from `disk_io_bytes`), and under Gemini the MiB its ledger moved
-    between tiers in the step (`tier_mib/<src>-><dst>`, `memory_report()["traffic_last_step"]`)."""
+    between tiers in the step (`tier_mib/<src>-><dst>`, `memory_report()["traffic_last_step"]`) and the depth its
+    reads ahead go to next (`prefetch_depth`)."""
 
     def __init__(self) -> None:
         self._io: tuple[int, int] | None = None
@@ -153,10 +154,13 @@ class TierTraffic(pl.Callback):
         self._io = io
         report = getattr(trainer.strategy.model, "memory_report", None)
         if callable(report):
-            moved = report().get("traffic_last_step", {})
+            got = report()
+            moved = got.get("traffic_last_step", {})
             self._routes.update(moved)
             for route in self._routes:
                 metrics[f"tier_mib/{route}"] = moved.get(route, 0) / 2**20
+            if "prefetch_depth" in got:
+                metrics["prefetch_depth"] = got["prefetch_depth"]
         for name, value in metrics.items():
             module.log(name, float(value), on_step=True, on_epoch=False)
 

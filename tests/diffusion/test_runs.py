@@ -204,6 +204,9 @@ def test_memory_budget_reaches_gemini_auto_and_trains_as_gemini(capsys, tmp_path
 
     streamed = csv_metric(str(tmp_path / "nvme"), "tier_mib/nvme->device")
     assert len(streamed) == 3 and all(v > 0 for v in streamed[1:]), streamed
+    # and the depth its reads ahead go to (set from each measured step, `PrefetchDepth`)
+    depths = csv_metric(str(tmp_path / "nvme"), "prefetch_depth")
+    assert len(depths) == 3 and all(1 <= d <= 4 for d in depths), depths
     assert not csv_metric(str(tmp_path / "gemini"), "tier_mib/nvme->device")
     assert len(csv_metric(str(tmp_path / "gemini"), "disk_read_mib")) == 3
 
