@@ -26,13 +26,12 @@ def _rank(rank: int, world: int, sizes: list[float], repeat: int, warmup: int) -
 
     from ...core_parallel.host_comm import HostCollectives
 
-    largest = max(int(mb * 2**20) // 4 // world for mb in sizes)
-    host = HostCollectives.create(None, slot_bytes=largest * 4)
+    parts = {mb: int(mb * 2**20) // 4 // world for mb in sizes}  # fp32 values of one rank's shard
+    host = HostCollectives.create(None, slot_bytes=max(parts.values()) * 4)
     if host is None:
         raise RuntimeError("host collectives are not available here (x86-64 Linux with a shared /dev/shm)")
     out = {}
-    for mb in sizes:
-        part = int(mb * 2**20) // 4 // world
+    for mb, part in parts.items():
         full, shard = torch.randn(part * world), torch.randn(part)
         calls = {
             ("all_gather", "gloo"): (dist.all_gather_single, (full, shard)),

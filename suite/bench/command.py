@@ -28,17 +28,15 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("suite bench command: give the command after --")
-    sides = [Side("command", cmd, capture=False)]
-    if args.baseline:
-        if not shlex.split(args.baseline):
-            raise UsageError("--baseline: empty command")
-        sides.insert(0, Side("baseline", shlex.split(args.baseline), capture=False))
+    argvs = {"baseline": shlex.split(args.baseline)} if args.baseline else {}
+    if argvs and not argvs["baseline"]:
+        raise UsageError("--baseline: empty command")
+    cap = int(args.cap_gib * 2**30) if args.cap_gib else None
     rows = []
-    for side in sides:
-        side.timeout, side.offload_paths, side.use_cgroup = args.timeout, args.offload_dir, not args.no_cgroup
-        side.cap_bytes = int(args.cap_gib * 2**30) if args.cap_gib else None
-        got = run_side(side)
-        rows.append({"side": side.name, "command": " ".join(side.argv), "returncode": got.returncode,
+    for name, argv in {**argvs, "command": cmd}.items():  # the baseline first
+        got = run_side(Side(name, argv, cap_bytes=cap, timeout=args.timeout, offload_paths=args.offload_dir,
+                            use_cgroup=not args.no_cgroup, capture=False))
+        rows.append({"side": name, "command": " ".join(argv), "returncode": got.returncode,
                      "oom_killed": got.oom_killed, "peak_MiB": mib(got.peak_bytes), "wall_s": got.wall_s,
                      "method": got.method})
     if len(rows) == 2 and rows[0]["peak_MiB"]:

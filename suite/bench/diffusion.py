@@ -1,13 +1,12 @@
 """`suite bench diffusion`: a plain diffusers-style training loop against ours on the same UNet, batch, resolution
-(docs/diffusion.md, "Benchmark"), as in-process ranks or (`--whole_command`) whole commands: this module's
-`write_pipeline` and `plain_loop` tools (`main`) against `suite diffusion finetune`."""
+(docs/diffusion.md, "Benchmark"), as in-process ranks or (`--whole_command`, `--frontier`: `frontier`) whole commands:
+this module's `write_pipeline` and `plain_loop` tools (`main`) against `suite diffusion finetune`."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import inspect
-import os
 import shutil
 import statistics
 import sys
@@ -19,24 +18,11 @@ from typing import Any
 
 from ...utils.memory_meter import SideMeter, fixed_mmap_threshold, hwm_bytes, reset_peak_rss, rss_bytes
 from ..errors import UsageError
-from .frontier import add_frontier_arguments, run_frontier
-from .harness import (
-    DDP_OPTIONS,
-    SUITE,
-    Side,
-    add_ratios,
-    fast_optimizer,
-    log_step,
-    optimizer_impl,
-    publish,
-    time_fn,
-    torch_device,
-    whole_rows,
-)
+from .frontier import add_frontier_arguments, run_frontier, run_whole
+from .harness import DDP_OPTIONS, add_ratios, fast_optimizer, log_step, optimizer_impl, publish, time_fn, torch_device
 
 __all__ = ["add_arguments", "add_shape_arguments", "encoder_models", "main", "make_step", "noise_loss",
-           "plain_loop", "plain_step", "run", "setup_variant", "tool_main", "unet_model", "whole_commands",
-           "write_pipeline"]
+           "plain_loop", "plain_step", "run", "setup_variant", "tool_main", "unet_model", "write_pipeline"]
 
 _MODULE = __spec__.name if __spec__ is not None else __name__
 
@@ -184,6 +170,7 @@ def make_step(parts, opts: dict, rank: int, device):
     fixed_latents = torch.randn(b, 4, side, side, generator=g).to(device)
     fixed_text = torch.randn(b, 77, opts["cross_attention_dim"], generator=g).to(device)
     timesteps = torch.randint(0, 1000, (b,), generator=g).to(device)
+    backward = torch.Tensor.backward if core is None else core.backward  # Gemini's: loss scaling, reductions
 
     def step() -> None:
         with torch.no_grad():
@@ -195,11 +182,7 @@ def make_step(parts, opts: dict, rank: int, device):
         noise = torch.randn_like(latents)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.get("mixed_precision") == "bf16"):
             pred = model(scheduler.add_noise(latents, noise, timesteps), timesteps, states).sample
-        loss = F.mse_loss(pred.float(), noise)
-        if core is not None:
-            core.backward(loss)
-        else:
-            loss.backward()
+        backward(F.mse_loss(pred.float(), noise))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -275,13 +258,10 @@ def _variant(rank: int, world: int, variant: str, opts: dict, mode: str, turns=N
             out["step_s"] = time_fn(step, warmup=opts["warmup"], repeat=opts["steps"], sync=sync)
         if mode != "time":
             peak = torch.cuda.max_memory_allocated(device) if cuda else hwm_bytes()
-            out["train_mib"] = (peak - base) / 2**20
-            out["peak_mib"] = peak / 2**20
-            out["charged_mib"] = meter.peak() / 2**20
-            out["memory_method"] = meter.method
+            out.update(train_mib=(peak - base) / 2**20, peak_mib=peak / 2**20, charged_mib=meter.peak() / 2**20,
+                       memory_method=meter.method)
         if parts[2] is not None:
-            report = parts[0].memory_report()
-            out["nvme_mib"] = sum(report["bytes"]["nvme"].values()) / 2**20
+            out["nvme_mib"] = sum(parts[0].memory_report()["bytes"]["nvme"].values()) / 2**20
     finally:
         if meter is not None:
             meter.close()
@@ -297,9 +277,8 @@ def _cleanup(parts) -> None:
 def _ranks(variant: str, opts: dict, mode: str, turns=None) -> list[dict]:
     from ...core_parallel import run_on_ranks
 
-    backend = "nccl" if opts["device"] == "cuda" and opts["world"] > 1 else "gloo"
     return run_on_ranks(_variant, opts["world"], variant, opts, mode, turns, timeout=opts["timeout"],
-                        backend=backend)
+                        backend="nccl" if opts["device"] == "cuda" and opts["world"] > 1 else "gloo")
 
 
 def _whole_side(variant: str, opts: dict, mode: str) -> tuple[list[dict], float | None]:
@@ -337,24 +316,22 @@ def _measure_all(opts: dict) -> tuple[dict, dict, list[float]]:
             runs = {v: f.result() for v, f in futures.items()}
         timed = {v: [max(steps) for steps in zip(*(r["step_times"] for r in runs[v]))] for v in runs}
     ratios = [o / p for p, o in zip(timed["plain"], timed["ours"])]
-    rows = {v: _row(per[v], statistics.median(timed[v]), opts) for v in per}
-    for v in rows:
-        rows[v].update({"whole_mib": whole[v]} if whole.get(v) is not None else {})
+    rows = {v: _row(per[v], statistics.median(timed[v]), whole.get(v), opts) for v in per}
     rows["ours"]["time_ratio"] = statistics.median(ratios)
     for v in rows:
         rows[v]["step_times"] = timed[v]
     return rows["plain"], rows["ours"], ratios
 
 
-def _row(per_rank: list[dict], step_s: float, opts: dict) -> dict:
-    """Worst rank's memory; `step_s`: the slowest rank's step time."""
+def _row(per_rank: list[dict], step_s: float, whole_mib: float | None, opts: dict) -> dict:
+    """Worst rank's memory; `step_s`: the slowest rank's step time; `whole_mib`: the side's cgroup peak, if any."""
     worst = max(per_rank, key=lambda r: r["train_mib"])
     row = {"world": opts["world"], "step_s": step_s, **{k: worst[k] for k in ("train_mib", "state_mib", "peak_mib")},
            "charged_mib": max(r["charged_mib"] for r in per_rank), "memory_method": worst["memory_method"],
            **({"nvme_mib": worst["nvme_mib"]} if "nvme_mib" in worst else {})}
     if worst.get("peak_reset") is False:
         row["note"] = "peak RSS since process start (clear_refs unavailable)"
-    return row
+    return row if whole_mib is None else {**row, "whole_mib": whole_mib}
 
 
 def _defaults(args: argparse.Namespace) -> dict:
@@ -375,16 +352,6 @@ def _defaults(args: argparse.Namespace) -> dict:
 
 
 # ---- whole commands ----------------------------------------------------------------------------------------
-
-
-def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
-    """A recipe YAML naming ours' Gemini config (what a user writes to set the chunk size)."""
-    where = f", offload_dir: {nvme}" if tier == "nvme" else ""
-    size = f", chunk_mb: {chunk_mb}" if chunk_mb > 0 else ""  # 0: Gemini searches it, as --strategy gemini_* does
-    with open(path, "w") as f:
-        f.write(f"launch:\n  parallel:\n    gemini: {{offload_tier: {tier}{where}, offload_param_frac: 1.0, "
-                f"offload_optim_frac: 1.0{size}}}\n")
-    return path
 
 
 def noise_loss(unet, scheduler, latents, hidden, **unet_kwargs):
@@ -411,54 +378,6 @@ def plain_step(step: int, steps: int, optimizer, loss_of) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     log_step(step, steps, time.perf_counter() - t0, float(loss.detach()))
-
-
-def whole_commands(opts: dict, work: str) -> list[dict]:
-    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`; the nvme one under `--cap_mib`)
-    side by side (`whole_rows`) on a pipeline folder of `opts`' shapes written in `work`."""
-    from ...diffusion.sample_data import write_sample_data
-
-    base, data = os.path.join(work, "base"), os.path.join(work, "data")
-    write_pipeline(base, opts)
-    write_sample_data(data)
-    py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
-    cap = int(opts["cap_mib"] * 2**20) if opts.get("cap_mib") else None
-    # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
-    held = {"timeout": opts["timeout"], "cwd": work, "offload_paths": [os.path.join(work, "nvme")]}
-    sides = [Side("plain", [py, "-m", _MODULE, "plain_loop", base, os.path.join(work, "out-plain"), "--steps", steps,
-                            "--batch", batch, "--resolution", res], log=os.path.join(work, "plain-0.log"), **held)]
-    for tier in opts.get("tiers", "nvme").split(","):
-        config = _ours_config(os.path.join(work, f"gemini-{tier}.yaml"), tier, os.path.join(work, "nvme"),
-                              opts["chunk_mb"])
-        sides.append(Side(f"ours (gemini, {tier} tier)", [
-            py, "-m", SUITE, "diffusion", "finetune", "--config", config,
-            "--pretrained_model_name_or_path", base, "--train_data_dir", data, "--resolution", res,
-            "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
-            "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")],
-            cap_bytes=cap if tier == "nvme" else None, log=os.path.join(work, f"ours-{len(sides)}.log"), **held))
-    return whole_rows(sides, [{"variant": s.name, "cap_mib": None} for s in sides], drop=[work], batch=opts["batch"],
-                      strict=True)
-
-
-def run_whole(opts: dict, args: argparse.Namespace) -> int:
-    import torch
-
-    work = tempfile.mkdtemp(prefix="bench-diffusion-whole-")
-    try:
-        rows = whole_commands(opts, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
-             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, ours' chunks "
-             f"{opts['chunk_mb']} MiB, torch {torch.__version__}")
-    columns = ["variant", "peak_mib", "cap_mib", "peak_ratio", "oom_killed", "wall_s", "wall_ratio", "step_s",
-               "step_ratio", "method"]
-    notes = [f"{r['variant']}: {r['command']}" for r in rows]
-    notes.append("peak_mib: the process tree from start to exit (page cache included with a cgroup); step_s: median "
-                 "of the steps after the first; cap_mib: ours ran under that cgroup limit")
-    publish(args, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows}, [(title, rows, columns)],
-            notes)
-    return 1 if any(r["returncode"] for r in rows) else 0
 
 
 def write_pipeline(folder: str, opts: dict) -> None:

@@ -16,6 +16,7 @@ from ...diffusion.released import RELEASED, write_released_pipeline
 from ...utils.memory_meter import cgroup_method
 from ..errors import UsageError
 from .diffusion import noise_loss, plain_step, tool_main
+from .frontier import script_flags
 from .harness import SUITE, WHOLE_RATIOS, Side, add_ratios, csv_metric, emit, publish, run_side, whole_rows
 
 __all__ = ["SDXL_UNET", "add_arguments", "check_pipeline", "main", "plain_full", "plain_lora", "run", "write_pipeline"]
@@ -153,10 +154,7 @@ def plain_full(base: str, out: str, *, steps: int = 2, batch: int = 1, resolutio
 def _sides(opts: dict, base: str, data: str) -> list[dict]:
     """The rows' commands: (row, side, argv, note)."""
     py, work = sys.executable, opts["work"]
-    common = ["--pretrained_model_name_or_path", base, "--resolution", str(opts["resolution"]),
-              "--train_batch_size", str(opts["batch"]), "--max_train_steps", str(opts["steps"]),
-              "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
-              "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
+    common = ["--pretrained_model_name_or_path", base, *script_flags(opts)]
     suite = [py, "-m", SUITE, "diffusion"]
     rows = []
     if "lora" in opts["rows"]:
@@ -235,8 +233,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("cache", "rows", "sides", "resolution", "batch", "steps", "rank",
                                           "lora_strategy", "cap_gib", "work", "timeout")}
     opts["rows"], opts["sides"] = opts["rows"].split(","), opts["sides"].split(",")
-    bad = sorted(set(opts["rows"]) - {"lora", "full"}) + sorted(set(opts["sides"]) - {"plain", "ours"})
-    if bad:
+    if bad := sorted(set(opts["rows"]) - {"lora", "full"}) + sorted(set(opts["sides"]) - {"plain", "ours"}):
         raise UsageError(f"--rows/--sides: unknown {bad[0]!r} (rows: lora, full; sides: plain, ours)")
     # the plain full loop is started only inside a memory cgroup whose limit keeps the machine alive (1.5 GiB below
     # its memory): it needs 16 bytes per parameter, so where that is over the machine the kernel kills it there

@@ -60,16 +60,16 @@ def _stage_rows(target, cfg):
 
 def run(args: argparse.Namespace) -> int:
     from ...fastfold.data.testing import random_sequences
+    from ...fastfold.data.tools import ToolError, find_binary
     from ...fastfold.relax import RelaxConfig
     from ...fastfold.run import AlignmentConfig, FoldConfig, ModelSpec, Target, fold_targets
+    from ...utils.ray_cluster import init_local_ray
 
     if args.n_res < 1 or args.targets < 1 or args.num_workers < 1:
         raise UsageError("--n_res, --targets and --num_workers must be >= 1")
     targets = [Target(n, s) for n, s in random_sequences(args.targets, args.n_res, args.seed, "t")]
     with tempfile.TemporaryDirectory(prefix="bench_fold_", ignore_cleanup_errors=True) as folder:
         tmp = Path(folder)
-        from ...fastfold.data.tools import ToolError, find_binary
-
         try:
             jackhmmer_path = find_binary(None, "jackhmmer")
         except ToolError:
@@ -94,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
         runs = [{"mode": "one after another", **fold("run0", 0)}]
         # The local Ray is started here, timed on its own, then reused by fold_targets (as it reuses a running
         # cluster): the second row is what `suite fold` costs end to end, the third what a running cluster costs.
-        from ...utils.ray_cluster import init_local_ray
-
         ray_context, ray_start = timed(init_local_ray, args.num_workers, configure_logging=False)
         with ray_context:
             on_ray = fold("run_ray", args.num_workers)
@@ -104,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
         runs.append({"mode": f"Ray, {args.num_workers} workers, running cluster", **on_ray})
         for row in runs[1:]:
             row["speedup"] = runs[0]["seconds"] / row["seconds"]
-        publish(args, {"benchmark": "fold", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "stages": stages, "runs": runs, "jackhmmer": jackhmmer},
+        publish(args, {"benchmark": "fold", "args": vars(args), "stages": stages, "runs": runs, "jackhmmer": jackhmmer},
                 [(f"suite fold stages, one target ({'jackhmmer' if jackhmmer else 'single sequence'})", stages, None),
                  (f"{len(targets)} targets of {args.n_res} residues", runs, None)])
     return 0

@@ -10,14 +10,7 @@ import gc
 import os
 import sys
 
-from ...utils.memory_meter import (
-    fix_malloc,
-    fixed_mmap_threshold,
-    malloc_trim,
-    peak_rss_bytes,
-    reset_peak_rss,
-    rss_bytes,
-)
+from ...utils.memory_meter import fix_malloc, fixed_mmap_threshold, hwm_bytes, malloc_trim, reset_peak_rss, rss_bytes
 from ..errors import UsageError
 from .harness import SUITE, Side, emit, int_list, peak_over, publish, run_side, safe_env, step_times, torch_device
 
@@ -57,15 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
-def _options(variant: str, args: argparse.Namespace):
-    from ...fastfold.model import InferenceOptions
-
-    if variant == "unchunked":
-        return InferenceOptions()
-    chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
-    return InferenceOptions(chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
-
-
 def _multimer_model(args: argparse.Namespace, device, dtype):
     """AlphaFold-Multimer at model_1_multimer_v3 widths (random weights, no early stop) and chains -> its batch."""
     import torch
@@ -90,14 +74,16 @@ def _multimer_model(args: argparse.Namespace, device, dtype):
 def _child(args: argparse.Namespace) -> int:
     import torch
 
-    from ...fastfold.model import AlphaFold, config
+    from ...fastfold.model import AlphaFold, InferenceOptions, config
     from ...fastfold.model.testing import random_batch
 
     fix_malloc(2**20)
     n_res, variant = args._child.split(":")
     device = torch_device(args.device)
     dtype = getattr(torch, args.dtype)
-    options = _options(variant, args)
+    chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
+    options = InferenceOptions() if variant == "unchunked" else InferenceOptions(
+        chunk_size=chunk, memory_budget_bytes=args.memory_budget_mb * 2**20, residual="in_place")
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if args.multimer:
         model, batch_of = _multimer_model(args, device, dtype)
@@ -119,10 +105,10 @@ def _child(args: argparse.Namespace) -> int:
     batch = batch_of(args.chains if args.multimer else int(n_res))
     if device.type == "cuda":
         base = torch.cuda.memory_allocated()
-    else:  # freed heap pages handed back first; without a resettable peak, growth over the peak so far
+    else:  # freed heap pages handed back first; without a resettable peak, growth over the peak so far (VmHWM)
         gc.collect()
         malloc_trim()
-        base = rss_bytes() if reset_peak_rss() else peak_rss_bytes()
+        base = rss_bytes() if reset_peak_rss() else hwm_bytes()
 
     def one_pass():
         with torch.no_grad():
@@ -165,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_multimer(args)
     rows = []
     for n_res in args.n_res:
-        result = {v: _run_child(args, n_res, v) for v in ("unchunked", "chunked")}
-        u, c = result["unchunked"], result["chunked"]
+        u, c = (_run_child(args, n_res, v) for v in ("unchunked", "chunked"))
         rows.append({"n_res": n_res, "device": u["device"], "unchunked_s": u["seconds"], "chunked_s": c["seconds"],
                      "time_ratio": c["seconds"] / u["seconds"], "unchunked_peak_mib": u["peak_bytes"] / 2**20,
                      "chunked_peak_mib": c["peak_bytes"] / 2**20,

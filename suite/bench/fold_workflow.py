@@ -48,15 +48,13 @@ def _databases(args: argparse.Namespace, queries) -> dict[str, str]:
     """The cached databases for these queries and sizes (built on the first run)."""
     from ...fastfold.data.testing import build_databases, hhsuite_missing, repository_hits
 
-    hits = sorted((ASSETS / "alignments" / "query").glob("*_hits.*"))
-    hits = [p for p in hits if p.suffix in (".sto", ".a3m")]
+    hits = sorted(p for p in (ASSETS / "alignments" / "query").glob("*_hits.*") if p.suffix in (".sto", ".a3m"))
     key = json.dumps([queries, args.per_family, args.decoys, args.seed, [p.name for p in hits]])
     folder = Path(args.cache_dir) / hashlib.sha256(key.encode()).hexdigest()[:12]
     done = folder / "databases.json"
     if done.is_file():
         return json.loads(done.read_text())
-    missing = hhsuite_missing()
-    if missing:
+    if missing := hhsuite_missing():
         print(f"HHblits/HHsearch rows left out: an HH-suite database cannot be built here ({missing})")
     shutil.rmtree(folder, ignore_errors=True)
     dbs = build_databases(folder, queries, per_family=args.per_family, decoy_count=args.decoys,
@@ -184,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
         if fold:
             tables.append((f"fold of {args.fold_targets} targets of {args.fold_n_res} residues, tiny model", fold,
                            None))
-        publish(args, {"benchmark": "fold-workflow", "databases": dbs,
-                       "args": {k: v for k, v in vars(args).items() if k != "func"}, "features": features,
+        publish(args, {"benchmark": "fold-workflow", "databases": dbs, "args": vars(args), "features": features,
                        "fold": fold}, tables)
     ok = all(r["done"] == args.fold_targets and r.get("equal to local", True) for r in fold)
     return 0 if ok else 1

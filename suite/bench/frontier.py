@@ -1,11 +1,14 @@
-"""`suite bench diffusion --frontier` (issue 47): what `--memory_budget` buys and costs. The plain loop's
-whole-command peak P first; then ours (`--strategy gemini_auto --memory_budget B`) at each B = f x P of `--budgets`
-in a memory cgroup capped at B. Rows: peak and step time against the plain loop, and each step's traffic (disk,
-Gemini's tiers) from ours' CSV log; the disk's own speed is measured first, in the offload folder."""
+"""`suite bench diffusion`'s whole commands, each side a process from start to exit: `--whole_command`, the plain
+loop against `suite diffusion finetune` (`whole_commands`), and `--frontier` (issue 47): what `--memory_budget` buys
+and costs. The plain loop's whole-command peak P first; then ours (`--strategy gemini_auto --memory_budget B`) at
+each B = f x P of `--budgets` in a memory cgroup capped at B. Rows: peak and step time against the plain loop, and
+each step's traffic (disk, Gemini's tiers) from ours' CSV log; the disk's own speed is measured first, in the offload
+folder."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import mmap
 import os
@@ -17,7 +20,7 @@ from fractions import Fraction
 
 from .harness import SUITE, WHOLE_RATIOS, Side, add_ratios, csv_metric, median, publish, save_figure, whole_rows
 
-__all__ = ["add_frontier_arguments", "disk_speed", "run_frontier"]
+__all__ = ["add_frontier_arguments", "disk_speed", "run_frontier", "run_whole", "script_flags", "whole_commands"]
 
 _BENCH = SUITE + ".bench."
 
@@ -80,6 +83,14 @@ def _traffic(out: str) -> dict:
     return {c: median(v[1:] or v) for c, v in values.items()}
 
 
+def script_flags(opts: dict) -> list[str]:
+    """Ours' flags besides model and data in the rows of `--frontier` and `suite bench diffusion-sdxl`: `opts`' size,
+    bf16, gradient checkpointing, a CSV log (the step times), no checkpoint, no learning-rate warm-up."""
+    return ["--resolution", str(opts["resolution"]), "--train_batch_size", str(opts["batch"]), "--max_train_steps",
+            str(opts["steps"]), "--mixed_precision", "bf16", "--gradient_checkpointing", "--report_to", "csv",
+            "--checkpointing_steps", "1000000", "--lr_warmup_steps", "0"]
+
+
 def _commands(row: str, opts: dict, work: str) -> tuple[list[str], list[str]]:
     """(plain loop, ours without the budget flags) of a frontier row, after writing the model folder it needs (in a
     process of its own, as its bench writes it: `diffusion write_pipeline`, `diffusion_sdxl write_pipeline`)."""
@@ -88,27 +99,21 @@ def _commands(row: str, opts: dict, work: str) -> tuple[list[str], list[str]]:
     from ...diffusion.sample_data import write_sample_data
 
     py, data = sys.executable, str(write_sample_data(os.path.join(work, "data")))
-    steps, batch, res = str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
-    common = ["--resolution", res, "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision",
-              "bf16", "--gradient_checkpointing", "--report_to", "csv", "--checkpointing_steps", "1000000",
-              "--lr_warmup_steps", "0"]
     if row == "full":
-        base = os.path.join(work, "base")
+        bench, tool, base = "diffusion", "plain_loop", os.path.join(work, "base")
         shapes = [f"--{k}={opts[k]}" for k in ("channels", "layers_per_block", "cross_attention_dim",
                                                 "attention_head_dim", "encoders", "resolution")]
-        subprocess.run([py, "-m", _BENCH + "diffusion", "write_pipeline", base, *shapes], check=True, cwd=work)
-        plain = [py, "-m", _BENCH + "diffusion", "plain_loop", base, os.path.join(work, "out-plain"), "--steps",
-                 steps, "--batch", batch, "--resolution", res]
-        ours = ["diffusion", "train_text_to_image", "--pretrained_model_name_or_path", base, "--train_data_dir",
-                data, "--learning_rate", "1e-5", *common]
-        return plain, ours
-    base = os.path.join(opts["work"] or work, "sdxl-pipeline")  # kept with --work: written once
-    subprocess.run([py, "-m", _BENCH + "diffusion_sdxl", "write_pipeline", base], check=True, cwd=work)
-    plain = [py, "-m", _BENCH + "diffusion_sdxl", "plain_lora", base, os.path.join(work, "out-plain"), "--steps",
-             steps, "--batch", batch, "--resolution", res]
-    ours = ["diffusion", "train_dreambooth_lora_sdxl", "--pretrained_model_name_or_path", base,
-            "--instance_data_dir", data, "--instance_prompt", "a photo of sks dog", *common]
-    return plain, ours
+        ours = ["train_text_to_image", "--pretrained_model_name_or_path", base, "--train_data_dir", data,
+                "--learning_rate", "1e-5"]
+    else:
+        bench, tool, shapes = "diffusion_sdxl", "plain_lora", []
+        base = os.path.join(opts["work"] or work, "sdxl-pipeline")  # kept with --work: written once
+        ours = ["train_dreambooth_lora_sdxl", "--pretrained_model_name_or_path", base, "--instance_data_dir", data,
+                "--instance_prompt", "a photo of sks dog"]
+    subprocess.run([py, "-m", _BENCH + bench, "write_pipeline", base, *shapes], check=True, cwd=work)
+    plain = [py, "-m", _BENCH + bench, tool, base, os.path.join(work, "out-plain"), "--steps", str(opts["steps"]),
+             "--batch", str(opts["batch"]), "--resolution", str(opts["resolution"])]
+    return plain, ["diffusion", *ours, *script_flags(opts)]
 
 
 def run_frontier(opts: dict, args: argparse.Namespace) -> int:
@@ -116,17 +121,16 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
     rows_wanted = opts["frontier_rows"].split(",")
-    if set(rows_wanted) - {"full", "sdxl-lora"}:
-        raise UsageError(f"--frontier_rows: unknown {sorted(set(rows_wanted) - {'full', 'sdxl-lora'})[0]!r} "
-                         "(full, sdxl-lora)")
+    if unknown := sorted(set(rows_wanted) - {"full", "sdxl-lora"}):
+        raise UsageError(f"--frontier_rows: unknown {unknown[0]!r} (full, sdxl-lora)")
     try:
         fractions = [Fraction(f) for f in opts["budgets"].split(",")]
     except (ValueError, ZeroDivisionError) as exc:
         raise UsageError(f"--budgets {opts['budgets']!r}: fractions such as 1/6,1/2,1 ({exc})") from exc
-    work = opts["work"] or tempfile.mkdtemp(prefix="bench-frontier-")
-    os.makedirs(work, exist_ok=True)
     rows: list[dict] = []
-    try:
+    with contextlib.nullcontext(opts["work"]) if opts["work"] else tempfile.TemporaryDirectory(
+            prefix="bench-frontier-", ignore_cleanup_errors=True) as work:
+        os.makedirs(work, exist_ok=True)
         disk = disk_speed(work)
         for row in rows_wanted:
             folder = os.path.join(work, row)
@@ -163,9 +167,6 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
                     if name != "logs":
                         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
             rows += ours_rows
-    finally:
-        if not opts["work"]:
-            shutil.rmtree(work, ignore_errors=True)
     traffic = sorted({k for r in rows for k in r if k.startswith("disk_") or "->" in k})
     columns = ["row", "budget", "budget_mib", "returncode", "oom_killed", "peak_mib", "peak_ratio", "step_s",
                "step_ratio", "wall_s", *traffic]
@@ -176,22 +177,17 @@ def run_frontier(opts: dict, args: argparse.Namespace) -> int:
     notes.append("budget: fraction of the plain loop's whole-command peak, given as --memory_budget and as the "
                  "cgroup cap ours ran under; ratios against the plain loop's run; traffic columns: median MiB "
                  "per step after the first (disk_*: /proc/self/io; src->dst: Gemini's ledger)")
-    publish(argparse.Namespace(**{**vars(args), "plot": None}),
-            {"benchmark": "diffusion-frontier", "config": opts, "disk": disk, "rows": rows}, [(title, rows, columns)],
-            notes)
-    if getattr(args, "plot", None):
-        _plot(rows, args.plot, title)
+    publish(args, {"benchmark": "diffusion-frontier", "config": opts, "disk": disk, "rows": rows},
+            [(title, rows, columns)], notes, plotter=_plot)
     return 1 if any(r["returncode"] not in (0, None) and not r.get("oom_killed") for r in rows) else 0
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
     """Step time against whole-command peak, both over the plain loop's, a line per row (its budgets marked)."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for row in dict.fromkeys(r["row"] for r in rows):
         pts = [(r["peak_ratio"], r["step_ratio"], r["budget"]) for r in rows
                if r["row"] == row and r.get("peak_ratio") and r.get("step_ratio") and r["returncode"] == 0]
@@ -205,3 +201,58 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title[:90], fontsize=7)
     ax.legend(fontsize=8)
     save_figure(fig, path)
+
+
+# ---- --whole_command ---------------------------------------------------------------------------------------
+
+
+def _ours_config(path: str, tier: str, nvme: str, chunk_mb: float) -> str:
+    """A recipe YAML naming ours' Gemini config (what a user writes to set the chunk size)."""
+    where = f", offload_dir: {nvme}" if tier == "nvme" else ""
+    size = f", chunk_mb: {chunk_mb}" if chunk_mb > 0 else ""  # 0: Gemini searches it, as --strategy gemini_* does
+    with open(path, "w") as f:
+        f.write(f"launch:\n  parallel:\n    gemini: {{offload_tier: {tier}{where}, offload_param_frac: 1.0, "
+                f"offload_optim_frac: 1.0{size}}}\n")
+    return path
+
+
+def whole_commands(opts: dict, work: str) -> list[dict]:
+    """The plain loop and `suite diffusion finetune` (Gemini on each of `--tiers`; the nvme one under `--cap_mib`)
+    side by side (`whole_rows`) on a pipeline folder of `opts`' shapes written in `work` (as `--frontier`'s full row
+    writes it, with its plain loop)."""
+    plain, _ = _commands("full", opts, work)
+    base, data = os.path.join(work, "base"), os.path.join(work, "data")
+    py, steps, batch, res = sys.executable, str(opts["steps"]), str(opts["batch"]), str(opts["resolution"])
+    cap = int(opts["cap_mib"] * 2**20) if opts.get("cap_mib") else None
+    # cwd: the work folder, so `-m` puts no checkout on sys.path (its `kernels/` would shadow Hugging Face's)
+    held = {"timeout": opts["timeout"], "cwd": work, "offload_paths": [os.path.join(work, "nvme")]}
+    sides = [Side("plain", plain, log=os.path.join(work, "plain-0.log"), **held)]
+    for tier in opts.get("tiers", "nvme").split(","):
+        config = _ours_config(os.path.join(work, f"gemini-{tier}.yaml"), tier, os.path.join(work, "nvme"),
+                              opts["chunk_mb"])
+        sides.append(Side(f"ours (gemini, {tier} tier)", [
+            py, "-m", SUITE, "diffusion", "finetune", "--config", config,
+            "--pretrained_model_name_or_path", base, "--train_data_dir", data, "--resolution", res,
+            "--train_batch_size", batch, "--max_train_steps", steps, "--mixed_precision", "bf16",
+            "--gradient_checkpointing", "--log_every_n_steps", "1", "--output_dir", os.path.join(work, f"out-{tier}")],
+            cap_bytes=cap if tier == "nvme" else None, log=os.path.join(work, f"ours-{len(sides)}.log"), **held))
+    return whole_rows(sides, [{"variant": s.name, "cap_mib": None} for s in sides], drop=[work], batch=opts["batch"],
+                      strict=True)
+
+
+def run_whole(opts: dict, args: argparse.Namespace) -> int:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="bench-diffusion-whole-", ignore_cleanup_errors=True) as work:
+        rows = whole_commands(opts, work)
+    title = (f"whole commands: UNet {opts['channels']} x{opts['layers_per_block']}, encoders {opts['encoders']}, "
+             f"{opts['resolution']}px, batch {opts['batch']}, {opts['steps']} steps, ours' chunks "
+             f"{opts['chunk_mb']} MiB, torch {torch.__version__}")
+    columns = ["variant", "peak_mib", "cap_mib", "peak_ratio", "oom_killed", "wall_s", "wall_ratio", "step_s",
+               "step_ratio", "method"]
+    notes = [f"{r['variant']}: {r['command']}" for r in rows]
+    notes.append("peak_mib: the process tree from start to exit (page cache included with a cgroup); step_s: median "
+                 "of the steps after the first; cap_mib: ours ran under that cgroup limit")
+    publish(args, {"benchmark": "diffusion-whole-command", "config": opts, "rows": rows}, [(title, rows, columns)],
+            notes)
+    return 1 if any(r["returncode"] for r in rows) else 0

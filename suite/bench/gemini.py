@@ -12,19 +12,7 @@ import tempfile
 
 from ...utils.memory_meter import SideMeter, fix_malloc, rss_bytes
 from ..errors import UsageError
-from .harness import (
-    count,
-    emulate_card,
-    names,
-    peak_over,
-    publish,
-    ran,
-    ratio,
-    step_times,
-    torch_device,
-    train_side,
-    train_step,
-)
+from .harness import count, emulate_card, names, peak_over, publish, ran, time_fn, torch_device, train_side, train_step
 
 __all__ = ["STRATEGIES", "add_arguments", "run", "train_setup"]
 
@@ -55,16 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_setup(strategy: str, device, params: int, width: int, batch: int, world: int, extra: dict):
     """An MLP of `params` parameters of `width` as `strategy` trains it (`extra`: GeminiConfig fields), one step
-    taken: (model, step function, RSS after setup)."""
+    taken: (model, step function, Gemini on CPU: RSS after setup less its device chunks, else None)."""
     import torch
     from torch import nn
 
     layers = max(1, round(params / (width * width + width)))
     mlp = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())))
     model, opt = train_side(strategy, mlp.to(device), gemini=extra)
-    setup_rss = rss_bytes()
-    if hasattr(model, "memory_report") and device.type == "cpu":
-        setup_rss -= sum(model.memory_report()["bytes"]["device"].values())
+    gemini_cpu = hasattr(model, "memory_report") and device.type == "cpu"
+    setup_rss = rss_bytes() - sum(model.memory_report()["bytes"]["device"].values()) if gemini_cpu else None
     step = train_step(model, opt, torch.randn(batch // world, width, device=device))
     step()
     return model, step, setup_rss
@@ -93,10 +80,10 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
     model, step, setup_rss = train_setup(strategy, device, params, width, batch, world, extra)
     # RAM-budget mode counts from after setup: what model construction left behind (a meta-device init would
     # not) is not training memory; what Gemini itself holds is.
-    after_setup = setup_rss if hasattr(model, "memory_report") and device.type == "cpu" else baseline
+    after_setup = baseline if setup_rss is None else setup_rss
     meter.reset()
-    times, peak = peak_over(lambda: step_times(step, steps, sync=torch.cuda.synchronize if device.type == "cuda"
-                                               else None), device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    step_s, peak = peak_over(lambda: time_fn(step, warmup=0, repeat=steps, sync=sync), device)
     report = model.memory_report() if hasattr(model, "memory_report") else None
     charged = meter.peak()
     meter.close()
@@ -104,7 +91,7 @@ def _rank_run(rank: int, world: int, strategy: str, params: int, width: int, bat
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
         snapshot = _gzipped(snapshot)
-    return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": sorted(times)[len(times) // 2],
+    return {"peak": peak - baseline, "peak_since_setup": peak - after_setup, "step_s": step_s,
             "report": report, "charged": charged, "memory_method": meter.method, "baseline": ran(strategy),
             **({"card": card} if card else {}), **({"snapshot": snapshot} if snapshot else {})}
 
@@ -152,7 +139,7 @@ def _compare(args: argparse.Namespace) -> tuple[dict, list, list[str]]:
                "step_s": r["step_s"]}
         if "peak" in base:
             row.update(peak_vs_fsdp2=r["peak"] / base["peak"], time_vs_fsdp2=r["step_s"] / base["step_s"],
-                       charged_vs_fsdp2=ratio(r["charged"], base["charged"], float("nan")))
+                       charged_vs_fsdp2=r["charged"] / base["charged"] if base["charged"] else float("nan"))
         if args.offload_tier == "cpu":
             row.update(states_GiB=16 * params / 2**30, samples_per_s=args.batch / r["step_s"])
         row.update({k: r[k] for k in ("card", "snapshot") if k in r})

@@ -471,9 +471,8 @@ def text_table(rows: Sequence[dict], columns: Sequence[str] | None = None, title
     cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = [title] if title else []
-    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend("  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)
+    for row in (columns, ["-" * w for w in widths], *cells):  # the header, its rule, the rows
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     return "\n".join(lines) + "\n"
 
 
@@ -536,10 +535,7 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     """A bar chart of the rows' ratio columns (`*ratio*`, `*_vs_*`; else every numeric one), a group per row
     labelled by its first column (and its second where the first repeats), to `path` (PNG, SVG, PDF)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     keys = _present(rows, None)
     numeric = [c for c in keys if any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
@@ -548,7 +544,8 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     labels = [str(r.get(keys[0], "")) for r in rows]
     if len(set(labels)) < len(labels) and len(keys) > 1:  # the first column does not tell the rows apart
         labels = [f"{a} {_cell(r.get(keys[1], ''))}" for a, r in zip(labels, rows)]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) * max(1, len(ys))), 4))
+    fig = Figure(figsize=(max(6.0, 1.2 * len(rows) * max(1, len(ys))), 4))
+    ax = fig.subplots()
     width = 0.8 / max(1, len(ys))
     for i, col in enumerate(ys):
         values = [r.get(col) if isinstance(r.get(col), (int, float)) else 0.0 for r in rows]
@@ -562,20 +559,18 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
 
 
 def save_figure(fig: Any, path: str) -> None:
-    """Lay `fig` out, write it to `path` (its folder made; PNG, SVG, PDF by the suffix) and close it."""
-    import matplotlib.pyplot as plt
-
+    """Lay `fig` (a `matplotlib.figure.Figure`, no pyplot: no backend to choose, nothing to close) out and write it
+    to `path` (its folder made; PNG, SVG, PDF by the suffix)."""
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
 
 
 def publish(args: argparse.Namespace, payload: dict[str, Any],
             tables: Sequence[tuple[str | None, Sequence[dict], Sequence[str] | None]] = (),
-            notes: Sequence[str] = ()) -> None:
+            notes: Sequence[str] = (), plotter: Callable[[Sequence[dict], str, str], None] | None = None) -> None:
     """Print each (title, rows, columns) table and the notes; `payload` to `--json`, the tables to `--markdown`,
-    the first table's ratios to `--plot`."""
+    the first table to `--plot` (by `plotter`(rows, path, title); default `plot`: its ratios)."""
     for title, rows, columns in tables:
         print(text_table(rows, columns, title), end="", flush=True)
     for note in notes:
@@ -587,7 +582,7 @@ def publish(args: argparse.Namespace, payload: dict[str, Any],
             lines += ([title, ""] if title else []) + markdown_table(rows, columns) + [""]
         write_text(args.markdown, "\n".join(lines + [f"- {n}" for n in notes]) + "\n")
     if getattr(args, "plot", None) and tables and tables[0][1]:
-        plot(tables[0][1], args.plot, tables[0][0] or "")
+        (plotter or plot)(tables[0][1], args.plot, tables[0][0] or "")
 
 
 def median(values: Sequence[float]) -> float | None:

@@ -11,7 +11,7 @@ import time
 
 from ...utils.memory_meter import fixed_mmap_threshold, reset_peak_rss, rss_bytes
 from ..errors import UsageError
-from .harness import child, child_main, int_list, names, peak_over, publish, run_side
+from .harness import child, child_main, int_list, names, peak_over, publish, run_side, step_times
 
 __all__ = ["add_arguments", "run"]
 
@@ -141,10 +141,7 @@ def _timings(step, repeat: int, sync, min_sample_s: float = 0.0) -> tuple[float,
     to back for that long, then synchronises once (one synchronised call of a small op times the launch)."""
     calls = 1
     if min_sample_s > 0:
-        t0 = time.perf_counter()
-        step()
-        sync()
-        once = max(time.perf_counter() - t0, 1e-6)
+        once = max(step_times(step, 1, sync=sync)[0], 1e-6)
         calls = max(1, min(1000, int(min_sample_s / once)))
     wall, cpu = [], []
     for _ in range(repeat):
