@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import wait
 
 import torch
 import torch.distributed as dist
@@ -293,31 +294,44 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """Update each chunk's shard where its optimizer state lives. NVMe shards are staged in scratch memory a
         piece of at most `STEP_PIECE` elements at a time and written back, so the step holds eight pieces (two
         sets of four), not four shards. With the manager's reader thread (a CPU device) the next piece is read
-        while this one is updated and written: the step streams at the disk's pace."""
+        and the last one written back there while this one is updated: the step streams at the disk's pace."""
         work = [(c, *span) for c in chunks for span in self._spans(c, used)]
         reader = self.manager.reader
-        pending = None
-        for k, (c, lo, hi, runs) in enumerate(work):
-            if pending is not None:
-                views = pending.result()
-            else:
-                views = self._views(c, lo, hi, k % 2)
-            pending = None
-            if k + 1 < len(work) and reader is not None:
-                nc, nlo, nhi, _ = work[k + 1]
-                pending = reader.submit(self._views, nc, nlo, nhi, (k + 1) % 2)
-            try:
+        pending, writes = None, []
+        try:
+            for k, (c, lo, hi, runs) in enumerate(work):
+                views = pending.result() if pending is not None else self._views(c, lo, hi, k % 2)
+                pending = None
+                if k + 1 < len(work) and reader is not None:
+                    nc, nlo, nhi, _ = work[k + 1]
+                    pending = reader.submit(self._views, nc, nlo, nhi, (k + 1) % 2)
                 self._update(c, views, lo, runs, hypers)
-            except BaseException:
-                if pending is not None:
-                    pending.result()  # the scratch memory is not read into once the step is gone
-                raise
-            if k + 1 == len(work) or work[k + 1][0] is not c:
-                for b in (c.master, c.grad, *c.states.values()):
-                    b.done()
+                back = ([(b, views[name]) for name, b in (("master", c.master), *c.states.items()) if b.tier == "nvme"],
+                        lo, c if k + 1 == len(work) or work[k + 1][0] is not c else None)
+                # with the reader, the write-back runs there too: after the read of the next piece, before the read
+                # that reuses this piece's scratch memory (one thread, in order), while this thread updates the next
+                if reader is not None:
+                    writes.append(reader.submit(self._write_back, *back))
+                else:
+                    self._write_back(*back)
+            for f in writes:
+                f.result()  # a failed write is raised here, before the step counts as done
+        finally:  # the scratch memory is not read into or written from once the step is gone
+            wait([f for f in (pending, *writes) if f is not None])
+
+    @staticmethod
+    def _write_back(back: list[tuple[TieredBuffer, torch.Tensor]], lo: int, last_of: Chunk | None) -> None:
+        """Write the updated staged pieces `back` ((buffer, piece) pairs from element `lo`) to their NVMe shards;
+        `last_of`: the chunk whose last piece this was (its buffers' pages may leave resident memory)."""
+        for b, piece in back:
+            b.write_from(piece, lo)
+        if last_of is not None:
+            for b in (last_of.master, last_of.grad, *last_of.states.values()):
+                b.done()
 
     def _update(self, c: Chunk, views: dict[str, torch.Tensor], span_lo: int, runs: list, hypers: list) -> None:
-        """Step elements [span_lo, span_lo + len) of the chunk (`views`) and write staged NVMe pieces back."""
+        """Step elements [span_lo, span_lo + len) of the chunk (`views`; staged NVMe pieces are written back by the
+        caller, `_write_back`)."""
         grad, master = views["grad"], views["master"]
         states = {k: views[k] for k in c.states}
         param = master if master.device == grad.device else master.to(grad.device)
@@ -332,9 +346,6 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if param is not master:
             master.copy_(param)
             self.manager.ledger.transfer(c.grad.tier, c.master.tier, master.numel() * 4)
-        for k, b in (("master", c.master), *c.states.items()):
-            if b.tier == "nvme":
-                b.write_from(views[k], span_lo)
 
     # ---- torch-format state -------------------------------------------------------------------------
     def state_dict(self) -> dict:

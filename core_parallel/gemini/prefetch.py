@@ -4,7 +4,7 @@ Prefetching needs a gather that runs beside compute: gloo's, an accelerator's, o
 reader thread (a CPU device whose gathers are one-sided: one rank, or peer reads). Copies between CPU tiers and
 shared-memory gathers are compute themselves: prefetching them would only hold the next chunk longer, so a CPU
 device prefetches the chunks whose master is on NVMe only. The optimizer step reads the next NVMe piece on that
-thread too.
+thread too, and writes each updated piece back there (in order: before the read that reuses its scratch memory).
 
 How far ahead: `GeminiConfig.prefetch` chunks at first. Where the reads run on the reader thread, each step then
 sets the depth from what it measured (`PrefetchDepth.end_step`): the seconds compute waited for reads, and the

@@ -253,6 +253,44 @@ def test_a_failed_async_read_is_raised_where_the_chunk_is_used(tmp_path, monkeyp
         model(torch.randn(2, 17)).sum().backward()
 
 
+def test_the_step_writes_its_nvme_pieces_back_on_the_reader_thread(tmp_path, monkeypatch):
+    """With the reader thread the optimizer step's write-backs run there, in order with its reads (this thread
+    only updates, the disk streams both ways), and a write that fails there fails the step."""
+    import threading
+
+    from lowmem.core_parallel.gemini import optimizer
+    from lowmem.core_parallel.gemini.storage import NvmeTierError
+
+    monkeypatch.setattr(optimizer, "STEP_PIECE", 64)  # several pieces per chunk: reads and writes interleave
+    torch.manual_seed(3)
+    model = _Deep()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20, prefetch=1)
+    model, gopt = setup_gemini(model, opt, cfg)
+    model(torch.randn(2, 17)).sum().backward()
+    threads: list[str] = []
+    write = NvmeFile.write
+
+    def noted(f, offset, src):
+        threads.append(threading.current_thread().name)
+        if fail:
+            raise NvmeTierError("planted: a write-back failed")
+        return write(f, offset, src)
+
+    fail = False
+    monkeypatch.setattr(NvmeFile, "write", noted)
+    gopt.step()
+    # 4 trainable chunks of 17 x 18 elements, pieces of 64: 5 pieces each, master and two Adam states per piece
+    assert len(threads) == 4 * 5 * 3 and all(t.startswith("lowmem-tier-reader") for t in threads), set(threads)
+    gopt.zero_grad()
+    model(torch.randn(2, 17)).sum().backward()
+    fail = True
+    with pytest.raises(NvmeTierError, match="planted"):
+        gopt.step()
+    model.gemini_manager.close()
+
+
 def test_a_frozen_base_cast_by_the_user_stays_in_its_dtype_under_mixed_precision(tmp_path):
     """Mixed precision (fp32 parameters, bf16 autocast) with the frozen base cast to bf16 first, as diffusers' LoRA
     scripts cast it (`weight_dtype`): the base stays bf16 in every tier, with no fp32 copy; the trainable adapter keeps
