@@ -91,6 +91,7 @@ class Chunk:
         self.grad = grad
         self.states: dict[str, TieredBuffer] = states or {}
         self.grad_full: torch.Tensor | None = None
+        self.grad_sq: torch.Tensor | None = None  # the NVMe gradient shard's squared norm (the manager's, on write)
         self._grad_is_shard = False  # `grad_full` is the gradient shard itself (one rank: `materialize_grad(into)`)
         self.pending: dict[int, torch.Tensor] = {}  # offset -> a parameter's own gradient, before grad_full
         self._pending_nbytes = 0

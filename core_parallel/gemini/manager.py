@@ -481,7 +481,10 @@ class ChunkManager:
             reduction, direct, held = self._reducing.pop(0)
             c = reduction.chunk
             shard = reduction.finish()
+            c.grad_sq = None  # an NVMe shard's squared norm, taken from memory as it is written (`clip_grad_norm`)
             if not direct and not c.grad.allocated:
+                if c.grad.tier == "nvme":
+                    c.grad_sq = torch.linalg.vector_norm(shard).cpu().double() ** 2
                 c.grad.allocate(fill=shard)
                 self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
             elif not direct:
@@ -514,7 +517,7 @@ class ChunkManager:
                 if c.grad.tier != "nvme":  # a heap block (an NVMe shard lives in the file)
                     self.host.released(c.grad.nbytes)
                 c.grad.free()
-            held = c.local_grad_nbytes
+            held, c.grad_sq = c.local_grad_nbytes, None
             c.drop_local_grads()
             self._account_local_grads(c, held)
             c.sm.grad_reduced()

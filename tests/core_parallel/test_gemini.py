@@ -533,6 +533,27 @@ def test_clipping_gradients_on_nvme_never_touches_their_file_mapping_and_equals_
     _device_and_nvme_runs(tmp_path, 3, step, max_grad_norm=0.05)
 
 
+def test_the_norm_of_nvme_gradients_is_taken_as_they_are_written(tmp_path, monkeypatch):
+    """Clipping by norm reads no NVMe gradient shard back from disk (a whole extra read of the gradients each step):
+    each shard's norm is taken from memory as it is written, and the weights still equal the all-in-memory run's
+    bitwise."""
+    from lowmem.core_parallel.gemini.optimizer import GeminiOptimizer
+
+    real = GeminiOptimizer._grad_values
+
+    def step(opt, grads):
+        def read_back(self, c):
+            assert id(c.grad) not in grads, "an NVMe gradient shard read back for the norm"
+            return real(self, c)
+
+        monkeypatch.setattr(GeminiOptimizer, "_grad_values", read_back)
+        opt.step()
+        monkeypatch.setattr(GeminiOptimizer, "_grad_values", real)
+        assert opt.last_grad_norm > 0.05  # clipped every step
+
+    _device_and_nvme_runs(tmp_path, 3, step, max_grad_norm=0.05)
+
+
 def test_clip_by_norm_then_by_value_on_nvme_gradients_equals_the_device_tier(tmp_path):
     """A user clipping by norm, then by value, before `step()`: the norm's factor pending on NVMe gradient shards is
     applied before the clamp reads them (clamping unscaled values gave other weights)."""
