@@ -165,17 +165,21 @@ class _Deep(nn.Module):
         return x
 
 
+def _deep_on_nvme(folder, prefetch: int, precision: str = "fp32"):
+    """`_Deep` (seed 3) and Adam under Gemini, every master and optimizer buffer on NVMe in `folder`."""
+    torch.manual_seed(3)
+    model = _Deep()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    cfg = GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(folder), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20, prefetch=prefetch)
+    return setup_gemini(model, opt, cfg)
+
+
 def _nvme_run(tmp_path, prefetch: int, delays: list[float] | None, precision: str = "fp32", steps: int = 4):
     import random
     import time
 
-    torch.manual_seed(3)
-    model = _Deep()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
-    cfg = GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(tmp_path / f"p{prefetch}"),
-                       offload_param_frac=1.0, offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20,
-                       prefetch=prefetch)
-    model, gopt = setup_gemini(model, opt, cfg)
+    model, gopt = _deep_on_nvme(tmp_path / f"p{prefetch}", prefetch, precision)
     mgr = model.gemini_manager
     submitted = []
     if delays is not None:
@@ -232,12 +236,7 @@ def test_a_failed_async_read_is_raised_where_the_chunk_is_used(tmp_path, monkeyp
 
     from lowmem.core_parallel.gemini.storage import NvmeTierError
 
-    torch.manual_seed(3)
-    model = _Deep()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
-    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path), offload_param_frac=1.0,
-                       offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20, prefetch=2)
-    model, gopt = setup_gemini(model, opt, cfg)
+    model, gopt = _deep_on_nvme(tmp_path, prefetch=2)
     model(torch.randn(2, 17)).sum().backward()
     gopt.step()
     gopt.zero_grad()
@@ -262,12 +261,7 @@ def test_the_step_writes_its_nvme_pieces_back_on_the_reader_thread(tmp_path, mon
     from lowmem.core_parallel.gemini.storage import NvmeTierError
 
     monkeypatch.setattr(optimizer, "STEP_PIECE", 64)  # several pieces per chunk: reads and writes interleave
-    torch.manual_seed(3)
-    model = _Deep()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.02)
-    cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path), offload_param_frac=1.0,
-                       offload_optim_frac=1.0, chunk_mb=17 * 18 * 4 / 2**20, prefetch=1)
-    model, gopt = setup_gemini(model, opt, cfg)
+    model, gopt = _deep_on_nvme(tmp_path, prefetch=1)
     model(torch.randn(2, 17)).sum().backward()
     threads: list[str] = []
     write = NvmeFile.write
