@@ -13,6 +13,7 @@ version counter, so re-gathering does not trip autograd's in-place checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -110,6 +111,10 @@ class Chunk:
         self.reader: Reader | None = None
         self.collectives = env.collectives
         self.pinned = False  # the master is `full` itself (`pin`)
+        # an optimizer step deferred to this chunk's next gather (`deferred.py`): called with the gathered buffer to
+        # fill (or None), it updates the shards and leaves the new master there
+        self.deferred: Callable[[torch.Tensor | None], None] | None = None
+        self.free_grad_when_stepped = False  # zero_grad came while the step was deferred: it frees the gradient
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -205,12 +210,15 @@ class Chunk:
         self.sm.to(ChunkState.GATHERING if async_op or read_async else ChunkState.GATHERED)
         self.alloc_storage()
         out = self.full.data
+        step, self.deferred = self.deferred, None  # taken here, on this thread: never applied twice
         if read_async:  # the reader thread fills `out`; `wait` takes the result
-            self._work = self.reader.submit(self._read_one_sided, out)
+            self._work = self.reader.submit(self._read_one_sided, out, step)
             return
         if self.world == 1 or self.peers is not None:
-            self._read_one_sided(out)
+            self._read_one_sided(out, step)
             return
+        if step is not None:
+            raise RuntimeError(f"chunk {self.index}: a deferred step needs a one-sided gather")
         src = self._own_shard(out)
         if self.host_comm is not None:
             with self.collectives.collective("all_gather", self.index):
@@ -237,8 +245,12 @@ class Chunk:
             return self.master.read_into(staging).to(out.dtype)
         return self.master.view().to(device=out.device, dtype=out.dtype)
 
-    def _read_one_sided(self, out: torch.Tensor) -> None:
-        """`out` <- the whole chunk with no other rank taking part (one rank, or peer reads)."""
+    def _read_one_sided(self, out: torch.Tensor, step: Callable[[torch.Tensor | None], None] | None = None) -> None:
+        """`out` <- the whole chunk with no other rank taking part (one rank, or peer reads); `step`: the deferred
+        optimizer step, which reads the master into `out` as it updates it."""
+        if step is not None:
+            step(out)
+            return
         src = self._own_shard(out)
         if self.world == 1:
             if src is not out:

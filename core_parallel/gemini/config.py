@@ -91,6 +91,13 @@ class GeminiConfig:
     `prefetch` and each step sets it from what it measured, between `prefetch` and `prefetch_max`: deeper when
     compute waited for reads while the reader had time to spare, shallower when the reader was busy all the step
     (`prefetch.PrefetchDepth`). Equal to `prefetch` (or below it): a fixed depth."""
+    step_in_forward: bool = True
+    """One rank whose masters are on NVMe (read on the reader thread): `step()` defers each such chunk's update to
+    the chunk's next gather (the next forward, on the reader thread beside compute; `gemini/deferred.py`), so the
+    master read for the update is the gather's read and the step's disk traffic overlaps compute. The numbers are
+    those of the step run at once (hyperparameters, clipping and step counts are taken at `step()`); any other
+    read of the chunk (a backward, a save, `state_dict()`) applies it first. False: every chunk is stepped in
+    `step()`."""
     keep_gathered: int | None = None
     """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
     of the recorded order (it will be used again soon), chunks counted by their size over the largest one's (a

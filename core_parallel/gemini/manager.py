@@ -276,6 +276,8 @@ class ChunkManager:
             c.wait()
             if t0 is not None:
                 self.depth.wait(time.perf_counter() - t0)
+            if c.free_grad_when_stepped:  # its deferred step ran in this gather
+                self.free_grad(c)
             c.sm.acquire()
         self._prefetch()
 
@@ -388,6 +390,7 @@ class ChunkManager:
 
     def move_master(self, c: Chunk, tier: str) -> None:
         """Move chunk `c`'s master shard to `tier` (accounted; peers told where it is)."""
+        self.settle([c])
         src, into = c.master.tier, None
         if src == "nvme" and c.pinnable_on(tier):  # read into the pages it will be pinned in: no second copy
             c.alloc_storage()
@@ -407,6 +410,7 @@ class ChunkManager:
         """First hook of a backward pass: arm the end-of-pass callback."""
         if self.in_backward:
             return
+        self.settle()  # a step deferred to a forward that did not gather every chunk: before any gradient lands
         self.in_backward = True
         self.passes += 1
         self._reduce_ptr = len(self.trainable_chunks) - 1
@@ -512,11 +516,11 @@ class ChunkManager:
         self.pass_open = False
         self.finish_reductions()
         for c in self.trainable_chunks:
-            if c.grad.allocated:
-                self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
-                if c.grad.tier != "nvme":  # a heap block (an NVMe shard lives in the file)
-                    self.host.released(c.grad.nbytes)
-                c.grad.free()
+            c.wait()  # (a read in flight may be running the chunk's deferred step, which reads the gradient)
+            if c.deferred is not None:
+                c.free_grad_when_stepped = True  # its deferred step reads the gradient first
+            else:
+                self.free_grad(c)
             held, c.grad_sq = c.local_grad_nbytes, None
             c.drop_local_grads()
             self._account_local_grads(c, held)
@@ -526,6 +530,29 @@ class ChunkManager:
             self.pages.drop_all()  # between steps only the shards stay resident
         for k in self.had_grad:
             self.had_grad[k] = False
+
+    def free_grad(self, c: Chunk) -> None:
+        """Drop chunk `c`'s gradient shard (if it has one)."""
+        c.free_grad_when_stepped = False
+        if c.grad.allocated:
+            self.ledger.add(c.grad.tier, "grads", -c.grad.nbytes)
+            if c.grad.tier != "nvme":  # a heap block (an NVMe shard lives in the file)
+                self.host.released(c.grad.nbytes)
+            c.grad.free()
+
+    def settle(self, chunks: Iterable[Chunk] | None = None) -> None:
+        """Run the optimizer steps still deferred to the chunks' next gathers (`GeminiConfig.step_in_forward`),
+        after the reads in flight (which may be running one): before anything reads their shards otherwise."""
+        chunks = self.trainable_chunks if chunks is None else list(chunks)
+        if any(c.deferred is not None or c.free_grad_when_stepped or c.sm.data is ChunkState.GATHERING
+               for c in chunks):
+            for c in chunks:
+                c.wait()
+                step, c.deferred = c.deferred, None
+                if step is not None:
+                    step(None)
+                if c.free_grad_when_stepped:
+                    self.free_grad(c)
 
     def used_params(self) -> set[int]:
         """Trainable parameters that got a gradient on any rank since the last zero_grad (collective)."""
@@ -569,22 +596,26 @@ class ChunkManager:
     def io_gather(self, pidxs: Iterable[int]) -> None:
         """Gather the fp32 master chunks of parameters `pidxs` for `state_io.param_value` (collective)."""
         self.pass_open = False
+        self.settle()
         self.state_io.gather(pidxs)
 
     def io_load(self, pidxs: Iterable[int], values: dict[int, torch.Tensor | None]) -> None:
         """Write `load_state_dict()` values into the master shards (no communication)."""
+        self.settle()  # (its writes would be overwritten by an update computed from the old values)
         with self.master_writes("load_state_dict"):
             self.state_io.load(pidxs, values)
 
     def stream_values(self, pidxs: Iterable[int]) -> Iterable[tuple[int, torch.Tensor]]:
         """Full fp32 values of parameters `pidxs`, a gathered chunk at a time (collective; `StateDictIO`)."""
         self.pass_open = False
+        self.settle()
         yield from self.state_io.stream_values(pidxs)
 
     def begin_checkpoint(self, *, frozen: bool = True) -> None:
         """Before `save_checkpoint` (collective): rank 0's model.state_dict() then needs no communication
         (`frozen=False`: the frozen parameters are not saved, so not gathered)."""
         self.pass_open = False
+        self.settle()
         self.state_io.begin_checkpoint(frozen=frozen)
 
     def close(self) -> None:

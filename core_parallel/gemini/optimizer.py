@@ -9,6 +9,8 @@ over ranks, so a state saved here loads into a plain torch optimizer and the oth
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 
@@ -22,6 +24,7 @@ from .chunk import Chunk
 from .config import GeminiConfig
 from .host_memory import HostPages
 from .manager import ChunkManager
+from .state import ChunkState
 from .storage import TieredBuffer
 
 __all__ = ["GeminiOptimizer", "optimizer_kind", "state_kinds"]
@@ -223,6 +226,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.manager.state_io.end_checkpoint()
+        self.manager.settle()  # the last step's deferred updates no forward applied (a step without one between)
         used = self.manager.used_params()
         overflow = self._prepare()
         self.loss_scaler.update(overflow)
@@ -237,9 +241,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 self.steps[p] += 1
         hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
                   for g in self.param_groups]
+        chunks = [c for c in self.manager.trainable_chunks if c.grad.allocated]
+        deferred = [c for c in chunks if self._defers(c)]
+        for c in deferred:
+            self._defer(c, used, hypers)
         try:
             with self.manager.master_writes():  # peers reading this rank's masters wait for the new values
-                self._step_chunks([c for c in self.manager.trainable_chunks if c.grad.allocated], used, hypers)
+                self._step_chunks([c for c in chunks if c not in deferred], used, hypers)
         finally:
             for pages in self._scratch.values():
                 pages.drop()
@@ -249,6 +257,47 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # schedulers do when they wrap that step, or the first scheduler.step() warns falsely of a wrong order.
         self.inner._opt_called = True  # type: ignore[attr-defined]
         return loss
+
+    # ---- the step deferred to the next forward (`GeminiConfig.step_in_forward`) ------------------------
+    # On one rank whose masters are on NVMe the step reads every master, gradient and state shard and writes master
+    # and states back: seconds of disk with no compute beside them, after which the next forward reads every master
+    # again. Deferred, a chunk's update runs when its next gather asks for the master (on the reader thread when the
+    # gather is a prefetch): the master is read once for both, and the disk works while the forward computes. The
+    # numbers do not change: hyperparameters, clipping's factor and step counts are taken here, and the update runs
+    # on the same pieces with the same kernel. Until it ran, the chunk's master and states are marked stale (a read
+    # raises); the manager runs what is left before a backward, a save or load, a state_dict() (`settle`).
+    def _defers(self, c: Chunk) -> bool:
+        mgr = self.manager
+        return (mgr.config.step_in_forward and mgr.reader is not None and mgr.world == 1 and c.master.tier == "nvme"
+                and c.sm.data is ChunkState.RELEASED and c.deferred is None)
+
+    def _defer(self, c: Chunk, used: set[int], hypers: list) -> None:
+        spans = self._spans(c, used)
+        if not spans:
+            return
+        scale = self._nvme_grad_scale if c.grad.tier == "nvme" else 1.0
+        for b in (c.master, *c.states.values()):
+            b.stale = f"chunk {c.index}'s optimizer step is deferred to its next gather"
+        c.deferred = functools.partial(self._step_deferred, c, spans, hypers, scale)
+
+    def _step_deferred(self, c: Chunk, spans: list, hypers: list, scale: float, out: torch.Tensor | None) -> None:
+        """Run chunk `c`'s deferred update (`spans` from `_spans`); `out`: the gathered buffer to leave the new master
+        in (None: none). Runs on whichever thread gathers the chunk: its scratch pieces are that thread's."""
+        for b in (c.master, *c.states.values()):
+            b.stale = None
+        direct = out is not None and out.dtype == c.master.dtype  # one rank: `out` is the whole master shard
+        if direct:
+            c.master.read_into(out)  # the gather's read: the update below changes its spans in place
+        thread = threading.get_ident()
+        for lo, hi, runs in spans:
+            views = self._views(c, lo, hi, thread, scale=scale, master=out[lo:hi] if direct else None)
+            self._update(c, views, lo, runs, hypers)
+            self._write_back([(b, views[name]) for name, b in (("master", c.master), *c.states.items())
+                              if b.tier == "nvme"], lo, None)
+        if out is not None and not direct:  # the gathered dtype differs: cast from the new master
+            out.copy_(c.master.read_into(torch.empty(c.shard_numel, dtype=c.master.dtype)))
+        for b in (c.master, c.grad, *c.states.values()):
+            b.done()
 
     def _runs(self, c: Chunk, used: set[int]) -> Iterator[tuple[int, int, int, int]]:
         """(lo, hi, group, step) over this rank's shard: contiguous params sharing group and step."""
@@ -270,7 +319,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if run:
             yield run
 
-    def _staged(self, name: str, buf: TieredBuffer, lo: int, hi: int, parity: int = 0) -> torch.Tensor:
+    def _staged(self, name: str, buf: TieredBuffer, lo: int, hi: int, parity: int) -> torch.Tensor:
         """Elements [lo, hi) of `buf` (on NVMe) read into this step's scratch buffer `name` (two of each, `parity`,
         so the next piece is read while this one is updated): updating through the file mapping would take a write
         fault per page; the result goes back with one pwrite (`_step_chunks`)."""
@@ -285,13 +334,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return _pieces(runs, STEP_PIECE)
         return [(0, c.shard_numel, runs)] if runs else []
 
-    def _views(self, c: Chunk, lo: int, hi: int, parity: int) -> dict[str, torch.Tensor]:
-        """Elements [lo, hi) of the chunk's master, gradient and states: NVMe ones staged in scratch memory."""
+    def _views(self, c: Chunk, lo: int, hi: int, parity: int, scale: float | None = None,
+               master: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Elements [lo, hi) of the chunk's master, gradient and states: NVMe ones staged in scratch memory (set
+        `parity`); `master`: the master's elements where they are already (a gathered buffer); `scale`: clipping's
+        factor for an NVMe gradient (default: this step's)."""
         bufs = {"master": c.master, "grad": c.grad, **c.states}
-        views = {k: self._staged(k, b, lo, hi, parity) if b.tier == "nvme" else b.view()[lo:hi]
-                 for k, b in bufs.items()}
-        if c.grad.tier == "nvme" and self._nvme_grad_scale != 1.0:
-            views["grad"].mul_(self._nvme_grad_scale)  # the staged copy: clipping's scale, as in place elsewhere
+        views = {k: master if k == "master" and master is not None else
+                 self._staged(k, b, lo, hi, parity) if b.tier == "nvme" else b.view()[lo:hi] for k, b in bufs.items()}
+        scale = self._nvme_grad_scale if scale is None else scale
+        if c.grad.tier == "nvme" and scale != 1.0:
+            views["grad"].mul_(scale)  # the staged copy: clipping's scale, as in place elsewhere
         return views
 
     def _step_chunks(self, chunks: list[Chunk], used: set[int], hypers: list) -> None:
@@ -354,6 +407,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     # ---- torch-format state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch's optimizer state_dict, consolidated on every rank (collective: call on all ranks)."""
+        self.manager.settle()
         state: dict[int, dict] = {}
         pos = {p: i for i, p in enumerate(self.order)}
         for c in self.manager.trainable_chunks:
@@ -380,6 +434,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
         ):
             raise ValueError("optimizer state_dict has a different number of param groups or parameters")
+        self.manager.settle()
         for g, saved in zip(self.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         for pidx in self.steps:
@@ -449,6 +504,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         from ..checkpoint import CheckpointError, restore_param_groups
 
         mgr = self.manager
+        mgr.settle()
         names = [[mgr.names[p] for p in self.order if self.group_of[p] == gi] for gi in range(len(self.param_groups))]
         restore_param_groups(self.param_groups, reader.param_groups, names)
         saved = set(reader.param_names())

@@ -492,6 +492,9 @@ class TieredBuffer:
         self._tensor: torch.Tensor | None = None
         self._region: torch.Tensor | None = None
         self.allocated = False
+        # why the data is not valid yet (an optimizer step deferred to the chunk's next gather, `deferred.py`):
+        # reading it then raises instead of handing out the old values
+        self.stale: str | None = None
 
     @property
     def nvme_offset(self) -> int | None:
@@ -543,6 +546,7 @@ class TieredBuffer:
         """The data as a [numel] tensor of its dtype in its tier (an mmap-backed CPU tensor for nvme)."""
         if not self.allocated:
             raise RuntimeError("buffer is not allocated")
+        self._check_fresh()
         if self.tier == "nvme":
             return self._nvme.view(self._offset, self.numel, self.dtype)
         return self._tensor
@@ -550,9 +554,14 @@ class TieredBuffer:
     def read_into(self, out: torch.Tensor, lo: int = 0) -> torch.Tensor:
         """Elements [lo, lo + out.numel()) copied into `out` (CPU, contiguous, this buffer's dtype; all of them by
         default); from NVMe without mapping its pages."""
+        self._check_fresh()
         if self.tier == "nvme":
             return self._nvme.read(self._offset + lo * self.dtype.itemsize, out)
         return out.copy_(self.view()[lo : lo + out.numel()])
+
+    def _check_fresh(self) -> None:
+        if self.stale is not None:
+            raise RuntimeError(f"tier buffer read before its pending update: {self.stale}")
 
     def write_from(self, src: torch.Tensor, lo: int = 0) -> None:
         """Overwrite elements [lo, lo + src.numel()) with `src` (CPU, contiguous, this buffer's dtype; all of them by
@@ -578,6 +587,7 @@ class TieredBuffer:
         of this dtype to read it into and keep it in (a pinned chunk's gathered buffer)."""
         if tier == self.tier:
             return 0
+        self._check_fresh()
         if tier == "nvme" and self._offset is None:
             raise ValueError("this buffer has no NVMe region reserved")
         if not self.allocated:

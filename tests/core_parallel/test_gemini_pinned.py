@@ -32,9 +32,9 @@ class _Reads:
         self.chunks: list[int] = []
         orig = Chunk._read_one_sided
 
-        def counted(chunk, out):
+        def counted(chunk, out, *rest):
             self.chunks.append(chunk.index)
-            return orig(chunk, out)
+            return orig(chunk, out, *rest)
 
         monkeypatch.setattr(Chunk, "_read_one_sided", counted)
 
