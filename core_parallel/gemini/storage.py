@@ -41,6 +41,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import uuid
 import weakref
 from pathlib import Path
@@ -99,6 +100,7 @@ class WriteBehind:
         self.fd, self.lag = fd, lag
         self._pending: list[tuple[int, int]] = []
         self.pending_bytes = 0
+        self._lock = threading.Lock()  # written from the reader thread and this one (a deferred step, a gradient)
 
     def written(self, offset: int, nbytes: int) -> None:
         if nbytes <= 0:
@@ -106,19 +108,24 @@ class WriteBehind:
         offset, nbytes = _page_span(offset, nbytes)
         if _SFR is not None:
             _SFR(self.fd, offset, nbytes, _SYNC_WRITE)
-        self._pending.append((offset, nbytes))
-        self.pending_bytes += nbytes
-        while self._pending and self.pending_bytes > self.lag:
-            self._drop_oldest()
+        with self._lock:
+            self._pending.append((offset, nbytes))
+            self.pending_bytes += nbytes
+        while (oldest := self._oldest(self.lag)) is not None:
+            write_back_and_drop(self.fd, *oldest)
 
-    def _drop_oldest(self) -> None:
-        offset, nbytes = self._pending.pop(0)
-        self.pending_bytes -= nbytes
-        write_back_and_drop(self.fd, offset, nbytes)
+    def _oldest(self, lag: int) -> tuple[int, int] | None:
+        """The oldest range still waiting, taken off the list, while more than `lag` bytes wait (None: no more)."""
+        with self._lock:
+            if not self._pending or self.pending_bytes <= lag:
+                return None
+            offset, nbytes = self._pending.pop(0)
+            self.pending_bytes -= nbytes
+            return offset, nbytes
 
     def flush(self) -> None:
-        while self._pending:
-            self._drop_oldest()
+        while (oldest := self._oldest(-1)) is not None:
+            write_back_and_drop(self.fd, *oldest)
 
 
 class NvmeTierError(RuntimeError):
