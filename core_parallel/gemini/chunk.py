@@ -274,7 +274,13 @@ class Chunk:
         if self.sm.data is ChunkState.GATHERING:
             if isinstance(self._work, Future):  # the reader thread's read (its error, if any, raised here)
                 work, self._work = self._work, None
-                work.result()
+                try:
+                    work.result()
+                except BaseException:  # nothing valid was gathered: released again (no module holds it yet)
+                    self.sm.to(ChunkState.GATHERED)
+                    self.sm.to(ChunkState.RELEASED)
+                    self.free_storage()
+                    raise
             else:
                 with self.collectives.collective("all_gather (wait)", self.index):
                     self._work.wait()

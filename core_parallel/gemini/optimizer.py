@@ -285,6 +285,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
         in (None: none). Runs on whichever thread gathers the chunk: its scratch pieces are that thread's."""
         for b in (c.master, *c.states.values()):
             b.stale = None
+        try:
+            self._run_deferred(c, spans, hypers, scale, out)
+        except BaseException as exc:  # part of the shards updated: none of them may pass for valid values again
+            for b in (c.master, *c.states.values()):
+                b.stale = (f"chunk {c.index}'s deferred optimizer step failed part-way ({exc!r}); restore from the "
+                           "last checkpoint")
+            raise
+
+    def _run_deferred(self, c: Chunk, spans: list, hypers: list, scale: float, out: torch.Tensor | None) -> None:
         direct = out is not None and out.dtype == c.master.dtype  # one rank: `out` is the whole master shard
         if direct:
             c.master.read_into(out)  # the gather's read: the update below changes its spans in place

@@ -1,0 +1,237 @@
+"""The optimizer step deferred to the next forward (issue 47, `GeminiConfig.step_in_forward`): on one rank whose masters
+live on NVMe, `step()` leaves each chunk's update to the chunk's next gather, which runs it on the reader thread beside
+compute and reads the master once for both. Checked against the same run with the step run in `step()`: bitwise equal
+losses, weights and optimizer states (clipping, a scheduler changing the LR after each step, weight decay, a random
+delay before each read, zero_grad before the forward, two steps in a row, a step with no gradient); the deferred shards
+raise when read before their update; the master bytes the step no longer reads; where the update runs; a failing
+write is raised; a checkpoint saved between the step and the next forward holds the new values."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lowmem.core_parallel.gemini import GeminiConfig, setup_gemini
+from lowmem.core_parallel.gemini.storage import NvmeFile, NvmeTierError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _Deep(nn.Module):
+    """Six linears, the second frozen: chunks enough for the recorded order to prefetch several ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(19, 19) for _ in range(6))
+        self.layers[1].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _built(folder, defer: bool, precision: str = "fp32", clip: float | None = None):
+    torch.manual_seed(11)
+    model = _Deep()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+    cfg = GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(folder), offload_param_frac=1.0,
+                       offload_optim_frac=1.0, chunk_mb=19 * 20 * 4 / 2**20, prefetch=2, max_grad_norm=clip,
+                       step_in_forward=defer)
+    model, gopt = setup_gemini(model, opt, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(gopt, lambda s: 1.0 / (1 + s))
+    return model, gopt, sched
+
+
+def _deferred(mgr) -> list[int]:
+    return [c.index for c in mgr.trainable_chunks if c.deferred is not None]
+
+
+def _train(model, gopt, sched, precision: str, pattern: str, steps: int = 4) -> tuple[list[float], list[list[int]]]:
+    """Train `steps` steps in one of the loop shapes users write; returns the losses and, after each step(), the
+    chunks whose update was deferred."""
+    g = torch.Generator().manual_seed(5)
+    losses, deferred = [], []
+    for k in range(steps):
+        if pattern == "zero_first":
+            gopt.zero_grad()
+        loss = model(torch.randn(8, 19, generator=g).to(_DTYPES[precision])).float().pow(2).mean()
+        loss.backward()
+        gopt.step()
+        deferred.append(_deferred(model.gemini_manager))
+        if pattern == "twice" and k % 2 == 0:
+            gopt.step()  # again on the same gradients (as torch would: they are still there)
+        if pattern == "empty_step" and k == 1:
+            gopt.zero_grad()
+            gopt.step()  # no gradient: changes nothing
+        sched.step()
+        if pattern != "zero_first":
+            gopt.zero_grad()
+        losses.append(loss.item())
+    return losses, deferred
+
+
+def _final(model, gopt) -> tuple[dict, dict]:
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = gopt.state_dict()
+    return model_state, opt_state
+
+
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ma, oa), (mb, ob) = a, b
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    for i in oa["state"]:
+        for key in oa["state"][i]:
+            assert torch.equal(oa["state"][i][key], ob["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("precision,clip,pattern", [
+    ("fp32", None, "plain"), ("fp32", 0.05, "plain"), ("bf16", 0.05, "plain"), ("fp32", 0.05, "zero_first"),
+    ("fp32", None, "twice"), ("fp32", 0.05, "empty_step"),
+])
+def test_the_deferred_step_gives_the_bits_of_the_step_run_at_once(precision, clip, pattern, tmp_path, monkeypatch):
+    from lowmem.core_parallel.gemini import optimizer
+
+    monkeypatch.setattr(optimizer, "STEP_PIECE", 96)  # several pieces per chunk, as a real chunk has
+    eager = _built(tmp_path / "eager", False, precision, clip)
+    eager_losses, eager_deferred = _train(*eager, precision, pattern)
+    eager_final = _final(*eager[:2])
+    eager[0].gemini_manager.close()
+    assert not any(eager_deferred)
+
+    rng = random.Random(0)
+    read = NvmeFile.read
+
+    def slow(f, offset, out):  # a random delay before each read on the reader thread
+        if threading.current_thread().name.startswith("lowmem-tier-reader"):
+            time.sleep(rng.choice([0.0, 0.001, 0.01]))
+        return read(f, offset, out)
+
+    monkeypatch.setattr(NvmeFile, "read", slow)
+    ours = _built(tmp_path / "deferred", True, precision, clip)
+    losses, deferred = _train(*ours, precision, pattern)
+    final = _final(*ours[:2])
+    ours[0].gemini_manager.close()
+    trainable = [c.index for c in ours[0].gemini_manager.trainable_chunks]
+    assert all(d == trainable for d in deferred), deferred  # every trained chunk's step was deferred, every step
+    assert losses == eager_losses
+    _assert_same(final, eager_final)
+
+
+def test_a_deferred_shard_raises_when_read_before_its_update(tmp_path):
+    model, gopt, _ = _built(tmp_path, True)
+    model(torch.randn(4, 19)).pow(2).mean().backward()
+    before = model.state_dict()
+    gopt.step()
+    mgr = model.gemini_manager
+    c = mgr.trainable_chunks[0]
+    assert c.deferred is not None
+    for buf in (c.master, *c.states.values()):
+        with pytest.raises(RuntimeError, match="deferred to its next gather"):
+            buf.view()
+        with pytest.raises(RuntimeError, match="deferred to its next gather"):
+            buf.read_into(torch.empty(buf.numel, dtype=buf.dtype))
+    after = model.state_dict()  # runs the deferred updates first: the new values
+    assert not _deferred(mgr)
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed and all(not k.startswith("layers.1.") for k in changed)
+    mgr.close()
+
+
+def _read_bytes(monkeypatch) -> list[int]:
+    counted = [0]
+    read = NvmeFile.read
+
+    def counting(f, offset, out):
+        counted[0] += out.numel() * out.element_size()
+        return read(f, offset, out)
+
+    monkeypatch.setattr(NvmeFile, "read", counting)
+    return counted
+
+
+def test_the_deferred_step_reads_each_trained_master_once_a_step_not_twice(tmp_path, monkeypatch):
+    counted = _read_bytes(monkeypatch)
+    per_run = {}
+    for defer in (False, True):
+        model, gopt, sched = _built(tmp_path / str(defer), defer)
+        _train(model, gopt, sched, "fp32", "plain", steps=2)  # the order recorded, the first deferral made
+        start = counted[0]
+        _train(model, gopt, sched, "fp32", "plain", steps=3)
+        per_run[defer] = counted[0] - start
+        masters = sum(c.master.nbytes for c in model.gemini_manager.trainable_chunks)
+        model.gemini_manager.close()
+    assert per_run[False] - per_run[True] == 3 * masters, (per_run, masters)
+
+
+def test_the_update_runs_in_the_forward_on_the_reader_thread(tmp_path, monkeypatch):
+    model, gopt, sched = _built(tmp_path, True)
+    _train(model, gopt, sched, "fp32", "plain", steps=2)
+    writes: dict[str, list[str]] = {"before": [], "step": [], "forward": []}
+    phase = ["before"]
+    write = NvmeFile.write
+
+    def noted(f, offset, src):
+        writes[phase[0]].append(threading.current_thread().name)
+        return write(f, offset, src)
+
+    monkeypatch.setattr(NvmeFile, "write", noted)
+    model(torch.randn(4, 19)).pow(2).mean().backward()
+    phase[0] = "step"
+    gopt.step()
+    gopt.zero_grad()
+    assert writes["step"] == []  # the step wrote nothing: its updates wait for the forward
+    phase[0] = "forward"
+    model(torch.randn(4, 19))
+    # master and two Adam states of each of the five trained chunks, most of them on the reader thread (the first
+    # chunk of the forward is gathered on the spot: nothing read ahead of it)
+    assert len(writes["forward"]) == 5 * 3, writes
+    assert sum(t.startswith("lowmem-tier-reader") for t in writes["forward"]) >= 4 * 3, writes
+    model.gemini_manager.close()
+
+
+def test_a_write_failing_under_the_deferred_update_is_raised_in_the_forward(tmp_path, monkeypatch):
+    model, gopt, sched = _built(tmp_path, True)
+    _train(model, gopt, sched, "fp32", "plain", steps=2)
+    write = NvmeFile.write
+
+    def failing(f, offset, src):
+        if threading.current_thread().name.startswith("lowmem-tier-reader"):
+            raise NvmeTierError("planted: a write-back failed under the reader")
+        return write(f, offset, src)
+
+    monkeypatch.setattr(NvmeFile, "write", failing)
+    with pytest.raises(NvmeTierError, match="planted"):
+        model(torch.randn(4, 19)).pow(2).mean().backward()
+    monkeypatch.setattr(NvmeFile, "write", write)
+    # the chunk whose update failed part-way holds no value that passes for a valid one
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        model.state_dict()
+    model.gemini_manager.close()
+
+
+def test_a_checkpoint_saved_before_the_next_forward_holds_the_stepped_values(tmp_path):
+    from lowmem.core_parallel.checkpoint import load_checkpoint, save_checkpoint
+
+    finals = {}
+    for defer in (False, True):
+        model, gopt, sched = _built(tmp_path / f"n{defer}", defer)
+        _train(model, gopt, sched, "fp32", "plain", steps=2)
+        if defer:
+            assert _deferred(model.gemini_manager)
+        save_checkpoint(tmp_path / f"ck{defer}", model, gopt)
+        model.gemini_manager.close()
+        fresh, fresh_opt, _ = _built(tmp_path / f"m{defer}", False)
+        load_checkpoint(tmp_path / f"ck{defer}", fresh, fresh_opt)
+        finals[defer] = _final(fresh, fresh_opt)
+        fresh.gemini_manager.close()
+    _assert_same(finals[True], finals[False])
