@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,10 @@ from .storage import NvmeFile, TieredBuffer
 __all__ = ["ChunkManager"]
 
 logger = logging.getLogger(__name__)
+
+WRITES_IN_FLIGHT = 2
+"""Gradient shards of one rank written to NVMe on the reader thread while backward computes the next ones: each holds
+its chunk's flat gradient buffer until written."""
 
 HOST_COMM_SLOT_BYTES = 4 << 20
 """Largest slot per rank of the host collectives' shared segment (each rank maps all `world` slots); bigger
@@ -115,6 +120,7 @@ class ChunkManager:
         self._reduce_ptr = len(self.trainable_chunks) - 1
         self._reduced: set[int] = set()  # chunks reduced in this backward pass
         self._reducing: list[tuple[Reduction, bool, int]] = []  # started: (reduction, in place, bytes accounted)
+        self._writing: list[tuple[Future, Reduction, int]] = []  # gradient shards being written on the reader thread
         self._clock = 0
         self.last_used: dict[int, int] = {}  # chunk -> the clock at its last use (eviction before the trace exists)
         self._idle_kept: list[int] = []  # first step: the idle chunks kept gathered, last idle last (`_defer_release`)
@@ -474,13 +480,14 @@ class ChunkManager:
             self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
         held = c.local_grad_nbytes  # accounted; a chunk without any gradient gets a zero buffer unaccounted
         reduction = c.reduce_scatter(out=c.grad.view() if direct else None, async_op=self.world > 1)
-        self.finish_reductions()
+        self.finish_reductions(keep_writes=WRITES_IN_FLIGHT)
         self._reducing.append((reduction, direct, held))
         if reduction.work is None:  # done already (one rank, host collectives): free the local gradients now
-            self.finish_reductions()
+            self.finish_reductions(keep_writes=WRITES_IN_FLIGHT)
 
-    def finish_reductions(self) -> None:
-        """Wait for the reductions in flight and put their shards in place."""
+    def finish_reductions(self, keep_writes: int = 0) -> None:
+        """Wait for the reductions in flight and put their shards in place; of the NVMe gradient writes running on the
+        reader thread (one rank), wait until at most `keep_writes` are left."""
         while self._reducing:
             reduction, direct, held = self._reducing.pop(0)
             c = reduction.chunk
@@ -489,14 +496,27 @@ class ChunkManager:
             if not direct and not c.grad.allocated:
                 if c.grad.tier == "nvme":
                     c.grad_sq = torch.linalg.vector_norm(shard).cpu().double() ** 2
-                c.grad.allocate(fill=shard)
                 self.ledger.add(c.grad.tier, "grads", c.grad.nbytes)
+                if c.grad.tier == "nvme" and self.reader is not None:  # written there while backward goes on
+                    self._writing.append((self.reader.submit(c.grad.allocate, shard), reduction, held))
+                    continue
+                c.grad.allocate(fill=shard)
             elif not direct:
                 c.grad.view().add_(shard.to(c.grad.view().device))
-            reduction.close()
-            self._account_local_grads(c, held)
-            c.grad.done()
-            self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
+            self._close_reduction(reduction, held)
+        while len(self._writing) > keep_writes or (self._writing and self._writing[0][0].done()):
+            write, reduction, held = self._writing.pop(0)
+            try:
+                write.result()  # a failed write raised here, in the backward pass
+            finally:  # (the local gradients it wrote from are free to go only once it ended)
+                self._close_reduction(reduction, held)
+
+    def _close_reduction(self, reduction: Reduction, held: int) -> None:
+        c = reduction.chunk
+        reduction.close()
+        self._account_local_grads(c, held)
+        c.grad.done()
+        self.ledger.transfer("device", c.grad.tier, c.grad.nbytes)
 
     def end_backward(self) -> None:
         """End of a backward pass: reduce what is left (unless under no_sync) and release every chunk."""

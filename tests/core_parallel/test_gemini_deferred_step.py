@@ -97,7 +97,7 @@ def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 @pytest.mark.parametrize("precision,clip,pattern", [
     ("fp32", None, "plain"), ("fp32", 0.05, "plain"), ("bf16", 0.05, "plain"), ("fp32", 0.05, "zero_first"),
     ("fp32", None, "twice"), ("fp32", 0.05, "empty_step"),
-])
+])  # eager: the step run in step(), with no delay; ours: deferred, with a random delay before each tier read and write
 def test_the_deferred_step_gives_the_bits_of_the_step_run_at_once(precision, clip, pattern, tmp_path, monkeypatch):
     from lowmem.core_parallel.gemini import optimizer
 
@@ -116,7 +116,15 @@ def test_the_deferred_step_gives_the_bits_of_the_step_run_at_once(precision, cli
             time.sleep(rng.choice([0.0, 0.001, 0.01]))
         return read(f, offset, out)
 
+    write = NvmeFile.write
+
+    def slow_write(f, offset, src):  # and before each write there (gradient shards, deferred updates)
+        if threading.current_thread().name.startswith("lowmem-tier-reader"):
+            time.sleep(rng.choice([0.0, 0.001, 0.01]))
+        return write(f, offset, src)
+
     monkeypatch.setattr(NvmeFile, "read", slow)
+    monkeypatch.setattr(NvmeFile, "write", slow_write)
     ours = _built(tmp_path / "deferred", True, precision, clip)
     losses, deferred = _train(*ours, precision, pattern)
     final = _final(*ours[:2])
@@ -235,3 +243,35 @@ def test_a_checkpoint_saved_before_the_next_forward_holds_the_stepped_values(tmp
         finals[defer] = _final(fresh, fresh_opt)
         fresh.gemini_manager.close()
     _assert_same(finals[True], finals[False])
+
+
+def test_gradient_shards_are_written_on_the_reader_thread_while_backward_goes_on(tmp_path, monkeypatch):
+    """One rank, gradients on NVMe: each chunk's gradient shard is written on the reader thread (at most
+    `WRITES_IN_FLIGHT` behind), not on the thread computing the backward; a failed write is raised in the backward."""
+    model, gopt, sched = _built(tmp_path, True)
+    _train(model, gopt, sched, "fp32", "plain", steps=2)
+    mgr = model.gemini_manager
+    assert all(c.grad.tier == "nvme" for c in mgr.trainable_chunks)
+    threads: list[str] = []
+    fail = [False]
+    write = NvmeFile.write
+
+    def noted(f, offset, src):
+        threads.append(threading.current_thread().name)
+        if fail[0]:
+            raise NvmeTierError("planted: a gradient write failed")
+        return write(f, offset, src)
+
+    loss = model(torch.randn(4, 19)).pow(2).mean()  # (the deferred updates run here)
+    monkeypatch.setattr(NvmeFile, "write", noted)
+    loss.backward()
+    assert len(threads) == len(mgr.trainable_chunks), threads
+    assert all(t.startswith("lowmem-tier-reader") for t in threads), threads
+    assert all(c.grad.allocated and c.grad_sq is not None for c in mgr.trainable_chunks)
+    gopt.step()
+    gopt.zero_grad()
+    loss = model(torch.randn(4, 19)).pow(2).mean()
+    fail[0] = True
+    with pytest.raises(NvmeTierError, match="gradient write failed"):
+        loss.backward()
+    mgr.close()
