@@ -536,9 +536,9 @@ class ChunkManager:
         self.pass_open = False
         self.finish_reductions()
         for c in self.trainable_chunks:
-            c.wait()  # (a read in flight may be running the chunk's deferred step, which reads the gradient)
-            if c.deferred is not None:
-                c.free_grad_when_stepped = True  # its deferred step reads the gradient first
+            # its deferred step reads the gradient first (it may be running in a read in flight: not waited for)
+            if c.deferred is not None or c.sm.data is ChunkState.GATHERING:
+                c.free_grad_when_stepped = True
             else:
                 self.free_grad(c)
             held, c.grad_sq = c.local_grad_nbytes, None
@@ -598,6 +598,8 @@ class ChunkManager:
         self.depth.end_step(self.reader.busy if self.reader is not None else 0.0)
         if self.memory is not None:
             self.memory.refit(self)
+        if any(c.deferred is not None for c in self.trainable_chunks):
+            self._prefetch()  # the next forward's first chunks: updated on the reader while the loop makes its batch
         self.ledger.new_step()
         self.collectives.end_step()
 

@@ -36,25 +36,42 @@ class _Deep(nn.Module):
         return x
 
 
-def _built(folder, defer: bool, precision: str = "fp32", clip: float | None = None):
+def _built(folder, defer: bool, precision: str = "fp32", clip: float | None = None, **kw):
     torch.manual_seed(11)
     model = _Deep()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
     cfg = GeminiConfig(precision=precision, offload_tier="nvme", offload_dir=str(folder), offload_param_frac=1.0,
                        offload_optim_frac=1.0, chunk_mb=19 * 20 * 4 / 2**20, prefetch=2, max_grad_norm=clip,
-                       step_in_forward=defer)
+                       step_in_forward=defer, **kw)
     model, gopt = setup_gemini(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(gopt, lambda s: 1.0 / (1 + s))
     return model, gopt, sched
+
+
+def _spy_deferrals(monkeypatch) -> list[int]:
+    """The chunks whose step `step()` defers, in order (appended as it defers them)."""
+    from lowmem.core_parallel.gemini.optimizer import GeminiOptimizer
+
+    seen: list[int] = []
+    defer = GeminiOptimizer._defer
+
+    def spied(self, c, *a):
+        seen.append(c.index)
+        return defer(self, c, *a)
+
+    monkeypatch.setattr(GeminiOptimizer, "_defer", spied)
+    return seen
 
 
 def _deferred(mgr) -> list[int]:
     return [c.index for c in mgr.trainable_chunks if c.deferred is not None]
 
 
-def _train(model, gopt, sched, precision: str, pattern: str, steps: int = 4) -> tuple[list[float], list[list[int]]]:
-    """Train `steps` steps in one of the loop shapes users write; returns the losses and, after each step(), the
-    chunks whose update was deferred."""
+def _train(model, gopt, sched, precision: str, pattern: str, steps: int = 4,
+           seen: list[int] | None = None) -> tuple[list[float], list[list[int]]]:
+    """Train `steps` steps in one of the loop shapes users write; returns the losses and, for each step(), the
+    chunks whose update it deferred (`seen`: from `_spy_deferrals`)."""
+    seen = [] if seen is None else seen
     g = torch.Generator().manual_seed(5)
     losses, deferred = [], []
     for k in range(steps):
@@ -62,8 +79,9 @@ def _train(model, gopt, sched, precision: str, pattern: str, steps: int = 4) -> 
             gopt.zero_grad()
         loss = model(torch.randn(8, 19, generator=g).to(_DTYPES[precision])).float().pow(2).mean()
         loss.backward()
+        start = len(seen)
         gopt.step()
-        deferred.append(_deferred(model.gemini_manager))
+        deferred.append(seen[start:])
         if pattern == "twice" and k % 2 == 0:
             gopt.step()  # again on the same gradients (as torch would: they are still there)
         if pattern == "empty_step" and k == 1:
@@ -102,8 +120,9 @@ def test_the_deferred_step_gives_the_bits_of_the_step_run_at_once(precision, cli
     from lowmem.core_parallel.gemini import optimizer
 
     monkeypatch.setattr(optimizer, "STEP_PIECE", 96)  # several pieces per chunk, as a real chunk has
+    seen = _spy_deferrals(monkeypatch)
     eager = _built(tmp_path / "eager", False, precision, clip)
-    eager_losses, eager_deferred = _train(*eager, precision, pattern)
+    eager_losses, eager_deferred = _train(*eager, precision, pattern, seen=seen)
     eager_final = _final(*eager[:2])
     eager[0].gemini_manager.close()
     assert not any(eager_deferred)
@@ -126,7 +145,7 @@ def test_the_deferred_step_gives_the_bits_of_the_step_run_at_once(precision, cli
     monkeypatch.setattr(NvmeFile, "read", slow)
     monkeypatch.setattr(NvmeFile, "write", slow_write)
     ours = _built(tmp_path / "deferred", True, precision, clip)
-    losses, deferred = _train(*ours, precision, pattern)
+    losses, deferred = _train(*ours, precision, pattern, seen=seen)
     final = _final(*ours[:2])
     ours[0].gemini_manager.close()
     trainable = [c.index for c in ours[0].gemini_manager.trainable_chunks]
@@ -141,8 +160,9 @@ def test_a_deferred_shard_raises_when_read_before_its_update(tmp_path):
     before = model.state_dict()
     gopt.step()
     mgr = model.gemini_manager
-    c = mgr.trainable_chunks[0]
-    assert c.deferred is not None
+    waiting = [c for c in mgr.trainable_chunks if c.deferred is not None]
+    assert waiting  # (the next forward's first chunks may be under way already: read ahead at the step's end)
+    c = waiting[-1]
     for buf in (c.master, *c.states.values()):
         with pytest.raises(RuntimeError, match="deferred to its next gather"):
             buf.view()
@@ -171,7 +191,7 @@ def test_the_deferred_step_reads_each_trained_master_once_a_step_not_twice(tmp_p
     counted = _read_bytes(monkeypatch)
     per_run = {}
     for defer in (False, True):
-        model, gopt, sched = _built(tmp_path / str(defer), defer)
+        model, gopt, sched = _built(tmp_path / str(defer), defer, prefetch_max=2)  # the same read-ahead each step
         _train(model, gopt, sched, "fp32", "plain", steps=2)  # the order recorded, the first deferral made
         start = counted[0]
         _train(model, gopt, sched, "fp32", "plain", steps=3)
@@ -181,29 +201,29 @@ def test_the_deferred_step_reads_each_trained_master_once_a_step_not_twice(tmp_p
     assert per_run[False] - per_run[True] == 3 * masters, (per_run, masters)
 
 
-def test_the_update_runs_in_the_forward_on_the_reader_thread(tmp_path, monkeypatch):
+def test_the_update_runs_on_the_reader_thread_from_the_steps_end_through_the_forward(tmp_path, monkeypatch):
     model, gopt, sched = _built(tmp_path, True)
     _train(model, gopt, sched, "fp32", "plain", steps=2)
-    writes: dict[str, list[str]] = {"before": [], "step": [], "forward": []}
-    phase = ["before"]
+    model(torch.randn(4, 19)).pow(2).mean().backward()  # (the last step's updates run in this forward)
+    writes: list[tuple[str, str]] = []  # (phase, thread) of each tier write
+    phase = ["step"]
     write = NvmeFile.write
 
     def noted(f, offset, src):
-        writes[phase[0]].append(threading.current_thread().name)
+        writes.append((phase[0], threading.current_thread().name))
         return write(f, offset, src)
 
     monkeypatch.setattr(NvmeFile, "write", noted)
-    model(torch.randn(4, 19)).pow(2).mean().backward()
-    phase[0] = "step"
     gopt.step()
     gopt.zero_grad()
-    assert writes["step"] == []  # the step wrote nothing: its updates wait for the forward
+    # this thread wrote nothing in the step: the updates wait for the chunks' gathers (the next forward's first
+    # ones read ahead at the step's end, on the reader thread)
+    assert not [w for w in writes if w[1] == "MainThread"], writes
     phase[0] = "forward"
     model(torch.randn(4, 19))
-    # master and two Adam states of each of the five trained chunks, most of them on the reader thread (the first
-    # chunk of the forward is gathered on the spot: nothing read ahead of it)
-    assert len(writes["forward"]) == 5 * 3, writes
-    assert sum(t.startswith("lowmem-tier-reader") for t in writes["forward"]) >= 4 * 3, writes
+    # master and two Adam states of each of the five trained chunks, nearly all on the reader thread
+    assert len(writes) == 5 * 3, writes
+    assert sum(t.startswith("lowmem-tier-reader") for _, t in writes) >= 4 * 3, writes
     model.gemini_manager.close()
 
 
