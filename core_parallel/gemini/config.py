@@ -93,7 +93,7 @@ class GeminiConfig:
     (`prefetch.PrefetchDepth`). Equal to `prefetch` (or below it): a fixed depth."""
     step_in_forward: bool = True
     """One rank whose masters are on NVMe (read on the reader thread): `step()` defers each such chunk's update to
-    the chunk's next gather (the next forward, on the reader thread beside compute; `gemini/deferred.py`), so the
+    the chunk's next gather (the next forward, on the reader thread beside compute; `GeminiOptimizer._defer`), so the
     master read for the update is the gather's read and the step's disk traffic overlaps compute. The numbers are
     those of the step run at once (hyperparameters, clipping and step counts are taken at `step()`); any other
     read of the chunk (a backward, a save, `state_dict()`) applies it first. False: every chunk is stepped in
