@@ -91,13 +91,14 @@ class GeminiConfig:
     `prefetch` and each step sets it from what it measured, between `prefetch` and `prefetch_max`: deeper when
     compute waited for reads while the reader had time to spare, shallower when the reader was busy all the step
     (`prefetch.PrefetchDepth`). Equal to `prefetch` (or below it): a fixed depth."""
-    step_in_forward: bool = True
+    step_in_forward: bool | None = None
     """One rank whose masters are on NVMe (read on the reader thread): `step()` defers each such chunk's update to
     the chunk's next gather (the next forward, on the reader thread beside compute; `GeminiOptimizer._defer`), so the
     master read for the update is the gather's read and the step's disk traffic overlaps compute. The numbers are
     those of the step run at once (hyperparameters, clipping and step counts are taken at `step()`); any other
-    read of the chunk (a backward, a save, `state_dict()`) applies it first. False: every chunk is stepped in
-    `step()`."""
+    read of the chunk (a backward, a save, `state_dict()`) applies it first. None: where the trained chunks hold at
+    least half the model's master bytes (a full fine-tune; a LoRA's small step gains nothing from it and its runs
+    measured slower); True: wherever it applies; False: every chunk is stepped in `step()`."""
     keep_gathered: int | None = None
     """A chunk a module is done with stays gathered while it is among the next `keep_gathered` distinct chunks
     of the recorded order (it will be used again soon), chunks counted by their size over the largest one's (a
@@ -149,6 +150,8 @@ class GeminiConfig:
             raise InputError(f"host_collectives must be True or False, got {self.host_collectives!r}")
         if not isinstance(self.peer_reads, bool):
             raise InputError(f"peer_reads must be True or False, got {self.peer_reads!r}")
+        if self.step_in_forward is not None and not isinstance(self.step_in_forward, bool):
+            raise InputError(f"step_in_forward must be True, False or None, got {self.step_in_forward!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not isinstance(self.loss_scaler, LossScalerConfig):

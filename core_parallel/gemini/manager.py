@@ -598,8 +598,6 @@ class ChunkManager:
         self.depth.end_step(self.reader.busy if self.reader is not None else 0.0)
         if self.memory is not None:
             self.memory.refit(self)
-        if any(c.deferred is not None for c in self.trainable_chunks):
-            self._prefetch()  # the next forward's first chunks: updated on the reader while the loop makes its batch
         self.ledger.new_step()
         self.collectives.end_step()
 

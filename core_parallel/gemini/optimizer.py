@@ -268,8 +268,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
     # raises); the manager runs what is left before a backward, a save or load, a state_dict() (`settle`).
     def _defers(self, c: Chunk) -> bool:
         mgr = self.manager
-        return (mgr.config.step_in_forward and mgr.reader is not None and mgr.world == 1 and c.master.tier == "nvme"
+        return (self._step_in_forward and mgr.reader is not None and mgr.world == 1 and c.master.tier == "nvme"
                 and c.sm.data is ChunkState.RELEASED and c.deferred is None)
+
+    @functools.cached_property
+    def _step_in_forward(self) -> bool:
+        """`GeminiConfig.step_in_forward`, None resolved: where the trained chunks hold half the master bytes or more."""
+        chosen = self.manager.config.step_in_forward
+        if chosen is None:
+            trained = sum(c.master.nbytes for c in self.manager.trainable_chunks)
+            chosen = 2 * trained >= sum(c.master.nbytes for c in self.manager.chunks)
+        return chosen
 
     def _defer(self, c: Chunk, used: set[int], hypers: list) -> None:
         spans = self._spans(c, used)
