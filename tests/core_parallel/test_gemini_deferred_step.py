@@ -325,3 +325,81 @@ def test_by_default_a_full_fine_tune_defers_its_step_and_a_mostly_frozen_model_d
         model.gemini_manager.close()
     with pytest.raises(InputError, match="step_in_forward"):
         GeminiConfig(step_in_forward="yes")
+
+
+_OPS = ("train", "step", "zero_grad", "state_dict", "opt_state", "sched")
+
+
+def _apply_ops(model, gopt, sched, ops: list[str], seed: int) -> list:
+    """Run `ops` in order; returns what each one gave (losses, state dicts) to compare run against run."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for op in ops:
+        if op == "train":
+            loss = model(torch.randn(4, 19, generator=g)).pow(2).mean()
+            loss.backward()
+            out.append(loss.item())
+        elif op == "step":
+            gopt.step()
+        elif op == "zero_grad":
+            gopt.zero_grad()
+        elif op == "state_dict":
+            out.append({k: v.clone() for k, v in model.state_dict().items()})
+        elif op == "opt_state":
+            out.append(gopt.state_dict()["state"])
+        else:
+            sched.step()
+    out.append(_final(model, gopt))
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_any_sequence_of_loop_calls_gives_the_bits_of_the_step_run_at_once(tmp_path):
+    """Property: whatever the order of forward/backward, step, zero_grad, state_dict() of model and optimizer and the
+    scheduler's step (random, with random frozen layers, clipping and piece size), the deferred run gives what the
+    run with the step in `step()` gives, bit for bit, at every call."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from lowmem.core_parallel.gemini import optimizer
+
+    counter = [0]
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(ops=st.lists(st.sampled_from(_OPS), min_size=4, max_size=14), frozen=st.sets(st.integers(0, 5), max_size=2),
+           clip=st.sampled_from([None, 0.05]), piece=st.sampled_from([64, 1 << 20]))
+    def check(ops, frozen, clip, piece):
+        counter[0] += 1
+        results = []
+        previous = optimizer.STEP_PIECE
+        optimizer.STEP_PIECE = piece
+        try:
+            for defer in (False, True):
+                torch.manual_seed(11)
+                model = _Deep()
+                for i in frozen:
+                    model.layers[i].requires_grad_(False)
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+                cfg = GeminiConfig(offload_tier="nvme", offload_dir=str(tmp_path / f"{counter[0]}-{defer}"),
+                                   offload_param_frac=1.0, offload_optim_frac=1.0, chunk_mb=19 * 20 * 4 / 2**20,
+                                   prefetch=2, max_grad_norm=clip, step_in_forward=defer)
+                model, gopt = setup_gemini(model, opt, cfg)
+                sched = torch.optim.lr_scheduler.LambdaLR(gopt, lambda s: 1.0 / (1 + s))
+                try:
+                    results.append(_apply_ops(model, gopt, sched, ["train", "step", *ops, "train", "step"], 7))
+                finally:
+                    model.gemini_manager.close()
+        finally:
+            optimizer.STEP_PIECE = previous
+        assert _same(results[0], results[1]), (ops, frozen, clip, piece)
+
+    check()
