@@ -156,7 +156,9 @@ def _optim_buffers(c: Any) -> list[tuple[str, Any]]:
 
 
 def _move_optim(mgr: Any, c: Any, tier: str) -> None:
-    """Move chunk `c`'s gradient and optimizer-state shards to `tier` (accounted)."""
+    """Move chunk `c`'s gradient and optimizer-state shards to `tier` (accounted), after a step deferred to the
+    chunk's next gather ran (its states are not valid before)."""
+    mgr.settle([c])
     for kind, b in _optim_buffers(c):
         if b.tier != tier:
             if b.allocated:

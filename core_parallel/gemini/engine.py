@@ -169,6 +169,7 @@ def _new_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimiz
         raise ValueError(f"the model is set up by Gemini already (same parameters, frozen ones, config, process group "
                          f"and optimizer kind); this setup has {what}: set up a fresh copy of the model instead")
     mgr.state_io.end_checkpoint()
+    mgr.settle()  # the last optimizer's step still deferred to the next gathers: in the weights before they go on
     mgr.zero_grad()
     for c in mgr.trainable_chunks:
         for buf in c.states.values():

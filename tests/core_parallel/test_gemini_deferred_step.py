@@ -403,3 +403,42 @@ def test_any_sequence_of_loop_calls_gives_the_bits_of_the_step_run_at_once(tmp_p
         assert _same(results[0], results[1]), (ops, frozen, clip, piece)
 
     check()
+
+
+def test_a_budget_moving_optimizer_buffers_runs_the_deferred_step_first(tmp_path):
+    """`memory_budget`'s refit moves a chunk's gradient and Adam states between tiers after the step: with the step
+    deferred it runs first (its states were stale: moving them raised), and training goes on to the eager run's bits."""
+    from lowmem.core_parallel.gemini import budget
+
+    finals = {}
+    for defer in (False, True):
+        model, gopt, sched = _built(tmp_path / str(defer), defer)
+        _train(model, gopt, sched, "fp32", "plain", steps=2)
+        mgr = model.gemini_manager
+        for c in mgr.trainable_chunks[::2]:  # as `_promote` and `_evict` do, to the device and back for some
+            budget._move_optim(mgr, c, "device")
+        _train(model, gopt, sched, "fp32", "plain", steps=1)
+        for c in mgr.trainable_chunks[::2]:
+            budget._move_optim(mgr, c, "nvme")
+        _train(model, gopt, sched, "fp32", "plain", steps=2)
+        finals[defer] = _final(model, gopt)
+        mgr.close()
+    _assert_same(finals[True], finals[False])
+
+
+def test_a_new_optimizer_over_the_set_up_model_keeps_the_last_deferred_step(tmp_path):
+    """A second setup over a model Gemini holds (a second `fit`, a new optimizer in a plain loop) starts fresh optimizer
+    state: the last step of the old optimizer, still deferred, is in the weights first (its states were stale: zeroing
+    them raised), as in the eager run."""
+    finals = {}
+    for defer in (False, True):
+        model, gopt, sched = _built(tmp_path / str(defer), defer)
+        _train(model, gopt, sched, "fp32", "plain", steps=2)
+        opt2 = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+        cfg = model.gemini_manager.config
+        model, gopt2 = setup_gemini(model, opt2, cfg)
+        sched2 = torch.optim.lr_scheduler.LambdaLR(gopt2, lambda s: 1.0 / (1 + s))
+        _train(model, gopt2, sched2, "fp32", "plain", steps=2)
+        finals[defer] = _final(model, gopt2)
+        model.gemini_manager.close()
+    _assert_same(finals[True], finals[False])
