@@ -115,6 +115,7 @@ class Chunk:
         # fill (or None), it updates the shards and leaves the new master there
         self.deferred: Callable[[torch.Tensor | None], None] | None = None
         self.free_grad_when_stepped = False  # zero_grad came while the step was deferred: it frees the gradient
+        self.stepping = False  # a gather in flight on the reader thread runs the deferred step (until `wait`)
 
     def bind(self, params: list[torch.nn.Parameter]) -> None:
         """Point each parameter of the chunk at its slice of `full` (then release the storage)."""
@@ -213,6 +214,7 @@ class Chunk:
         step, self.deferred = self.deferred, None  # taken here, on this thread: never applied twice
         if read_async:  # the reader thread fills `out`; `wait` takes the result
             self._work = self.reader.submit(self._read_one_sided, out, step)
+            self.stepping = step is not None
             return
         if self.world == 1 or self.peers is not None:
             self._read_one_sided(out, step)
@@ -276,7 +278,9 @@ class Chunk:
                 work, self._work = self._work, None
                 try:
                     work.result()
-                except BaseException:  # nothing valid was gathered: released again (no module holds it yet)
+                    self.stepping = False
+                except BaseException:
+                    self.stepping = False  # nothing valid was gathered: released again (no module holds it yet)
                     self.sm.to(ChunkState.GATHERED)
                     self.sm.to(ChunkState.RELEASED)
                     self.free_storage()

@@ -537,7 +537,7 @@ class ChunkManager:
         self.finish_reductions()
         for c in self.trainable_chunks:
             # its deferred step reads the gradient first (it may be running in a read in flight: not waited for)
-            if c.deferred is not None or c.sm.data is ChunkState.GATHERING:
+            if c.deferred is not None or c.stepping:
                 c.free_grad_when_stepped = True
             else:
                 self.free_grad(c)
@@ -561,13 +561,14 @@ class ChunkManager:
             c.grad.free()
 
     def settle(self, chunks: Iterable[Chunk] | None = None) -> None:
-        """Run the optimizer steps still deferred to the chunks' next gathers (`GeminiConfig.step_in_forward`),
-        after the reads in flight (which may be running one): before anything reads their shards otherwise."""
+        """Run the optimizer steps still deferred to the chunks' next gathers (`GeminiConfig.step_in_forward`), and
+        wait for those running in reads in flight: before anything reads their shards otherwise. (Other reads in flight
+        go on: a backward starting waits for none but its first chunk's.)"""
         chunks = self.trainable_chunks if chunks is None else list(chunks)
-        if any(c.deferred is not None or c.free_grad_when_stepped or c.sm.data is ChunkState.GATHERING
-               for c in chunks):
+        if any(c.deferred is not None or c.free_grad_when_stepped or c.stepping for c in chunks):
             for c in chunks:
-                c.wait()
+                if c.stepping:
+                    c.wait()
                 step, c.deferred = c.deferred, None
                 if step is not None:
                     step(None)
