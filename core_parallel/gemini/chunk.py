@@ -111,8 +111,8 @@ class Chunk:
         self.reader: Reader | None = None
         self.collectives = env.collectives
         self.pinned = False  # the master is `full` itself (`pin`)
-        # an optimizer step deferred to this chunk's next gather (`deferred.py`): called with the gathered buffer to
-        # fill (or None), it updates the shards and leaves the new master there
+        # an optimizer step deferred to this chunk's next gather (`GeminiOptimizer._defer`): called with the gathered
+        # buffer to fill (or None), it updates the shards and leaves the new master there
         self.deferred: Callable[[torch.Tensor | None], None] | None = None
         self.free_grad_when_stepped = False  # zero_grad came while the step was deferred: it frees the gradient
         self.stepping = False  # a gather in flight on the reader thread runs the deferred step (until `wait`)
@@ -275,12 +275,10 @@ class Chunk:
         """Finish an async gather."""
         if self.sm.data is ChunkState.GATHERING:
             if isinstance(self._work, Future):  # the reader thread's read (its error, if any, raised here)
-                work, self._work = self._work, None
+                work, self._work, self.stepping = self._work, None, False
                 try:
                     work.result()
-                    self.stepping = False
-                except BaseException:
-                    self.stepping = False  # nothing valid was gathered: released again (no module holds it yet)
+                except BaseException:  # nothing valid was gathered: released again (no module holds it yet)
                     self.sm.to(ChunkState.GATHERED)
                     self.sm.to(ChunkState.RELEASED)
                     self.free_storage()

@@ -241,13 +241,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 self.steps[p] += 1
         hypers = [_hyper(self.kind, g, self.decoupled or g.get("decoupled_weight_decay", False))
                   for g in self.param_groups]
-        chunks = [c for c in self.manager.trainable_chunks if c.grad.allocated]
-        deferred = [c for c in chunks if self._defers(c)]
-        for c in deferred:
-            self._defer(c, used, hypers)
+        eager = []
+        for c in (c for c in self.manager.trainable_chunks if c.grad.allocated):
+            if self._defers(c):
+                self._defer(c, used, hypers)
+            else:
+                eager.append(c)
         try:
             with self.manager.master_writes():  # peers reading this rank's masters wait for the new values
-                self._step_chunks([c for c in chunks if c not in deferred], used, hypers)
+                self._step_chunks(eager, used, hypers)
         finally:
             for pages in self._scratch.values():
                 pages.drop()
@@ -273,7 +275,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     @functools.cached_property
     def _step_in_forward(self) -> bool:
-        """`GeminiConfig.step_in_forward`, None resolved: where the trained chunks hold half the master bytes or more."""
+        """`GeminiConfig.step_in_forward` resolved (None: whether the trained chunks hold half the master bytes)."""
         chosen = self.manager.config.step_in_forward
         if chosen is None:
             trained = sum(c.master.nbytes for c in self.manager.trainable_chunks)

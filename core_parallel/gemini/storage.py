@@ -499,8 +499,8 @@ class TieredBuffer:
         self._tensor: torch.Tensor | None = None
         self._region: torch.Tensor | None = None
         self.allocated = False
-        # why the data is not valid yet (an optimizer step deferred to the chunk's next gather, `deferred.py`):
-        # reading it then raises instead of handing out the old values
+        # why the data is not valid yet (an optimizer step deferred to the chunk's next gather,
+        # `GeminiOptimizer._defer`): reading it then raises instead of handing out the old values
         self.stale: str | None = None
 
     @property
